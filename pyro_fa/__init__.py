@@ -1,0 +1,15 @@
+"""pyro_fa: factor-analysis (low-rank plus diagonal) Gaussian posteriors for Bayesian deep learning.
+
+q(theta) = N(c, F F^T + Psi), fitted either by variational inference inside Pyro SVI or
+online (EM or stochastic gradient ascent) from optimizer iterates.
+"""
+from pyro_fa import linalg
+from pyro_fa.fa import OnlineFactorAnalysis
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "linalg",
+    "OnlineFactorAnalysis",
+    "__version__",
+]

@@ -1,0 +1,4 @@
+"""Fitting factor-analysis models: online (EM, SGA) and batch EM."""
+from pyro_fa.fa.online import OnlineFactorAnalysis
+
+__all__ = ["OnlineFactorAnalysis"]

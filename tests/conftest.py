@@ -1,0 +1,25 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "uci"
+if "PYRO_FA_DATA" not in os.environ and SHARED_DATA.is_dir():
+    os.environ["PYRO_FA_DATA"] = str(SHARED_DATA)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _float64_and_seed():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    yield
+    torch.set_default_dtype(old)
