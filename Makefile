@@ -1,0 +1,39 @@
+# pyro_fa: one command sets up and runs the main job, one sets up and runs the tests.
+#   make demo    # set up .venv, then `pyro-fa online-fa --quick`
+#   make test    # set up .venv, then the whole test suite (slow statistical tests included)
+# TORCH selects the torch build; the default pins the CPU wheel these machines carry.
+# Elsewhere use e.g. `make test TORCH="torch --index-url https://download.pytorch.org/whl/cpu"`.
+
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+BIN    := $(VENV)/bin
+SHARED_UCI := $(abspath ../shared/data/uci)
+ifneq ($(wildcard $(SHARED_UCI)),)
+export PYRO_FA_DATA ?= $(SHARED_UCI)
+endif
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e ".[dev,tutorials]"
+	touch $@
+
+demo: setup
+	$(BIN)/pyro-fa online-fa --quick
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: setup
+	$(BIN)/python benchmarks/bench_online_em.py
+
+clean:
+	rm -rf $(VENV) results .pytest_cache
