@@ -30,27 +30,27 @@ class OnlineFactorAnalysis(nn.Module):
         \theta_t \sim N(c, FF^\top + \Psi), \qquad F \in \mathbb{R}^{D\times K},
         \ \Psi = \mathrm{diag}(\psi).
 
-    The mean :math:`c` is the exact running mean. ``method="em"`` is online EM
-    (seed 000, Algorithm 2) in the stochastic-approximation form of Cappé &
-    Moulines (2009): each observation's E-step (eq. 4.23) is computed once,
-    the sufficient statistics
+    The mean :math:`c` and the coordinate variances :math:`\mathrm{diag}(S_t)` are
+    exact running moments. ``method="em"`` is online EM (seed 000, Algorithm 2)
+    in the stochastic-approximation form of Cappé & Moulines (2009): each
+    observation's E-step (eq. 4.23) is computed once, the sufficient statistics
 
     .. math::
 
         \bar A_t = \bar A_{t-1} + \gamma_t (d_t m_t^\top - \bar A_{t-1}), \qquad
         \bar H_t = \bar H_{t-1} + \gamma_t (\Sigma_h + m_t m_t^\top - \bar H_{t-1})
 
-    are updated with step :math:`\gamma_t = t^{-\kappa}` and the M-step
-    :math:`F = \bar A_t \bar H_t^{-1}`,
+    are updated with step :math:`\gamma_t = a / (t + a - 1)` (``step_scale`` =
+    :math:`a`), and the M-step :math:`F = \bar A_t \bar H_t^{-1}`,
     :math:`\psi = \mathrm{diag}(S_t) - \mathrm{rowsum}(F \odot \bar A_t)`
-    (eqs. 4.33–4.35) follows; the reported estimate is the M-step of the
-    Polyak–Ruppert average of the statistics. With ``step_exponent=1`` and
-    ``average=False`` this is exactly the thesis's Algorithm 2 (whose
-    :math:`\gamma_t = 1/t` forgets its random initialisation only as a power of
-    :math:`t` and stalls on ill-conditioned problems, see Notes).
+    (eqs. 4.33–4.35) follows. With ``step_scale=1`` this is exactly the thesis's
+    Algorithm 2 (:math:`\gamma_t = 1/t`), which forgets the statistics gathered
+    under its random initialisation too slowly (see Notes).
     ``method="sga"`` is Algorithm 1: the gradients of eqs. 4.24 and 4.26 of
     :math:`\log N(\theta_t; c, FF^\top+\Psi)` in :math:`(F, \log\psi)` are
-    handed to a torch optimizer (Adam by default, learning rate ``lr``).
+    handed to a torch optimizer (Adam by default, learning rate ``lr``); at the
+    end of the warm-up :math:`\psi` and the scale of :math:`F` are set from the
+    running variances, so that the ascent starts at the scale of the data.
 
     Parameters
     ----------
@@ -69,12 +69,13 @@ class OnlineFactorAnalysis(nn.Module):
         parameter list and returning an optimizer. Default ``torch.optim.Adam``.
     optimizer_kwargs : dict, optional
         Extra keyword arguments for ``optimizer`` (besides ``lr``).
-    step_exponent : float, default 0.6
-        :math:`\kappa \in (0.5, 1]` of the EM step size :math:`\gamma_t = t^{-\kappa}`
-        (:math:`t` counts updates).
-    average : bool, optional
-        Report the M-step of the averaged EM statistics (Polyak–Ruppert). Defaults
-        to ``True`` when ``step_exponent < 1``.
+    step_scale : float, default 2.0
+        :math:`a \ge 1` in the EM step :math:`\gamma_t = a/(t+a-1)` (:math:`t` counts
+        observations). The statistics weigh observation :math:`i` in proportion to
+        :math:`i^{a-1}`: early E-steps, made with a poor :math:`F`, fade like
+        :math:`(i/t)^a`, at the price of an effective sample size
+        :math:`t(2a-1)/a^2` (0.75 t for the default). ``1`` is the thesis's
+        :math:`1/t`.
     init_scale : float, default 1.0
         Norm of each orthogonal column of the initial :math:`F` (seed 000 §4.4);
         :math:`\psi` starts at one.
@@ -99,20 +100,24 @@ class OnlineFactorAnalysis(nn.Module):
 
     Notes
     -----
-    Memory: about four :math:`D\times K` tensors for EM (statistics, their average,
-    the current factor, and a cached estimate), three for SGA with Adam. Time per
-    update: two :math:`D\times K \times K` products and a few passes over :math:`D\times K`
+    Memory: two :math:`D\times K` tensors for EM (the statistic :math:`\bar A` and
+    the factor) plus the transient products of one update; the factor, its
+    gradient and Adam's two moments for SGA. Time per update: two
+    :math:`D\times K\times K` products and a few passes over :math:`D\times K`
     memory; nothing :math:`D\times D` is formed.
 
     Why not :math:`\gamma_t = 1/t`: online EM with step :math:`\gamma_t` follows the
-    ODE :math:`\dot s = \bar s(\theta(s)) - s` in time :math:`\tau = \sum_t \gamma_t`.
-    With :math:`1/t`, :math:`\tau = \log t`, so the error of the initial statistics
-    decays only like :math:`t^{-(1-\lambda)}` where :math:`\lambda` is the
-    contraction rate of batch EM, close to one when the noise is large or
-    heteroscedastic (spectrum [1, 1000] in seed 000 §5.2). With :math:`t^{-\kappa}`,
-    :math:`\tau \propto t^{1-\kappa}` and the transient decays like
-    :math:`\exp(-c\,t^{1-\kappa})`; averaging restores the :math:`1/t` variance
-    (Cappé & Moulines 2009, §2.3).
+    ODE :math:`\dot s = \bar s(\theta(s)) - s` in time :math:`\tau = \sum_t \gamma_t`
+    (Cappé & Moulines 2009). With :math:`1/t`, :math:`\tau = \log t`: the
+    statistics computed under the random initial :math:`F` keep the weight
+    :math:`t_0/t` and the error of the transient decays only like
+    :math:`t^{-(1-\lambda)}`, where :math:`\lambda` is the contraction rate of
+    batch EM, close to one when the noise is large and heteroscedastic
+    (spectrum [1, 1000] in seed 000 §5.2, where the thesis's online EM stalls
+    at 2–3 times the batch error). With :math:`a/(t+a-1)`, :math:`\tau = a\log t`
+    and the transient fades like :math:`t^{-a(1-\lambda)}`. Larger :math:`a`
+    forgets faster but is noisier; :math:`a = 2` was chosen on the Chapter-5
+    models (``pyro-fa online-fa``).
 
     References
     ----------
@@ -141,8 +146,7 @@ class OnlineFactorAnalysis(nn.Module):
         lr: float = 1e-3,
         optimizer: Optional[Union[type, Callable[..., torch.optim.Optimizer]]] = None,
         optimizer_kwargs: Optional[Dict[str, Any]] = None,
-        step_exponent: float = 0.6,
-        average: Optional[bool] = None,
+        step_scale: float = 2.0,
         init_scale: float = 1.0,
         min_variance: float = 1e-6,
         seed: Optional[int] = None,
@@ -161,8 +165,8 @@ class OnlineFactorAnalysis(nn.Module):
             raise ValueError(f"{name}: warmup must be a positive integer, got {warmup!r}.")
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
             raise ValueError(f"{name}: lr must be a positive finite number, got {lr!r}.")
-        if not (isinstance(step_exponent, (int, float)) and 0.5 < step_exponent <= 1):
-            raise ValueError(f"{name}: step_exponent must be in (0.5, 1], got {step_exponent!r}.")
+        if not (isinstance(step_scale, (int, float)) and math.isfinite(step_scale) and step_scale >= 1):
+            raise ValueError(f"{name}: step_scale must be a finite number >= 1, got {step_scale!r}.")
         if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
             raise ValueError(f"{name}: init_scale must be a positive finite number, got {init_scale!r}.")
         if not (isinstance(min_variance, (int, float)) and 0 < min_variance < 1):
@@ -177,8 +181,7 @@ class OnlineFactorAnalysis(nn.Module):
         self.method = method
         self.warmup = warmup
         self.lr = float(lr)
-        self.step_exponent = float(step_exponent)
-        self.average = (step_exponent < 1) if average is None else bool(average)
+        self.step_scale = float(step_scale)
         self.init_scale = float(init_scale)
         self.min_variance = float(min_variance)
         self.seed = seed
@@ -196,17 +199,12 @@ class OnlineFactorAnalysis(nn.Module):
         # exact running moments (Welford / Chan): mean and sum of squared deviations
         self.register_buffer("loc", z(dim))
         self.register_buffer("_sq_dev", z(dim))
-        self.register_buffer("_n", torch.zeros((), dtype=torch.long, device=device))
-        self.register_buffer("_steps", torch.zeros((), dtype=torch.long, device=device))
+        self._n = 0  # observations seen (saved through get_extra_state)
         if method == "em":
             self.register_buffer("_F", F0)
             self.register_buffer("_psi", torch.ones(dim, dtype=dtype, device=device))
             self.register_buffer("_A", z(dim, rank))
             self.register_buffer("_H", z(rank, rank))
-            if self.average:
-                self.register_buffer("_A_avg", z(dim, rank))
-                self.register_buffer("_H_avg", z(rank, rank))
-                self.register_buffer("_n_avg", torch.zeros((), dtype=torch.long, device=device))
         else:
             self._F = nn.Parameter(F0, requires_grad=False)
             self._log_psi = nn.Parameter(z(dim), requires_grad=False)
@@ -220,12 +218,18 @@ class OnlineFactorAnalysis(nn.Module):
     @property
     def n_updates(self) -> int:
         """Number of observations seen."""
-        return int(self._n)
+        return self._n
+
+    def get_extra_state(self):
+        return {"n_updates": self._n}
+
+    def set_extra_state(self, state):
+        self._n = int(state["n_updates"])
 
     @property
     def variance(self) -> Tensor:
         """Running (maximum-likelihood) variance of each coordinate, shape (D,)."""
-        return self._sq_dev / self._n.clamp_min(1)
+        return self._sq_dev / max(self._n, 1)
 
     def _floor(self, psi: Tensor, var: Tensor) -> Tensor:
         floor = self.min_variance * var.mean().clamp_min(torch.finfo(var.dtype).tiny)
@@ -236,10 +240,6 @@ class OnlineFactorAnalysis(nn.Module):
             return self._cache
         if self.method == "sga":
             out = (self._F.detach(), self._log_psi.detach().exp())
-        elif self.average and int(self._n_avg) > 0:
-            F = self._m_step_factor(self._A_avg, self._H_avg)
-            psi = self._floor(self.variance - (F * self._A_avg).sum(-1), self.variance)
-            out = (F, psi)
         else:
             out = (self._F, self._psi)
         self._cache = out
@@ -256,7 +256,7 @@ class OnlineFactorAnalysis(nn.Module):
         return self._estimate()[1]
 
     def _check_fitted(self, what: str):
-        if int(self._n) == 0:
+        if self._n == 0:
             raise RuntimeError(
                 f"{type(self).__name__}: {what} needs at least one update, got none. Call update(x) first."
             )
@@ -375,20 +375,21 @@ class OnlineFactorAnalysis(nn.Module):
         """
         x = self._validate(x)
         B = x.shape[0]
-        n_old = int(self._n)
+        n_old = self._n
         n = n_old + B
         # exact running mean and squared deviations (Chan et al. merge)
         batch_mean = x.mean(0)
         delta = batch_mean - self.loc
         self.loc.add_(delta, alpha=B / n)
         self._sq_dev.add_((x - batch_mean).pow(2).sum(0)).add_(delta.pow(2), alpha=n_old * B / n)
-        self._n.fill_(n)
-        self._steps.add_(1)
+        self._n = n
         self._cache = None
         d = x - self.loc  # centred with the current mean (Alg. 2, line 6)
         if self.method == "em":
             self._em_step(d, n, B)
         elif n > self.warmup:
+            if n_old <= self.warmup:
+                self._rescale_to_data()
             self._sga_step(d)
 
     def _m_step_factor(self, A: Tensor, H: Tensor) -> Tensor:
@@ -399,18 +400,16 @@ class OnlineFactorAnalysis(nn.Module):
         F, psi = self._F, self._psi
         # E-step (eq. 4.23) with one (K, K+B) product: F^T Psi^-1 [F, d^T]
         W = F / psi.unsqueeze(-1)
-        rhs = torch.cat([F, d.T], dim=1)
-        P = W.T @ rhs
         K = self.rank
-        cap = P[:, :K]
+        cap = W.T @ F
         cap.diagonal().add_(1.0)
         L = torch.linalg.cholesky(cap)
-        m = torch.cholesky_solve(P[:, K:], L)  # (K, B)
+        m = torch.cholesky_solve(W.T @ d.T, L)  # (K, B)
         eye = torch.eye(K, dtype=d.dtype, device=d.device)
         sigma_h = torch.cholesky_solve(eye, L)
         # statistics (eqs. 4.32, 4.36) with step gamma
-        steps = int(self._steps)
-        gamma = B / n if self.step_exponent == 1.0 else max(B / n, steps ** -self.step_exponent)
+        a = self.step_scale
+        gamma = min(1.0, a * B / (n + (a - 1) * B))
         self._A.mul_(1 - gamma).addmm_(d.T, m.T, alpha=gamma / B)
         self._H.mul_(1 - gamma).add_(sigma_h + m @ m.T / B, alpha=gamma)
         if n <= self.warmup:
@@ -421,11 +420,15 @@ class OnlineFactorAnalysis(nn.Module):
         psi_new = var - (F_new * self._A).sum(-1)
         self._F.copy_(F_new)
         self._psi.copy_(self._floor(psi_new, var))
-        if self.average:
-            self._n_avg.add_(1)
-            rho = 1.0 / int(self._n_avg)
-            self._A_avg.add_(self._A - self._A_avg, alpha=rho)
-            self._H_avg.add_(self._H - self._H_avg, alpha=rho)
+
+    def _rescale_to_data(self) -> None:
+        # SGA starts its ascent at the scale of the data: psi = var, and the rows of F scaled
+        # so that diag(F F^T) = var / 100 (a small factor part, away from the saddle F = 0).
+        var = self.variance
+        F = self._F.detach()
+        row_sq = F.pow(2).sum(-1).mean()
+        self._F.data.mul_((0.01 * var / row_sq).sqrt().unsqueeze(-1))
+        self._log_psi.data.copy_(self._floor(var, var).log())
 
     def _sga_step(self, d: Tensor) -> None:
         F = self._F.detach()
