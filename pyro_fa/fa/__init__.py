@@ -1,4 +1,5 @@
 """Fitting factor-analysis models: online (EM, SGA) and batch EM."""
+from pyro_fa.fa.batch import BatchFactorAnalysis, ScatterStatistics
 from pyro_fa.fa.online import OnlineFactorAnalysis
 
-__all__ = ["OnlineFactorAnalysis"]
+__all__ = ["BatchFactorAnalysis", "ScatterStatistics", "OnlineFactorAnalysis"]
