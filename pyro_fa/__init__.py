@@ -5,11 +5,17 @@ online (EM or stochastic gradient ascent) from optimizer iterates.
 """
 from pyro_fa import linalg
 from pyro_fa.fa import OnlineFactorAnalysis
+from pyro_fa.infer import AutoLowRankFactorGuide, FactorELBO
+from pyro_fa.priors import GaussianPrior, LaplacePrior
 
 __version__ = "0.1.0"
 
 __all__ = [
     "linalg",
     "OnlineFactorAnalysis",
+    "AutoLowRankFactorGuide",
+    "FactorELBO",
+    "GaussianPrior",
+    "LaplacePrior",
     "__version__",
 ]

@@ -1,0 +1,233 @@
+r"""``AutoLowRankFactorGuide``: a factor-analysis (VIFA) or PPCA (VIPPCA) autoguide."""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable, Optional
+
+import pyro.distributions as dist
+import torch
+from pyro.distributions import constraints
+from pyro.infer.autoguide import AutoContinuous
+from pyro.infer.autoguide.initialization import init_to_median, init_to_value
+from pyro.nn import PyroParam
+from torch import Tensor, nn
+
+from pyro_fa.linalg import orthogonal_init
+
+__all__ = ["AutoLowRankFactorGuide"]
+
+_NOISE_OPTIONS = ("diagonal", "isotropic")
+
+
+class AutoLowRankFactorGuide(AutoContinuous):
+    r"""Factor-analysis Gaussian guide over all latent sites of a model.
+
+    All latent sites are transformed to unconstrained space and packed into
+    one vector :math:`\theta \in \mathbb{R}^D` (as every
+    :class:`~pyro.infer.autoguide.AutoContinuous` guide does), with
+
+    .. math::
+
+        q(\theta) = N(c,\; FF^\top + \Psi),\qquad
+        F = \mathrm{diag}(s)\,G,\quad \Psi = \mathrm{diag}(s)^2
+
+    for ``noise="diagonal"`` (VIFA, seed 000 §4.3) and
+    :math:`\Psi = s^2 I` with one scalar :math:`s` for ``noise="isotropic"``
+    (VIPPCA, seed 003 §2). The covariance is
+    :math:`\mathrm{diag}(s)(GG^\top + I)\mathrm{diag}(s)`: the noise scale
+    :math:`s` and the factor direction :math:`G` are separate parameters, so
+    the capacitance :math:`I + F^\top\Psi^{-1}F = I + G^\top G` does not blow
+    up when the noise shrinks (the parameterisation that stabilised Pyro's
+    low-rank guide at :math:`D \approx 22\,000`, rank 100, pyro-ppl/pyro#2127).
+    :math:`s` is kept positive through :math:`s = \exp(\gamma)` (seed 000
+    eq. 4.57).
+
+    A Pyro user swaps one line::
+
+        guide = AutoLowRankFactorGuide(model, rank=10)
+        svi = SVI(model, guide, Adam({"lr": 0.01}), FactorELBO())
+
+    Parameters
+    ----------
+    model : callable
+        A Pyro model with continuous latent sites.
+    rank : int, optional
+        :math:`K \ge 1`, at most the latent dimension :math:`D`. Defaults to
+        :math:`\mathrm{round}(\sqrt D)`, as Pyro's low-rank guide.
+    noise : {"diagonal", "isotropic"}, default "diagonal"
+        Per-coordinate noise :math:`\psi` (FA) or one shared :math:`\sigma^2`
+        (probabilistic PCA).
+    init_loc_fn : callable, optional
+        A per-site initialisation function (see
+        :mod:`pyro.infer.autoguide.initialization`). By default the mean
+        starts at the values in ``model.initial_values`` when the model is a
+        module made by :meth:`GaussianPrior.bayesianize
+        <pyro_fa.GaussianPrior.bayesianize>` (the weights as ``nn.Linear``
+        initialised them; zeros make every hidden unit identical), and at the
+        prior median otherwise.
+    init_scale : float, default 0.01
+        Initial marginal standard deviation of every unconstrained latent
+        coordinate, on average. Smaller than Pyro's 0.1 because a network's
+        weights start with little noise: 0.1 inflates the learned noise of a
+        1×50 regression network and costs up to 0.9 nats of test
+        log-likelihood on UCI Energy.
+    noise_scale : float, optional
+        Only with ``noise="isotropic"``: a fixed :math:`\sigma` (so
+        :math:`\Psi = \sigma^2 I` is a hyperparameter, as in seed 003 §2);
+        :math:`\sigma` is learned when omitted.
+
+    Attributes
+    ----------
+    loc : Parameter of shape (D,)
+        :math:`c`.
+    factor : Parameter of shape (D, K)
+        :math:`G`; the covariance factor is :attr:`cov_factor`.
+    scale : Parameter of shape (D,) or () (a buffer when fixed)
+        :math:`s`.
+
+    Raises
+    ------
+    TypeError
+        If ``rank`` is not an int or ``init_scale`` / ``noise_scale`` not a number.
+    ValueError
+        If ``rank < 1`` or larger than the latent dimension (at the first
+        call), ``noise`` is unknown, ``init_scale`` or ``noise_scale`` is not
+        positive, ``noise_scale`` is given with ``noise="diagonal"``, the
+        model has discrete latent sites, or its latent sites live on more than
+        one device.
+
+    Notes
+    -----
+    The initial :math:`G` has orthogonal columns (seed 000 §4.4) of norm
+    :math:`\sqrt{D/K}`, so :math:`GG^\top` has unit diagonal on average, and
+    :math:`s = \texttt{init\_scale}/\sqrt2`, so each coordinate starts with
+    variance :math:`\texttt{init\_scale}^2` on average, half of it from the
+    factors. Sampling and :meth:`get_posterior` cost :math:`O(DK)` and
+    :math:`O(DK^2)`.
+
+    References
+    ----------
+    Ong, Nott & Smith (2018), *Gaussian variational approximation with a
+    factor covariance structure*; seed 000 §4.3–4.4; seed 003 §2.
+
+    Examples
+    --------
+    >>> import pyro
+    >>> def model():
+    ...     pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+    >>> guide = AutoLowRankFactorGuide(model, rank=2)
+    >>> guide()["w"].shape
+    torch.Size([3])
+    >>> guide.get_posterior().cov_factor.shape
+    torch.Size([3, 2])
+    """
+
+    scale_constraint = constraints.positive
+
+    def __init__(
+        self,
+        model: Callable,
+        rank: Optional[int] = None,
+        noise: str = "diagonal",
+        *,
+        init_loc_fn: Optional[Callable] = None,
+        init_scale: float = 0.01,
+        noise_scale: Optional[float] = None,
+    ):
+        name = type(self).__name__
+        if rank is not None:
+            if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+                raise TypeError(f"{name}: rank must be an int or None, got {rank!r}.")
+            if rank < 1:
+                raise ValueError(f"{name}: rank must be >= 1, got {rank!r}.")
+            rank = int(rank)
+        if noise not in _NOISE_OPTIONS:
+            raise ValueError(f"{name}: noise must be one of {_NOISE_OPTIONS}, got {noise!r}.")
+        init_scale = _check_positive(name, "init_scale", init_scale)
+        if noise_scale is not None:
+            if noise != "isotropic":
+                raise ValueError(
+                    f"{name}: noise_scale must be None when noise='diagonal', got {noise_scale!r}. "
+                    "Pass noise='isotropic' to fix the noise."
+                )
+            noise_scale = _check_positive(name, "noise_scale", noise_scale)
+        if init_loc_fn is None:
+            initial = getattr(model, "initial_values", None)
+            if isinstance(initial, dict):
+                init_loc_fn = init_to_value(values=initial, fallback=init_to_median)
+            else:
+                init_loc_fn = init_to_median
+        self.rank = rank
+        self.noise = noise
+        self._init_scale = init_scale
+        self._noise_scale = noise_scale
+        super().__init__(model, init_loc_fn=init_loc_fn)
+
+    def _setup_prototype(self, *args, **kwargs):
+        super()._setup_prototype(*args, **kwargs)
+        name = type(self).__name__
+        devices = {site["value"].device for _, site in self.prototype_trace.iter_stochastic_nodes()}
+        if len(devices) > 1:
+            raise ValueError(
+                f"{name}: latent sites must all be on one device, got {sorted(map(str, devices))!r}. "
+                "Move the model's tensors to one device."
+            )
+        D = self.latent_dim
+        if self.rank is None:
+            self.rank = max(1, int(round(D ** 0.5)))
+        if self.rank > D:
+            raise ValueError(
+                f"{name}: rank must be at most the latent dimension D={D}, got {self.rank!r}."
+            )
+        loc = self._init_loc()
+        self.loc = nn.Parameter(loc)
+        # G with orthogonal columns of norm sqrt(D / K): unit diagonal of G G^T on average
+        G = orthogonal_init(D, self.rank, scale=math.sqrt(D / self.rank), dtype=loc.dtype, device=loc.device)
+        self.factor = nn.Parameter(G)
+        s0 = self._init_scale / math.sqrt(2)
+        if self.noise == "diagonal":
+            self.scale = PyroParam(loc.new_full((D,), s0), constraint=self.scale_constraint)
+        elif self._noise_scale is None:
+            self.scale = PyroParam(loc.new_tensor(s0), constraint=self.scale_constraint)
+        else:
+            self.register_buffer("scale", loc.new_tensor(self._noise_scale))
+
+    def _scale_vector(self) -> Tensor:
+        scale = self.scale
+        return scale.expand(self.loc.shape) if scale.dim() == 0 else scale
+
+    @property
+    def cov_factor(self) -> Tensor:
+        r""":math:`F = \mathrm{diag}(s) G`, a tensor of shape (D, K)."""
+        return self.factor * self._scale_vector().unsqueeze(-1)
+
+    @property
+    def cov_diag(self) -> Tensor:
+        r""":math:`\psi = s^2`, a tensor of shape (D,)."""
+        return self._scale_vector().pow(2)
+
+    def get_posterior(self, *args, **kwargs) -> dist.LowRankMultivariateNormal:
+        """The guide's :math:`q(\\theta)` over the packed unconstrained latent vector.
+
+        Returns
+        -------
+        pyro.distributions.LowRankMultivariateNormal
+            ``LowRankMultivariateNormal(loc, cov_factor, cov_diag)`` with
+            ``loc`` of shape (D,), ``cov_factor`` (D, K), ``cov_diag`` (D,).
+        """
+        scale = self._scale_vector()
+        return dist.LowRankMultivariateNormal(self.loc, self.factor * scale.unsqueeze(-1), scale * scale)
+
+    def _loc_scale(self, *args, **kwargs):
+        scale = self._scale_vector() * (self.factor.pow(2).sum(-1) + 1).sqrt()
+        return self.loc, scale
+
+
+def _check_positive(cls_name: str, arg: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{cls_name}: {arg} must be a positive float, got {value!r}.")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{cls_name}: {arg} must be a positive finite float, got {value!r}.")
+    return value
