@@ -111,10 +111,11 @@ def test_gaussian_loglike_matches_dense():
 
 
 # ------------------------------------------------------------------------ EM
-def test_em_loglike_increases_and_recovers_exact_covariance(device):
-    _, F, psi = fa_data(device=device)
+@pytest.mark.parametrize("method, svd_method", [("em", "randomized"), ("svd", "randomized"), ("svd", "lapack")])
+def test_em_loglike_increases_and_recovers_exact_covariance(device, method, svd_method):
+    _, F, psi = fa_data(dim=40, device=device)
     S = linalg.dense_covariance(F, psi)  # population covariance: the MLE is exact
-    result = em_from_covariance(S, 3, 1000, tol=1e-10, max_iter=5000)
+    result = em_from_covariance(S, 3, 1000, tol=1e-10, max_iter=5000, method=method, svd_method=svd_method)
     assert result.converged
     diffs = result.loglike.diff()
     assert bool((diffs >= -1e-8 * result.loglike.abs().max()).all())  # EM never decreases the likelihood
@@ -123,12 +124,13 @@ def test_em_loglike_increases_and_recovers_exact_covariance(device):
     assert result.cov_factor.device == S.device
 
 
-def test_em_matches_sklearn_covariance():
+@pytest.mark.parametrize("method", ["svd", "em"])
+def test_em_matches_sklearn_covariance(method):
     from sklearn.decomposition import FactorAnalysis as SKFactorAnalysis
 
     x, _, _ = fa_data(n=3000)
     S = torch.cov(x.T, correction=0)
-    result = em_from_covariance(S, 3, 3000, tol=1e-9, max_iter=10000)
+    result = em_from_covariance(S, 3, 3000, tol=1e-9, max_iter=10000, method=method)
     sk = SKFactorAnalysis(3, tol=1e-9, svd_method="lapack", max_iter=10000).fit(x.numpy())
     W = torch.from_numpy(sk.components_.T.copy())
     psi = torch.from_numpy(sk.noise_variance_)
@@ -163,10 +165,11 @@ def test_initial_factors_ppca_and_given_noise():
 
 
 # ------------------------------------------------------------ BatchFactorAnalysis
-def test_batch_fit_equals_streamed_fit(device):
+@pytest.mark.parametrize("method", ["svd", "em"])
+def test_batch_fit_equals_streamed_fit(device, method):
     x, _, _ = fa_data(device=device)
-    one = BatchFactorAnalysis(12, 3, device=device).fit(x)
-    streamed = BatchFactorAnalysis(12, 3, device=device, chunk_size=64)
+    one = BatchFactorAnalysis(12, 3, method, device=device).fit(x)
+    streamed = BatchFactorAnalysis(12, 3, method, device=device, chunk_size=64)
     for part in torch.split(x, 333):
         streamed.update(part)
     streamed.fit()
@@ -226,13 +229,13 @@ def test_batch_float32_and_rank_zero_and_full_rank():
 def test_batch_convergence_warning():
     x, _, _ = fa_data(n=500)
     with pytest.warns(ConvergenceWarning, match=r"EM did not converge in max_iter=2 iterations"):
-        fa = BatchFactorAnalysis(12, 3, max_iter=2).fit(x)
+        fa = BatchFactorAnalysis(12, 3, "em", max_iter=2).fit(x)
     assert fa.n_iter == 2 and not fa.converged
 
 
 def test_batch_noise_variance_init_is_used():
     x, _, psi = fa_data(n=500)
-    fa = BatchFactorAnalysis(12, 3, noise_variance_init=psi, max_iter=1)
+    fa = BatchFactorAnalysis(12, 3, "em", noise_variance_init=psi, max_iter=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         fa.fit(x)
@@ -260,6 +263,10 @@ def test_batch_errors():
         BatchFactorAnalysis(3, 1, iterated_power=-1)
     with pytest.raises(ValueError, match=r"svd_method must be one of \('randomized', 'lapack'\), got 'arpack'"):
         BatchFactorAnalysis(3, 1, svd_method="arpack")
+    with pytest.raises(ValueError, match=r"method must be one of \('svd', 'em'\), got 'sga'"):
+        BatchFactorAnalysis(3, 1, "sga")
+    with pytest.raises(ValueError, match=r"em_from_covariance: method must be one of \('svd', 'em'\), got 'x'"):
+        em_from_covariance(torch.eye(3), 1, 10, method="x")
     with pytest.raises(ValueError, match=r"noise_variance_init must have shape \(3,\), got \(2,\)"):
         BatchFactorAnalysis(3, 1, noise_variance_init=torch.ones(2))
     with pytest.raises(ValueError, match="noise_variance_init must be finite and positive"):

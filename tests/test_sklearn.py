@@ -44,7 +44,9 @@ def rel_cov_distance(a, b):
     )
 
 
-@parametrize_with_checks([FactorAnalysis(), FactorAnalysis(n_components=2, svd_method="lapack")])
+@parametrize_with_checks(
+    [FactorAnalysis(), FactorAnalysis(algorithm="em"), FactorAnalysis(n_components=2, svd_method="lapack")]
+)
 def test_sklearn_compatible(estimator, check):
     check(estimator)
 
@@ -52,9 +54,10 @@ def test_sklearn_compatible(estimator, check):
 # ------------------------------------------------------------- against sklearn
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("svd_method", ["randomized", "lapack"])
-def test_score_matches_sklearn(seed, svd_method):
+@pytest.mark.parametrize("algorithm", ["svd", "em"])
+def test_score_matches_sklearn(seed, svd_method, algorithm):
     X = fa_data(seed=seed)
-    ours = FactorAnalysis(3, svd_method=svd_method).fit(X)
+    ours = FactorAnalysis(3, svd_method=svd_method, algorithm=algorithm).fit(X)
     theirs = SKFactorAnalysis(3, svd_method=svd_method).fit(X)
     assert ours.score(X) == pytest.approx(theirs.score(X), rel=1e-3)
     assert ours.score(X) >= theirs.score(X) - 1e-4 * abs(theirs.score(X))
@@ -63,9 +66,10 @@ def test_score_matches_sklearn(seed, svd_method):
     assert ours.n_features_in_ == 10 and ours.n_iter_ == len(ours.loglike_)
 
 
-def test_converged_covariance_matches_sklearn():
+@pytest.mark.parametrize("algorithm", ["svd", "em"])
+def test_converged_covariance_matches_sklearn(algorithm):
     X = fa_data(n=3000)
-    ours = FactorAnalysis(3, tol=1e-8, max_iter=20000).fit(X)
+    ours = FactorAnalysis(3, tol=1e-8, max_iter=20000, algorithm=algorithm).fit(X)
     theirs = SKFactorAnalysis(3, tol=1e-8, max_iter=20000, svd_method="lapack").fit(X)
     assert rel_cov_distance(theirs, ours) < 1e-4
     np.testing.assert_allclose(ours.get_covariance(), theirs.get_covariance(), rtol=1e-4, atol=1e-4)
@@ -131,10 +135,11 @@ def test_device(device):
 
 
 # ------------------------------------------------------------------ partial_fit
-def test_partial_fit_em_equals_fit():
+@pytest.mark.parametrize("algorithm", ["svd", "em"])
+def test_partial_fit_batch_equals_fit(algorithm):
     X = fa_data(n=2000)
-    full = FactorAnalysis(3).fit(X)
-    streamed = FactorAnalysis(3)
+    full = FactorAnalysis(3, algorithm=algorithm).fit(X)
+    streamed = FactorAnalysis(3, algorithm=algorithm)
     for part in np.array_split(X, 7):
         streamed.partial_fit(part)
     np.testing.assert_allclose(streamed.mean_, full.mean_, rtol=1e-12)
@@ -167,7 +172,7 @@ def test_online_algorithms_approach_batch_em(algorithm, bound):
     assert online.score(X) == pytest.approx(batch.score(X), rel=0.05)
 
 
-@pytest.mark.parametrize("algorithm", ["em", "online_em"])
+@pytest.mark.parametrize("algorithm", ["svd", "online_em"])
 def test_partial_fit_refuses_bad_batches_and_keeps_state(algorithm):
     X = fa_data(n=300)
     fa = FactorAnalysis(3, algorithm=algorithm, batch_size=10).partial_fit(X)
@@ -200,9 +205,10 @@ def test_not_fitted():
 
 
 def test_convergence_warning():
-    with pytest.warns(ConvergenceWarning, match="FactorAnalysis: EM did not converge in max_iter=2 iterations"):
-        fa = FactorAnalysis(3, max_iter=2).fit(fa_data())
-    assert fa.n_iter_ == 2
+    for algorithm in ("svd", "em"):
+        with pytest.warns(ConvergenceWarning, match=f"FactorAnalysis: '{algorithm}' did not converge in max_iter=2"):
+            fa = FactorAnalysis(3, max_iter=2, algorithm=algorithm).fit(fa_data())
+        assert fa.n_iter_ == 2
 
 
 def test_bad_arguments():

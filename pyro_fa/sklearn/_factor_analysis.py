@@ -17,6 +17,7 @@ from pyro_fa.fa.batch import BatchFactorAnalysis, gaussian_loglike
 
 __all__ = ["FactorAnalysis"]
 
+_ONLINE = ("online_em", "sga")
 _DTYPES = {
     None: torch.float64,
     "float64": torch.float64,
@@ -41,13 +42,17 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
     so :math:`x \sim N(\mu, W^\top W + \Psi)`. Constructor arguments, fitted
     attributes and methods are scikit-learn's, plus:
 
-    - ``algorithm="em"`` (default): batch EM on the sufficient statistics
-      (:class:`pyro_fa.fa.batch.BatchFactorAnalysis`). One pass over ``X``
-      builds the mean and the :math:`D\times D` covariance :math:`S`; EM
-      iterations then cost :math:`O(D^2K)` each, independent of
-      ``n_samples``. :meth:`partial_fit` merges the statistics of each batch
-      exactly and refits, so it gives the same model as :meth:`fit` on the
-      concatenated batches.
+    - ``algorithm="svd"`` (default) and ``"em"``: batch fits on the
+      sufficient statistics (:class:`pyro_fa.fa.batch.BatchFactorAnalysis`).
+      One pass over ``X`` builds the mean and the :math:`D\times D`
+      covariance :math:`S`; iterations then cost :math:`O(D^2K)` each,
+      independent of ``n_samples``. ``"svd"`` is scikit-learn's own iteration
+      (Barber Alg. 21.1: exact loadings for the current noise, by a
+      warm-started randomized eigensolver) run on :math:`S`; ``"em"`` is EM
+      (Ghahramani & Hinton 1996), cheaper per iteration but slower to
+      converge when some noise variances are small. :meth:`partial_fit`
+      merges the statistics of each batch exactly and refits, so it gives
+      the same model as :meth:`fit` on the concatenated batches.
     - ``algorithm="online_em"`` / ``"sga"``: online EM (seed 000, Alg. 2) or
       online stochastic gradient ascent (Alg. 1) through
       :class:`pyro_fa.OnlineFactorAnalysis`, in :math:`O(DK)` memory, one
@@ -62,24 +67,24 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         ``n_features`` (and must be below it for the online algorithms).
     tol : float, default 1e-2
         Stopping tolerance on the increase of the total log-likelihood
-        (batch EM).
+        (batch algorithms).
     copy : bool, default True
         Kept for compatibility: ``X`` is never modified.
     max_iter : int, default 1000
-        Maximum number of batch EM iterations.
+        Maximum number of batch iterations.
     noise_variance_init : array-like of shape (n_features,), default None
-        Initial noise variances for batch EM; by default those of
-        probabilistic PCA.
+        Initial noise variances of the batch algorithms; by default those
+        of probabilistic PCA.
     svd_method : {"randomized", "lapack"}, default "randomized"
-        Eigensolver of the batch-EM initialisation: randomized subspace
-        iteration, or a full eigendecomposition of :math:`S`.
+        Eigensolver of the batch algorithms: randomized subspace iteration,
+        or a full eigendecomposition of a :math:`D\times D` matrix.
     iterated_power : int, default 3
         Power iterations of the randomized eigensolver.
     rotation : {"varimax", "quartimax"}, default None
         Orthogonal rotation applied to ``components_`` (Kaiser 1958).
     random_state : int, RandomState instance or None, default 0
         Seeds the randomized eigensolver and the online initialisation.
-    algorithm : {"em", "online_em", "sga"}, default "em"
+    algorithm : {"svd", "em", "online_em", "sga"}, default "svd"
     batch_size : int, default 1
         Rows per update of the online algorithms.
     warmup : int, default 100
@@ -101,19 +106,19 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
     mean_ : ndarray of shape (n_features,)
         Per-feature mean of all data seen.
     loglike_ : list of float
-        Batch EM: total log-likelihood of the data seen at each iteration of
+        Batch: total log-likelihood of all data seen at each iteration of
         the last (re)fit. Online: total log-likelihood of each batch passed
         to :meth:`fit` / :meth:`partial_fit`, after its updates.
     n_iter_ : int
-        Batch EM: iterations of the last (re)fit. Online: number of updates
-        so far.
+        Batch: iterations of the last (re)fit. Online: number of updates so
+        far.
     n_features_in_ : int
     feature_names_in_ : ndarray of shape (n_features_in_,)
         Defined only when ``X`` has string feature names.
 
     Notes
     -----
-    Batch EM costs :math:`O(ND^2)` for the statistics and :math:`O(D^2K)` per
+    The batch algorithms cost :math:`O(ND^2)` for the statistics and :math:`O(D^2K)` per
     iteration, against :math:`O(NDK)` per iteration for scikit-learn's
     randomized SVD of the :math:`N \times D` data; transform and scoring cost
     :math:`O(NDK + DK^2)` through the Woodbury identity. Only
@@ -147,7 +152,7 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         "iterated_power": [Interval(Integral, 0, None, closed="left")],
         "rotation": [StrOptions({"varimax", "quartimax"}), None],
         "random_state": ["random_state"],
-        "algorithm": [StrOptions({"em", "online_em", "sga"})],
+        "algorithm": [StrOptions({"svd", "em", "online_em", "sga"})],
         "batch_size": [Interval(Integral, 1, None, closed="left")],
         "warmup": [Interval(Integral, 1, None, closed="left")],
         "learning_rate": [Interval(Real, 0.0, None, closed="neither")],
@@ -167,7 +172,7 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         iterated_power=3,
         rotation=None,
         random_state=0,
-        algorithm="em",
+        algorithm="svd",
         batch_size=1,
         warmup=100,
         learning_rate=1e-3,
@@ -211,10 +216,10 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         k = n_features if self.n_components is None else self.n_components
         if k > n_features:
             raise ValueError(f"{name}: n_components must be <= n_features={n_features}, got {k!r}.")
-        if self.algorithm != "em" and not 1 <= k < n_features:
+        if self.algorithm in _ONLINE and not 1 <= k < n_features:
             raise ValueError(
                 f"{name}: n_components must be in [1, n_features={n_features}) for algorithm="
-                f"{self.algorithm!r}, got {k!r}. Use algorithm='em' or fewer components."
+                f"{self.algorithm!r}, got {k!r}. Use a batch algorithm ('svd' or 'em') or fewer components."
             )
         return k
 
@@ -269,8 +274,8 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
     def partial_fit(self, X, y=None):
         """Update the model with a batch of samples.
 
-        Batch EM merges the batch into the exact mean and scatter of all data
-        seen and refits (the result equals :meth:`fit` on all batches); the
+        The batch algorithms merge the batch into the exact mean and scatter
+        of all data seen and refit (the result equals :meth:`fit` on all batches); the
         online algorithms continue their stream.
 
         Parameters
@@ -296,10 +301,11 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         dtype, device = self._torch_options()
         k = self._n_components(n_features)
         psi0 = self._noise_init(n_features)
-        if self.algorithm == "em":
+        if self.algorithm not in _ONLINE:
             return BatchFactorAnalysis(
                 n_features,
                 k,
+                self.algorithm,
                 tol=self.tol,
                 max_iter=self.max_iter,
                 svd_method=self.svd_method,
@@ -329,14 +335,14 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         if fresh:
             model = self._new_model(n_features)
         x = self._tensor(X)
-        if self.algorithm == "em":
+        if isinstance(model, BatchFactorAnalysis):
             model.update(x)
             model.fit(warn=False)
             self.loglike_ = model.loglike.tolist()
             self.n_iter_ = model.n_iter
             if not model.converged:
                 warnings.warn(
-                    f"{type(self).__name__}: EM did not converge in max_iter={self.max_iter} iterations; "
+                    f"{type(self).__name__}: {self.algorithm!r} did not converge in max_iter={self.max_iter} iterations; "
                     "you might want to increase max_iter or tol.",
                     ConvergenceWarning,
                 )
