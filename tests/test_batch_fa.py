@@ -152,7 +152,7 @@ def test_initial_factors_ppca_and_given_noise():
     # randomized subspace iteration agrees on a separated spectrum
     F_r, _ = initial_factors(S, 3, svd_method="randomized", iterated_power=6, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(F_r @ F_r.T, expected, rtol=1e-6, atol=1e-6)
-    # given the noise: scikit-learn's first SVD step (Barber 21.2.24)
+    # given the noise: scikit-learn's first SVD step (Barber Algorithm 21.1)
     from sklearn.decomposition import FactorAnalysis as SKFactorAnalysis
 
     with warnings.catch_warnings():

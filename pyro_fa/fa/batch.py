@@ -327,7 +327,7 @@ def initial_factors(
 ) -> tuple:
     r"""Starting point of EM: the optimal loadings for a given noise.
 
-    For fixed :math:`\Psi` the likelihood is maximised by (Barber eq. 21.2.24;
+    For fixed :math:`\Psi` the likelihood is maximised by (Barber §21.2, Algorithm 21.1;
     this is one step of scikit-learn's SVD algorithm)
 
     .. math::
@@ -399,7 +399,7 @@ def em_from_covariance(
     With :math:`W = \Psi^{-1}F`, :math:`\Sigma_h = (I + F^\top W)^{-1}` (the
     latent posterior covariance) and :math:`G = \Sigma_h W^\top` (so that
     :math:`E[h\mid x] = G(x - \bar x)`), one iteration is (Ghahramani &
-    Hinton 1996; Barber eqs. 21.2.17–21.2.22)
+    Hinton 1996; Barber §21.2; seed 001, the M-step slides)
 
     .. math::
 
