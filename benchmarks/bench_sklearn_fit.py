@@ -117,9 +117,22 @@ def main(argv=None):
     t_reach, it_reach = time_to_reach(X, args.rank, ll_sk, ours._seed(), args.algorithm)
 
     result = {
-        "data": {"kind": args.data, "n_samples": n, "n_features": dim, "n_components": args.rank, "spectrum": list(args.spectrum), "seed": args.seed},
+        "data": {
+            "kind": args.data,
+            "n_samples": n,
+            "n_features": dim,
+            "n_components": args.rank,
+            "spectrum": list(args.spectrum),
+            "seed": args.seed,
+        },
         "sklearn": {"seconds": t_sk, "n_iter": sk.n_iter_, "loglike": ll_sk, "converged": not sk_warnings},
-        "pyro_fa": {"algorithm": args.algorithm, "seconds": t_ours, "n_iter": ours.n_iter_, "loglike": ll_ours, "converged": not our_warnings},
+        "pyro_fa": {
+            "algorithm": args.algorithm,
+            "seconds": t_ours,
+            "n_iter": ours.n_iter_,
+            "loglike": ll_ours,
+            "converged": not our_warnings,
+        },
         "pyro_fa_to_sklearn_loglike": {"seconds": t_reach, "n_iter": it_reach},
         "speedup_full_fit": t_sk / t_ours,
         "speedup_at_equal_loglike": t_sk / t_reach,
@@ -138,7 +151,9 @@ def main(argv=None):
     print(f"{'scikit-learn (randomized SVD)':34s}{t_sk:10.3f}{sk.n_iter_:12d}{ll_sk:24.3f}")
     print(f"{'pyro_fa (' + args.algorithm + ' on statistics)':34s}{t_ours:10.3f}{ours.n_iter_:12d}{ll_ours:24.3f}")
     print(f"{'pyro_fa, to scikit-learn ll':34s}{t_reach:10.3f}{str(it_reach):>12s}{'>= ' + format(ll_sk, '.3f'):>24s}")
-    print(f"speed-up, full fits:             {result['speedup_full_fit']:.1f}x  (pyro_fa ll higher by {result['loglike_gap_per_sample']:.2e} per sample)")
+    gap = result["loglike_gap_per_sample"]
+    full = result["speedup_full_fit"]
+    print(f"speed-up, full fits:               {full:.1f}x  (pyro_fa ll higher by {gap:.2e} per sample)")
     print(f"speed-up, at equal log-likelihood: {result['speedup_at_equal_loglike']:.1f}x")
     print(f"load average {os.getloadavg()}, {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs")
     if args.json:

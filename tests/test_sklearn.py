@@ -229,6 +229,9 @@ def test_bad_arguments():
         FactorAnalysis(2, device=0.5).fit(X)
     with pytest.raises(ValueError, match="FactorAnalysis: device must name a torch device .* got 'gpu0'"):
         FactorAnalysis(2, device="gpu0").fit(X)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="FactorAnalysis: device must be available, got 'cuda'"):
+            FactorAnalysis(2, device="cuda").fit(X)
     with pytest.raises(InvalidParameterError, match="The 'algorithm' parameter of FactorAnalysis must be"):
         FactorAnalysis(2, algorithm="gibbs").fit(X)
     with pytest.raises(InvalidParameterError, match="The 'learning_rate' parameter of FactorAnalysis must be"):

@@ -198,17 +198,21 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
     # ------------------------------------------------------------ validation
     def _torch_options(self):
         name = type(self).__name__
+        expected = "one of 'float64', 'float32', torch.float64, torch.float32 or None"
+        if not (self.dtype is None or isinstance(self.dtype, (str, torch.dtype))):
+            raise TypeError(f"{name}: dtype must be {expected}, got {self.dtype!r}.")
         if self.dtype not in _DTYPES:
-            raise (TypeError if not isinstance(self.dtype, (str, torch.dtype)) else ValueError)(
-                f"{name}: dtype must be one of 'float64', 'float32', torch.float64, torch.float32 or None, "
-                f"got {self.dtype!r}."
-            )
+            raise ValueError(f"{name}: dtype must be {expected}, got {self.dtype!r}.")
         if self.device is not None and not isinstance(self.device, (str, torch.device)):
             raise TypeError(f"{name}: device must be a str, a torch.device or None, got {self.device!r}.")
         try:
             device = torch.device(self.device if self.device is not None else "cpu")
         except RuntimeError:
-            raise ValueError(f"{name}: device must name a torch device such as 'cpu' or 'cuda', got {self.device!r}.")
+            raise ValueError(
+                f"{name}: device must name a torch device such as 'cpu' or 'cuda', got {self.device!r}."
+            ) from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"{name}: device must be available, got {self.device!r} but CUDA is not available.")
         return _DTYPES[self.dtype], device
 
     def _n_components(self, n_features: int) -> int:
@@ -233,7 +237,8 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
             )
         if not (np.all(np.isfinite(psi)) and np.all(psi > 0)):
             raise ValueError(
-                f"{type(self).__name__}: noise_variance_init must be finite and positive, got {self.noise_variance_init!r}."
+                f"{type(self).__name__}: noise_variance_init must be finite and positive, "
+                f"got {self.noise_variance_init!r}."
             )
         return psi
 
@@ -275,8 +280,8 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         """Update the model with a batch of samples.
 
         The batch algorithms merge the batch into the exact mean and scatter
-        of all data seen and refit (the result equals :meth:`fit` on all batches); the
-        online algorithms continue their stream.
+        of all data seen and refit (the result equals :meth:`fit` on all
+        batches); the online algorithms continue their stream.
 
         Parameters
         ----------
@@ -342,8 +347,8 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
             self.n_iter_ = model.n_iter
             if not model.converged:
                 warnings.warn(
-                    f"{type(self).__name__}: {self.algorithm!r} did not converge in max_iter={self.max_iter} iterations; "
-                    "you might want to increase max_iter or tol.",
+                    f"{type(self).__name__}: {self.algorithm!r} did not converge in max_iter={self.max_iter} "
+                    "iterations; you might want to increase max_iter or tol.",
                     ConvergenceWarning,
                 )
         else:
