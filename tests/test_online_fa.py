@@ -1,0 +1,262 @@
+import copy
+
+import pytest
+import torch
+from torch.distributions import LowRankMultivariateNormal
+
+from pyro_fa import OnlineFactorAnalysis, linalg
+
+
+def _fa_data(D=12, K=3, T=500, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    F = torch.randn(D, K, generator=g, dtype=dtype)
+    psi = torch.rand(D, generator=g, dtype=dtype) + 0.1
+    c = torch.randn(D, generator=g, dtype=dtype)
+    X = c + torch.randn(T, K, generator=g, dtype=dtype) @ F.T + torch.randn(T, D, generator=g, dtype=dtype) * psi.sqrt()
+    return c, F, psi, X
+
+
+def _reference_online_em(X, K, warmup, F0, a):
+    """Online EM written densely (explicit inverses), the reference for the class.
+
+    Seed 000 Algorithm 2 with the step gamma_t = a / (t + a - 1) (a = 1 is the
+    thesis's 1/t), two documented differences: H averages the expected statistic
+    Sigma_t + m_t m_t^T (Cappé & Moulines 2009) instead of adding the current
+    Sigma to an average of m m^T, and diag(S) is the exact variance about the
+    current mean instead of an average of squared deviations from stale means.
+    """
+    T, D = X.shape
+    F, psi = F0.clone(), torch.ones(D)
+    A, H = torch.zeros(D, K), torch.zeros(K, K)
+    for t in range(1, T + 1):
+        mean = X[:t].mean(0)
+        d = X[t - 1] - mean
+        C = (F / psi[:, None]).T
+        Sigma = torch.linalg.inv(torch.eye(K) + C @ F)
+        m = Sigma @ C @ d
+        gamma = min(1.0, a / (t + a - 1))
+        A = A + gamma * (torch.outer(d, m) - A)
+        H = H + gamma * (Sigma + torch.outer(m, m) - H)
+        if t > warmup:
+            F = A @ torch.linalg.inv(H)
+            var = X[:t].var(0, unbiased=False)
+            psi = (var + ((F @ H) * F - 2 * F * A).sum(1)).clamp_min(1e-6 * var.mean())  # the floor
+    return mean, F, psi
+
+
+@pytest.mark.parametrize("a", [1.0, 2.0, 3.5])
+def test_online_em_matches_dense_reference(a):
+    _, _, _, X = _fa_data(T=300)
+    fa = OnlineFactorAnalysis(12, 3, warmup=20, step_scale=a, seed=3)
+    F0 = fa.cov_factor.clone()
+    for x in X:
+        fa.update(x)
+    mean, F, psi = _reference_online_em(X, 3, 20, F0, a)
+    assert torch.allclose(fa.loc, mean)
+    assert torch.allclose(fa.cov_factor, F)
+    assert torch.allclose(fa.cov_diag, psi)
+
+
+def test_running_moments_exact_for_mixed_batches():
+    _, _, _, X = _fa_data(T=101)
+    fa = OnlineFactorAnalysis(12, 3, warmup=5, seed=0)
+    fa.update(X[0])
+    fa.update(X[1:40])
+    fa.update(X[40:41])
+    fa.update(X[41:])
+    assert fa.n_updates == 101
+    assert torch.allclose(fa.loc, X.mean(0))
+    assert torch.allclose(fa.variance, X.var(0, unbiased=False))
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_sga_step_is_gradient_of_log_prob(batch):
+    _, _, _, X = _fa_data(T=1 + batch)
+    fa = OnlineFactorAnalysis(12, 3, method="sga", warmup=1, seed=0, optimizer=torch.optim.SGD, lr=1.0)
+    fa.update(X[0])  # warm-up: only the running moments move
+    fa._rescale_to_data = lambda: None  # keep the initial point to compare with autograd
+    F0 = fa._F.detach().clone().requires_grad_()
+    log_psi0 = fa._log_psi.detach().clone().requires_grad_()
+    new_mean = (fa.loc + X[1:].sum(0)) / (1 + batch)
+    LowRankMultivariateNormal(new_mean, F0, log_psi0.exp()).log_prob(X[1:]).mean().backward()
+    fa.update(X[1:])
+    assert torch.allclose(fa._F.detach() - F0.detach(), F0.grad)
+    assert torch.allclose(fa._log_psi.detach() - log_psi0.detach(), log_psi0.grad)
+
+
+@pytest.mark.slow
+def test_online_em_approaches_batch_fa():
+    from sklearn.decomposition import FactorAnalysis
+
+    # A moderately conditioned model. EM's contraction rate for psi_d is about
+    # 1 - psi_d / S_dd, so online EM, which makes about a * log(T) EM iterations'
+    # worth of progress, lags batch FA where uniquenesses are small (README, Chapter 5).
+    g = torch.Generator().manual_seed(1)
+    F = 0.5 * torch.randn(20, 3, generator=g)
+    psi = torch.rand(20, generator=g) + 0.5
+    X = torch.randn(10_000, 3, generator=g) @ F.T + torch.randn(10_000, 20, generator=g) * psi.sqrt()
+    fa = OnlineFactorAnalysis(20, 3, warmup=100, seed=0)
+    errors = []
+    for chunk in X.split(1000):
+        for x in chunk:
+            fa.update(x)
+        errors.append(linalg.relative_frobenius_distance(F, psi, fa.cov_factor, fa.cov_diag).item())
+    sk = FactorAnalysis(3, random_state=0, tol=1e-8, max_iter=5000).fit(X.numpy())
+    sk_err = linalg.relative_frobenius_distance(F, psi, torch.tensor(sk.components_.T), torch.tensor(sk.noise_variance_))
+    assert errors[-1] < 0.6 * errors[0]
+    assert errors[-1] < 6 * sk_err, (errors, sk_err)
+    assert torch.allclose(fa.loc, X.mean(0))
+
+
+@pytest.mark.slow
+def test_online_sga_approaches_truth():
+    c, F, psi, X = _fa_data(D=10, K=2, T=20_000, seed=2)
+    fa = OnlineFactorAnalysis(10, 2, method="sga", warmup=100, seed=0, lr=1e-2)
+    start = None
+    for i, chunk in enumerate(X.split(10)):
+        fa.update(chunk)
+        if i == 10:
+            start = linalg.relative_frobenius_distance(F, psi, fa.cov_factor, fa.cov_diag)
+    end = linalg.relative_frobenius_distance(F, psi, fa.cov_factor, fa.cov_diag)
+    assert end < 0.1 < start
+
+
+@pytest.mark.parametrize("method", ["em", "sga"])
+def test_state_dict_resume_equals_uninterrupted(method):
+    _, _, _, X = _fa_data(T=300)
+    full = OnlineFactorAnalysis(12, 3, method=method, warmup=50, seed=4)
+    for chunk in X.split(7):
+        full.update(chunk)
+    first = OnlineFactorAnalysis(12, 3, method=method, warmup=50, seed=4)
+    chunks = X.split(7)
+    for chunk in chunks[:20]:
+        first.update(chunk)
+    saved = copy.deepcopy(first.state_dict())
+    resumed = OnlineFactorAnalysis(12, 3, method=method, warmup=50, seed=99)
+    resumed.load_state_dict(saved)
+    for chunk in chunks[20:]:
+        resumed.update(chunk)
+    assert resumed.n_updates == full.n_updates == 300
+    assert torch.equal(resumed.cov_factor, full.cov_factor)
+    assert torch.equal(resumed.cov_diag, full.cov_diag)
+    assert torch.equal(resumed.loc, full.loc)
+
+
+@pytest.mark.parametrize("method", ["em", "sga"])
+def test_non_finite_input_refused_state_unchanged(method):
+    _, _, _, X = _fa_data(T=200)
+    fa = OnlineFactorAnalysis(12, 3, method=method, warmup=50, seed=0)
+    fa.update(X)
+    before = copy.deepcopy(fa.state_dict())
+    bad = X[:3].clone()
+    bad[1, 4] = float("nan")
+    with pytest.raises(ValueError, match="x must be finite"):
+        fa.update(bad)
+    bad[1, 4] = float("inf")
+    with pytest.raises(ValueError, match="x must be finite"):
+        fa.update(bad[1])
+    after = fa.state_dict()
+    assert fa.n_updates == 200
+    for k, v in before.items():
+        if torch.is_tensor(v):
+            assert torch.equal(v, after[k]), k
+
+
+def test_distribution_sample_and_covariance():
+    _, _, _, X = _fa_data(T=400)
+    fa = OnlineFactorAnalysis(12, 3, warmup=20, seed=0)
+    fa.update(X)
+    dist = fa.distribution()
+    assert isinstance(dist, LowRankMultivariateNormal)
+    dense = torch.distributions.MultivariateNormal(fa.loc, fa.covariance())
+    assert torch.allclose(fa.log_prob(X[:5]), dense.log_prob(X[:5]))
+    S = fa.sample(200_000, generator=torch.Generator().manual_seed(0))
+    assert S.shape == (200_000, 12)
+    emp = torch.cov(S.T)
+    # large Monte Carlo: second moments within a few standard errors
+    se = (fa.covariance().diagonal().outer(fa.covariance().diagonal()) / 200_000).sqrt()
+    assert ((emp - fa.covariance()).abs() < 5 * se + 1e-12).all()
+    assert ((S.mean(0) - fa.loc).abs() < 5 * (fa.covariance().diagonal() / 200_000).sqrt()).all()
+
+
+def test_to_dtype_and_float32_updates():
+    _, _, _, X = _fa_data(T=300)
+    fa = OnlineFactorAnalysis(12, 3, warmup=20, seed=0)
+    fa.update(X[:100])
+    fa = fa.to(torch.float32)
+    assert fa.cov_factor.dtype == torch.float32 and fa.loc.dtype == torch.float32
+    fa.update(X[100:].float())
+    assert torch.isfinite(fa.cov_factor).all() and (fa.cov_diag > 0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["em", "sga"])
+def test_float32_large_dim_stays_finite(method):
+    D, K = 100_000, 5
+    g = torch.Generator().manual_seed(0)
+    F = torch.randn(D, K, generator=g) * 0.1
+    fa = OnlineFactorAnalysis(D, K, method=method, warmup=10, seed=0, dtype=torch.float32)
+    for _ in range(300):
+        x = (F @ torch.randn(K, generator=g) + 1e-3 * torch.randn(D, generator=g)).float()
+        fa.update(x)
+    assert torch.isfinite(fa.cov_factor).all()
+    assert (fa.cov_diag > 0).all() and torch.isfinite(fa.cov_diag).all()
+    assert torch.isfinite(fa.distribution().log_prob(x))
+
+
+def test_constructor_errors():
+    with pytest.raises(ValueError, match="dim must be an integer >= 2"):
+        OnlineFactorAnalysis(1, 1)
+    with pytest.raises(ValueError, match=r"rank must be an integer in \[1, dim\)"):
+        OnlineFactorAnalysis(5, 5)
+    with pytest.raises(ValueError, match=r"rank must be an integer in \[1, dim\)"):
+        OnlineFactorAnalysis(5, 0)
+    with pytest.raises(ValueError, match="method must be one of"):
+        OnlineFactorAnalysis(5, 2, method="svd")
+    with pytest.raises(ValueError, match="warmup must be a positive integer"):
+        OnlineFactorAnalysis(5, 2, warmup=0)
+    with pytest.raises(ValueError, match="lr must be a positive finite number"):
+        OnlineFactorAnalysis(5, 2, method="sga", lr=0.0)
+    with pytest.raises(ValueError, match="step_scale must be a finite number >= 1"):
+        OnlineFactorAnalysis(5, 2, step_scale=0.5)
+    with pytest.raises(ValueError, match="init_scale must be a positive finite number"):
+        OnlineFactorAnalysis(5, 2, init_scale=-1.0)
+    with pytest.raises(ValueError, match=r"min_variance must be in \(0, 1\)"):
+        OnlineFactorAnalysis(5, 2, min_variance=0.0)
+    with pytest.raises(TypeError, match="dtype must be a floating-point dtype"):
+        OnlineFactorAnalysis(5, 2, dtype=torch.int64)
+
+
+def test_update_and_use_errors():
+    fa = OnlineFactorAnalysis(5, 2, seed=0)
+    with pytest.raises(RuntimeError, match="needs at least one update"):
+        fa.distribution()
+    with pytest.raises(RuntimeError, match="needs at least one update"):
+        fa.sample(3)
+    with pytest.raises(RuntimeError, match="needs at least one update"):
+        fa.covariance()
+    with pytest.raises(ValueError, match=r"x must have shape \(D,\) or \(B, D\) with D=5"):
+        fa.update(torch.randn(4))
+    with pytest.raises(ValueError, match="at least one observation"):
+        fa.update(torch.randn(0, 5))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        fa.update([1.0] * 5)
+    with pytest.raises(TypeError, match="x must have dtype torch.float64"):
+        fa.update(torch.randn(5, dtype=torch.float32))
+    fa.update(torch.randn(5))
+    with pytest.raises(ValueError, match="n must be a positive integer"):
+        fa.sample(0)
+    big = OnlineFactorAnalysis(20_001, 1, seed=0, dtype=torch.float32)
+    big.update(torch.randn(20_001))
+    with pytest.raises(ValueError, match=r"Use distribution\(\)"):
+        big.covariance()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_state_and_device_error():
+    _, _, _, X = _fa_data(T=200)
+    fa = OnlineFactorAnalysis(12, 3, warmup=20, seed=0, device="cuda")
+    fa.update(X.cuda())
+    assert fa.cov_factor.is_cuda and fa.distribution().loc.is_cuda
+    with pytest.raises(ValueError, match="x must be on device"):
+        fa.update(X[0])
