@@ -4,7 +4,7 @@ q(theta) = N(c, F F^T + Psi), fitted either by variational inference inside Pyro
 online (EM or stochastic gradient ascent) from optimizer iterates.
 """
 from pyro_fa import linalg
-from pyro_fa.fa import OnlineFactorAnalysis
+from pyro_fa.fa import BatchFactorAnalysis, OnlineFactorAnalysis
 from pyro_fa.infer import AutoLowRankFactorGuide, FactorELBO
 from pyro_fa.priors import GaussianPrior, LaplacePrior
 
@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 __all__ = [
     "linalg",
     "OnlineFactorAnalysis",
+    "BatchFactorAnalysis",
     "AutoLowRankFactorGuide",
     "FactorELBO",
     "GaussianPrior",
