@@ -8,6 +8,8 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "
 if "PYRO_FA_DATA" not in os.environ and SHARED_DATA.is_dir():
     os.environ["PYRO_FA_DATA"] = str(SHARED_DATA)
 
+torch.set_num_threads(1)  # the tests run many tiny kernels: one thread avoids oversubscription
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 

@@ -247,7 +247,7 @@ def test_update_and_use_errors():
     with pytest.raises(ValueError, match="n must be a positive integer"):
         fa.sample(0)
     big = OnlineFactorAnalysis(20_001, 1, seed=0, dtype=torch.float32)
-    big.update(torch.randn(20_001))
+    big.update(torch.randn(20_001, dtype=torch.float32))
     with pytest.raises(ValueError, match=r"Use distribution\(\)"):
         big.covariance()
 

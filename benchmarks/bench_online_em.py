@@ -1,0 +1,93 @@
+"""Cost of one online-EM update at D = 10^6, K = 20, float32, CPU.
+
+Prints the time of one ``OnlineFactorAnalysis.update`` (method "em" and "sga")
+as a multiple of the time of two D x K matrix-vector products measured in the
+same process (the physical reference: an update must at least read F twice),
+and the peak resident memory added by the model as a multiple of D*K*4 bytes.
+
+    python benchmarks/bench_online_em.py            # D = 10^6, K = 20
+    python benchmarks/bench_online_em.py --dim 100000 --repeats 20
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pyro_fa import OnlineFactorAnalysis
+
+
+def _rss_peak_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return -1
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _median_time(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dim", type=int, default=1_000_000)
+    p.add_argument("--rank", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=30)
+    args = p.parse_args(argv)
+    D, K = args.dim, args.rank
+    g = torch.Generator().manual_seed(0)
+    F = torch.randn(D, K, generator=g)
+    xs = [torch.randn(D, generator=g) for _ in range(4)]
+    v = torch.randn(K, generator=g)
+
+    def two_matvecs():
+        F.T @ xs[0]
+        F @ v
+
+    for _ in range(3):
+        two_matvecs()
+    ref = _median_time(two_matvecs, args.repeats)
+    unit = D * K * 4
+    print(f"D = {D}, K = {K}, float32, {torch.get_num_threads()} threads")
+    print(f"two D x K matrix-vector products: {ref * 1e3:.2f} ms")
+    for method in ("em", "sga"):
+        base = _rss_peak_kib()
+        _reset_peak()
+        base = _rss_peak_kib()
+        fa = OnlineFactorAnalysis(D, K, method=method, warmup=2, seed=0, dtype=torch.float32)
+        for i in range(4):  # past the warm-up, so the timed updates are full updates
+            fa.update(xs[i])
+        i = [0]
+
+        def step():
+            fa.update(xs[i[0] % 4])
+            i[0] += 1
+
+        t = _median_time(step, args.repeats)
+        peak = (_rss_peak_kib() - base) * 1024
+        print(
+            f"{method:>3}: one update {t * 1e3:.2f} ms = {t / ref:.2f} x two matvecs; "
+            f"peak memory added {peak / unit:.2f} x D*K*4 bytes"
+        )
+        assert torch.isfinite(fa.cov_factor).all()
+        del fa
+
+
+if __name__ == "__main__":
+    main()
