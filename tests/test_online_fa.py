@@ -16,7 +16,7 @@ def _fa_data(D=12, K=3, T=500, seed=0, dtype=torch.float64):
     return c, F, psi, X
 
 
-def _reference_online_em(X, K, warmup, F0, a):
+def _reference_online_em(X, K, warmup, F0, a, m_step_every=1):
     """Online EM written densely (explicit inverses), the reference for the class.
 
     Seed 000 Algorithm 2 with the step gamma_t = a / (t + a - 1) (a = 1 is the
@@ -37,21 +37,22 @@ def _reference_online_em(X, K, warmup, F0, a):
         gamma = min(1.0, a / (t + a - 1))
         A = A + gamma * (torch.outer(d, m) - A)
         H = H + gamma * (Sigma + torch.outer(m, m) - H)
-        if t > warmup:
+        if t > warmup and (t - warmup) % m_step_every == 0:
             F = A @ torch.linalg.inv(H)
             var = X[:t].var(0, unbiased=False)
             psi = (var + ((F @ H) * F - 2 * F * A).sum(1)).clamp_min(1e-6 * var.mean())  # the floor
     return mean, F, psi
 
 
-@pytest.mark.parametrize("a", [1.0, 2.0, 3.5])
-def test_online_em_matches_dense_reference(a):
+@pytest.mark.parametrize("a, every", [(1.0, 1), (2.0, 1), (3.5, 1), (2.0, 3)])
+def test_online_em_matches_dense_reference(a, every):
     _, _, _, X = _fa_data(T=300)
-    fa = OnlineFactorAnalysis(12, 3, warmup=20, step_scale=a, seed=3)
+    fa = OnlineFactorAnalysis(12, 3, warmup=20, step_scale=a, m_step_every=every, seed=3)
     F0 = fa.cov_factor.clone()
-    for x in X:
+    for x in X[:-1]:
         fa.update(x)
-    mean, F, psi = _reference_online_em(X, 3, 20, F0, a)
+    fa.update(X[-1])
+    mean, F, psi = _reference_online_em(X, 3, 20, F0, a, every)
     assert torch.allclose(fa.loc, mean)
     assert torch.allclose(fa.cov_factor, F)
     assert torch.allclose(fa.cov_diag, psi)
@@ -219,6 +220,8 @@ def test_constructor_errors():
         OnlineFactorAnalysis(5, 2, method="sga", lr=0.0)
     with pytest.raises(ValueError, match="step_scale must be a finite number >= 1"):
         OnlineFactorAnalysis(5, 2, step_scale=0.5)
+    with pytest.raises(ValueError, match="m_step_every must be a positive integer"):
+        OnlineFactorAnalysis(5, 2, m_step_every=0)
     with pytest.raises(ValueError, match="init_scale must be a positive finite number"):
         OnlineFactorAnalysis(5, 2, init_scale=-1.0)
     with pytest.raises(ValueError, match=r"min_variance must be in \(0, 1\)"):

@@ -76,6 +76,12 @@ class OnlineFactorAnalysis(nn.Module):
         :math:`(i/t)^a`, at the price of an effective sample size
         :math:`t(2a-1)/a^2` (0.75 t for the default). ``1`` is the thesis's
         :math:`1/t`.
+    m_step_every : int, default 1
+        EM only: run the M-step (the :math:`O(DK^2)` part of an update) after every
+        ``m_step_every``-th update past the warm-up; the statistics are updated at every
+        update, and E-steps in between use the last :math:`F, \psi`. At large D a value
+        like 10 makes an update cost about one pass over :math:`\bar A` and one over
+        :math:`F` (see ``benchmarks/bench_online_em.py``).
     init_scale : float, default 1.0
         Norm of each orthogonal column of the initial :math:`F` (seed 000 §4.4);
         :math:`\psi` starts at one.
@@ -147,6 +153,7 @@ class OnlineFactorAnalysis(nn.Module):
         optimizer: Optional[Union[type, Callable[..., torch.optim.Optimizer]]] = None,
         optimizer_kwargs: Optional[Dict[str, Any]] = None,
         step_scale: float = 2.0,
+        m_step_every: int = 1,
         init_scale: float = 1.0,
         min_variance: float = 1e-6,
         seed: Optional[int] = None,
@@ -167,6 +174,8 @@ class OnlineFactorAnalysis(nn.Module):
             raise ValueError(f"{name}: lr must be a positive finite number, got {lr!r}.")
         if not (isinstance(step_scale, (int, float)) and math.isfinite(step_scale) and step_scale >= 1):
             raise ValueError(f"{name}: step_scale must be a finite number >= 1, got {step_scale!r}.")
+        if isinstance(m_step_every, bool) or not isinstance(m_step_every, int) or m_step_every < 1:
+            raise ValueError(f"{name}: m_step_every must be a positive integer, got {m_step_every!r}.")
         if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
             raise ValueError(f"{name}: init_scale must be a positive finite number, got {init_scale!r}.")
         if not (isinstance(min_variance, (int, float)) and 0 < min_variance < 1):
@@ -182,6 +191,8 @@ class OnlineFactorAnalysis(nn.Module):
         self.warmup = warmup
         self.lr = float(lr)
         self.step_scale = float(step_scale)
+        self.m_step_every = m_step_every
+        self._since_m_step = 0
         self.init_scale = float(init_scale)
         self.min_variance = float(min_variance)
         self.seed = seed
@@ -205,6 +216,10 @@ class OnlineFactorAnalysis(nn.Module):
             self.register_buffer("_psi", torch.ones(dim, dtype=dtype, device=device))
             self.register_buffer("_A", z(dim, rank))
             self.register_buffer("_H", z(rank, rank))
+            # capacitance I + F^T Psi^-1 F of the current (F, psi), kept for the next E-step
+            cap0 = F0.T @ F0
+            cap0.diagonal().add_(1.0)
+            self.register_buffer("_cap", cap0)
         else:
             self._F = nn.Parameter(F0, requires_grad=False)
             self._log_psi = nn.Parameter(z(dim), requires_grad=False)
@@ -221,10 +236,11 @@ class OnlineFactorAnalysis(nn.Module):
         return self._n
 
     def get_extra_state(self):
-        return {"n_updates": self._n}
+        return {"n_updates": self._n, "since_m_step": self._since_m_step}
 
     def set_extra_state(self, state):
         self._n = int(state["n_updates"])
+        self._since_m_step = int(state.get("since_m_step", 0))
 
     @property
     def variance(self) -> Tensor:
@@ -392,43 +408,63 @@ class OnlineFactorAnalysis(nn.Module):
                 self._rescale_to_data()
             self._sga_step(d)
 
-    def _m_step_factor(self, A: Tensor, H: Tensor) -> Tensor:
-        L = torch.linalg.cholesky(H)
-        return torch.cholesky_solve(A.T, L).T  # A H^{-1}
-
     def _em_step(self, d: Tensor, n: int, B: int) -> None:
-        F, psi = self._F, self._psi
-        # one reused D x K workspace: a fresh 80 MB tensor per update costs more in page
-        # faults than the arithmetic at D = 10^6
-        work = self._workspace()
-        # E-step (eq. 4.23)
-        W = torch.div(F, psi.unsqueeze(-1), out=work)
         K = self.rank
-        cap = W.T @ F
-        cap.diagonal().add_(1.0)
-        L = torch.linalg.cholesky(cap)
-        m = torch.cholesky_solve(W.T @ d.T, L)  # (K, B)
+        # E-step (eq. 4.23): the capacitance I + F^T Psi^-1 F of the current F, psi was
+        # formed by the previous M-step; only F^T Psi^-1 d is new (one pass over F)
+        L = torch.linalg.cholesky(self._cap)
+        u = self._F.T @ (d / self._psi).T  # (K, B)
+        m = torch.cholesky_solve(u, L)
         eye = torch.eye(K, dtype=d.dtype, device=d.device)
         sigma_h = torch.cholesky_solve(eye, L)
-        # statistics (eqs. 4.32, 4.36) with step gamma
+        # statistics (eqs. 4.32, 4.36) with step gamma, A updated in place (one pass)
         a = self.step_scale
         gamma = min(1.0, a * B / (n + (a - 1) * B))
-        self._A.mul_(1 - gamma).addmm_(d.T, m.T, alpha=gamma / B)
+        self._A.addmm_(d.T, m.T, beta=1 - gamma, alpha=gamma / B)
         self._H.mul_(1 - gamma).add_(sigma_h + m @ m.T / B, alpha=gamma)
         if n <= self.warmup:
             return
-        # M-step (eqs. 4.33, 4.35)
-        var = self.variance
-        H_inv = torch.cholesky_inverse(torch.linalg.cholesky(self._H))  # K x K
-        torch.matmul(self._A, H_inv, out=self._F)  # F = A H^-1 in place, no D x K temporary
-        psi_new = var - torch.mul(self._F, self._A, out=work).sum(-1)
-        self._psi.copy_(self._floor(psi_new, var))
+        self._since_m_step += 1
+        if self._since_m_step >= self.m_step_every:
+            self._m_step()
+            self._since_m_step = 0
 
-    def _workspace(self) -> Tensor:
+    def _m_step(self) -> None:
+        r"""M-step (eqs. 4.33, 4.35) fused with the next E-step's capacitance.
+
+        One pass over :math:`\bar A` in row blocks small enough to stay in cache:
+        :math:`F = \bar A \bar H^{-1}`,
+        :math:`\psi = \mathrm{diag}(S) - \mathrm{rowsum}(F \odot \bar A)` (floored) and
+        :math:`I + F^\top \Psi^{-1} F`, without a D x K temporary.
+        """
+        var = self.variance
+        floor = self.min_variance * var.mean().clamp_min(torch.finfo(var.dtype).tiny)
+        H_inv = torch.cholesky_inverse(torch.linalg.cholesky(self._H))
+        A, F, psi = self._A, self._F, self._psi
+        cap = self._cap
+        cap.zero_()
+        rows = self._block_rows()
+        work = self._workspace(rows)
+        for lo in range(0, self.dim, rows):
+            hi = min(lo + rows, self.dim)
+            A_c, F_c, w = A[lo:hi], F[lo:hi], work[: hi - lo]
+            torch.mm(A_c, H_inv, out=F_c)
+            psi_c = psi[lo:hi]
+            torch.sub(var[lo:hi], torch.mul(F_c, A_c, out=w).sum(-1), out=psi_c)
+            psi_c.clamp_min_(floor)
+            torch.div(F_c, psi_c.unsqueeze(-1), out=w)
+            cap.addmm_(w.T, F_c)
+        cap.diagonal().add_(1.0)
+
+    def _block_rows(self) -> int:
+        # about 1 MB of rows per block
+        return max(1, min(self.dim, (1 << 20) // (self.rank * self._A.element_size())))
+
+    def _workspace(self, rows: int) -> Tensor:
         w = getattr(self, "_work", None)
         F = self._F
-        if w is None or w.shape != F.shape or w.dtype != F.dtype or w.device != F.device:
-            w = self._work = torch.empty_like(F)
+        if w is None or w.shape[0] < rows or w.dtype != F.dtype or w.device != F.device:
+            w = self._work = F.new_empty(rows, self.rank)
         return w
 
     def _rescale_to_data(self) -> None:
