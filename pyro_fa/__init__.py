@@ -6,6 +6,7 @@ online (EM or stochastic gradient ascent) from optimizer iterates.
 from pyro_fa import linalg
 from pyro_fa.fa import BatchFactorAnalysis, OnlineFactorAnalysis
 from pyro_fa.infer import AutoLowRankFactorGuide, FactorELBO
+from pyro_fa.infer import MultiSWAG, SWAG
 from pyro_fa.priors import GaussianPrior, LaplacePrior
 
 __version__ = "0.1.0"
@@ -16,6 +17,8 @@ __all__ = [
     "BatchFactorAnalysis",
     "AutoLowRankFactorGuide",
     "FactorELBO",
+    "SWAG",
+    "MultiSWAG",
     "GaussianPrior",
     "LaplacePrior",
     "__version__",

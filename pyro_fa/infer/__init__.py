@@ -7,5 +7,7 @@
 """
 from pyro_fa.infer.elbo import FactorELBO
 from pyro_fa.infer.guide import AutoLowRankFactorGuide
+from pyro_fa.infer.multiswag import MultiSWAG
+from pyro_fa.infer.swag import SWAG
 
-__all__ = ["AutoLowRankFactorGuide", "FactorELBO"]
+__all__ = ["AutoLowRankFactorGuide", "FactorELBO", "SWAG", "MultiSWAG"]

@@ -1,0 +1,700 @@
+r"""SWAG-style Gaussian posteriors fitted to the iterates of an ordinary optimizer.
+
+Every (or every ``collect_every``-th) optimizer step yields the flattened
+parameter vector :math:`\theta_t \in \mathbb{R}^D`; an online fit turns the
+stream into :math:`q(\theta) = N(c, FF^\top + \Psi)` without storing it
+(seed 000 §4.1–4.2, Chapter 6). Classic SWAG (Maddox et al. 2019) is the
+baseline in the same API.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torch.distributions import LowRankMultivariateNormal
+
+from pyro_fa.fa.online import OnlineFactorAnalysis
+
+__all__ = ["SWAG", "FactorPosteriorGuide"]
+
+_METHODS = ("em", "sga", "swag")
+_ON_NONFINITE = ("raise", "skip")
+
+
+def _positive_int(cls: str, arg: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{cls}: {arg} must be an integer >= {minimum}, got {value!r}.")
+    return value
+
+
+class _ParamSource:
+    """Where the parameter vector comes from: a list of named leaf tensors, or Pyro's param store."""
+
+    def __init__(self, named: Optional[List[Tuple[str, Tensor]]] = None, prefix: Optional[str] = None,
+                 names: Optional[Sequence[str]] = None, module: Optional[nn.Module] = None):
+        self.named = named
+        self.prefix = prefix
+        self.names = list(names) if names is not None else None
+        self.module = module
+        self.from_param_store = named is None
+
+    def resolve(self, cls: str) -> List[Tuple[str, Tensor]]:
+        if self.module is not None:  # re-read: a replaced parameter is followed (and its shape checked)
+            return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        if not self.from_param_store:
+            return self.named
+        import pyro
+
+        store = dict(pyro.get_param_store().named_parameters())  # unconstrained leaves
+        if self.names is not None:
+            missing = [n for n in self.names if n not in store]
+            if missing:
+                raise RuntimeError(
+                    f"{cls}: names must all be in Pyro's param store, got {missing!r} missing. "
+                    "Collect after the first svi.step(...), once the guide has created its parameters."
+                )
+            names = self.names
+        else:
+            head = "" if not self.prefix else self.prefix + "."
+            names = [n for n in store if n.startswith(head)]
+            if not names:
+                raise RuntimeError(
+                    f"{cls}: Pyro's param store must hold parameters named {head + '*'!r}, got "
+                    f"{sorted(store)!r}. Collect after the first svi.step(...), or pass prefix= or names=."
+                )
+            self.names = names
+        return [(n, store[n]) for n in names]
+
+    def site_name(self, name: str) -> str:
+        if self.from_param_store and self.prefix and name.startswith(self.prefix + "."):
+            return name[len(self.prefix) + 1:]
+        return name
+
+
+class SWAG(nn.Module):
+    r"""A Gaussian posterior over a model's weights, fitted online to optimizer iterates.
+
+    .. math::
+
+        q(\theta) = N(c, FF^\top + \Psi), \qquad \theta \in \mathbb{R}^D,\ F \in \mathbb{R}^{D\times K}.
+
+    ``method="em"`` and ``"sga"`` feed each collected vector to an
+    :class:`~pyro_fa.OnlineFactorAnalysis` (seed 000 Algorithms 2 and 1): :math:`c`
+    is the running mean (SWA), :math:`F, \Psi` the factor-analysis fit.
+    ``method="swag"`` is classic SWAG (Maddox et al. 2019, eq. 3 and Alg. 1):
+
+    .. math::
+
+        c = \bar\theta, \qquad \Sigma = \tfrac12\big(\Sigma_{\rm diag} + \tfrac{1}{K-1}\hat D\hat D^\top\big),
+
+    with :math:`\Sigma_{\rm diag}` the running variances and :math:`\hat D` the
+    last :math:`K` deviations :math:`\theta_i - \bar\theta_i` (mean after
+    :math:`\theta_i`), i.e. :math:`F = \hat D/\sqrt{2(K-1)}`,
+    :math:`\psi = \Sigma_{\rm diag}/2`.
+
+    Parameters
+    ----------
+    module_or_params : torch.nn.Module or iterable of Tensors
+        The weights to follow: a module's parameters that require grad, in
+        ``named_parameters()`` order, or leaf tensors. All must share one dtype
+        and device; the posterior's state lives there. See
+        :meth:`from_param_store` for Pyro's param store.
+    rank : int, default 20
+        :math:`K`, ``1 <= rank < D``. For ``"swag"``: the number of deviations kept.
+    method : {"em", "sga", "swag"}, default "em"
+    start_after : int, default 0
+        Optimizer steps to skip (pre-training) before collecting.
+    collect_every : int, default 1
+        Collect every this many optimizer steps (after ``start_after``).
+    window : int, default 1
+        Finite-window iterate averaging (seed 000 §6.1.2, Mandt et al. 2017): each
+        vector handed to the fit is the mean of ``window`` consecutive collected
+        iterates.
+    warmup : int, default 100
+        EM / SGA: vectors that only update the running statistics (seed 000 §6.2.1).
+    lr, step_scale, init_scale, min_variance, optimizer
+        Passed to :class:`~pyro_fa.OnlineFactorAnalysis` (``lr``: SGA learning rate).
+    on_nonfinite : {"raise", "skip"}, default "raise"
+        What a NaN / inf parameter vector does: raise ``ValueError``, or be
+        skipped with a ``RuntimeWarning``; the state is unchanged either way.
+    seed : int, optional
+        Seed of the initial factor of EM / SGA.
+
+    Attributes
+    ----------
+    dim : int
+        :math:`D`.
+    loc, cov_factor, cov_diag : Tensors of shape (D,), (D, K), (D,)
+    n_collected : int
+        Vectors handed to the fit (after window averaging).
+    n_steps : int
+        Optimizer steps seen by :meth:`step` (and the hook of :meth:`attach`).
+
+    Notes
+    -----
+    Memory (beyond the model): EM holds three :math:`D\times K` tensors and four
+    of length :math:`D`; SGA the factor and Adam's two moments; classic SWAG one
+    :math:`D\times K` deviation buffer and two of length :math:`D`; plus one
+    vector of length :math:`D` for flattening (and one for the window). Time
+    per collection: :math:`O(DK^2)` for EM / SGA, :math:`O(D)` for classic SWAG.
+    No :math:`D\times D` matrix is formed, and sampling works on any device.
+
+    References
+    ----------
+    W. Maddox, T. Garipov, P. Izmailov, D. Vetrov, A. G. Wilson, "A simple
+    baseline for Bayesian uncertainty in deep learning", NeurIPS 2019.
+    S. Mandt, M. Hoffman, D. Blei, "Stochastic gradient descent as approximate
+    Bayesian inference", JMLR 18, 2017. Seed 000, Chapters 4 and 6.
+
+    Examples
+    --------
+    >>> net = torch.nn.Linear(3, 1)
+    >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    >>> swag = SWAG(net, rank=2, method="swag")
+    >>> handle = swag.attach(opt)
+    >>> for _ in range(5):
+    ...     opt.zero_grad(); net(torch.randn(8, 3)).pow(2).mean().backward(); opt.step()
+    >>> swag.n_collected, swag.sample_parameters(4).shape
+    (5, torch.Size([4, 4]))
+    """
+
+    def __init__(
+        self,
+        module_or_params: Union[nn.Module, Iterable[Tensor]],
+        rank: int = 20,
+        method: str = "em",
+        *,
+        start_after: int = 0,
+        collect_every: int = 1,
+        window: int = 1,
+        warmup: int = 100,
+        lr: float = 1e-3,
+        step_scale: float = 2.0,
+        init_scale: float = 1.0,
+        min_variance: float = 1e-6,
+        optimizer=None,
+        on_nonfinite: str = "raise",
+        seed: Optional[int] = None,
+        _source: Optional[_ParamSource] = None,
+    ):
+        super().__init__()
+        cls = type(self).__name__
+        if method not in _METHODS:
+            raise ValueError(f"{cls}: method must be one of {_METHODS}, got {method!r}.")
+        if on_nonfinite not in _ON_NONFINITE:
+            raise ValueError(f"{cls}: on_nonfinite must be one of {_ON_NONFINITE}, got {on_nonfinite!r}.")
+        self.rank = _positive_int(cls, "rank", rank)
+        self.start_after = _positive_int(cls, "start_after", start_after, 0)
+        self.collect_every = _positive_int(cls, "collect_every", collect_every)
+        self.window = _positive_int(cls, "window", window)
+        self.warmup = _positive_int(cls, "warmup", warmup)
+        self.method = method
+        self.on_nonfinite = on_nonfinite
+        self._fa_kwargs = dict(lr=lr, step_scale=step_scale, init_scale=init_scale, min_variance=min_variance,
+                               optimizer=optimizer, seed=seed)
+        self.min_variance = float(min_variance)
+        if _source is None:
+            _source = self._source_from(module_or_params)
+        object.__setattr__(self, "_source", _source)  # not a submodule: the model's weights stay out of state_dict
+        self._n_steps = 0
+        self._n = 0
+        self._n_window = 0
+        self._shapes: Optional[List[torch.Size]] = None
+        self.dim: Optional[int] = None
+        if not _source.from_param_store:
+            self._setup(_source.named)
+
+    # ------------------------------------------------------------- construction
+    def _source_from(self, obj) -> _ParamSource:
+        cls = type(self).__name__
+        if isinstance(obj, nn.Module):
+            named = [(n, p) for n, p in obj.named_parameters() if p.requires_grad]
+            module = obj
+        elif torch.is_tensor(obj):
+            raise TypeError(
+                f"{cls}: module_or_params must be an nn.Module or an iterable of tensors, got a single Tensor. "
+                "Wrap it in a list."
+            )
+        else:
+            try:
+                named = [(str(i), p) for i, p in enumerate(obj)]
+            except TypeError:
+                raise TypeError(
+                    f"{cls}: module_or_params must be an nn.Module or an iterable of tensors, got {obj!r}."
+                ) from None
+            module = None
+            for name, p in named:
+                if not torch.is_tensor(p):
+                    raise TypeError(f"{cls}: module_or_params must hold only tensors, got {p!r}.")
+        if not named:
+            raise ValueError(f"{cls}: module_or_params must hold at least one trainable tensor, got none.")
+        return _ParamSource(named=named, module=module)
+
+    @classmethod
+    def from_param_store(cls, rank: int = 20, method: str = "em", *, prefix: Optional[str] = "AutoDelta",
+                         names: Optional[Sequence[str]] = None, **kwargs) -> "SWAG":
+        r"""A SWAG posterior over (unconstrained) parameters of Pyro's param store.
+
+        For a model trained by SVI with a MAP / ``AutoDelta`` guide and any
+        ``pyro.optim`` optimizer; the training loop gains one line::
+
+            swag = SWAG.from_param_store(rank=10, start_after=500)
+            for step in range(1000):
+                svi.step(x, y)
+                swag.step()          # collects per start_after / collect_every
+
+        The parameters are looked up at the first collection (after the first
+        ``svi.step``), so the guide may create them lazily.
+
+        Parameters
+        ----------
+        rank, method, **kwargs
+            As for :class:`SWAG`.
+        prefix : str or None, default "AutoDelta"
+            Collect the store's parameters named ``prefix + "." + site``; the site
+            names are what :meth:`to_guide` samples. ``None``: every parameter.
+        names : sequence of str, optional
+            Exact parameter names instead of ``prefix`` (used as site names).
+        """
+        return cls(None, rank, method, _source=_ParamSource(prefix=prefix, names=names), **kwargs)
+
+    def _setup(self, named: List[Tuple[str, Tensor]]) -> None:
+        cls = type(self).__name__
+        tensors = [p for _, p in named]
+        for name, p in named:
+            if not p.is_leaf:
+                raise ValueError(
+                    f"{cls}: parameters must be leaf tensors (what an optimizer updates), got a non-leaf "
+                    f"tensor {name!r} produced by {type(p.grad_fn).__name__}. Pass the tensors the optimizer holds."
+                )
+            if not p.dtype.is_floating_point:
+                raise TypeError(f"{cls}: parameters must be floating point, got {name!r} of dtype {p.dtype}.")
+        dtypes = {p.dtype for p in tensors}
+        devices = {p.device for p in tensors}
+        if len(dtypes) > 1:
+            raise TypeError(f"{cls}: parameters must share one dtype, got {sorted(map(str, dtypes))!r}.")
+        if len(devices) > 1:
+            raise ValueError(f"{cls}: parameters must share one device, got {sorted(map(str, devices))!r}.")
+        D = sum(p.numel() for p in tensors)
+        if self.rank >= D:
+            raise ValueError(f"{cls}: rank must be < the number of parameters D={D}, got {self.rank!r}.")
+        dtype, device = tensors[0].dtype, tensors[0].device
+        self.dim = D
+        self._shapes = [p.shape for p in tensors]
+        self._names = [n for n, _ in named]
+        if self.method == "swag":
+            self.register_buffer("_mean", torch.zeros(D, dtype=dtype, device=device))
+            self.register_buffer("_sq_dev", torch.zeros(D, dtype=dtype, device=device))
+            self.register_buffer("_dev", torch.zeros(self.rank, D, dtype=dtype, device=device))
+        else:
+            self.fa = OnlineFactorAnalysis(D, self.rank, self.method, self.warmup, dtype=dtype, device=device,
+                                           **self._fa_kwargs)
+        if self.window > 1:
+            self.register_buffer("_window_sum", torch.zeros(D, dtype=dtype, device=device))
+
+    @property
+    def _ref(self) -> Tensor:
+        return self._mean if self.method == "swag" else self.fa.loc
+
+    # ------------------------------------------------------------------- collect
+    def _named(self) -> List[Tuple[str, Tensor]]:
+        named = self._source.resolve(type(self).__name__)
+        if self.dim is None:
+            self._setup(named)
+        return named
+
+    def _vector(self) -> Tensor:
+        cls = type(self).__name__
+        named = self._named()
+        shapes = [p.shape for _, p in named]
+        if shapes != self._shapes:
+            raise ValueError(
+                f"{cls}: parameter shapes must stay {[tuple(s) for s in self._shapes]!r} between collections, "
+                f"got {[tuple(s) for s in shapes]!r}; nothing was collected. Build a new SWAG for the new model."
+            )
+        ref = self._ref
+        for name, p in named:
+            if p.dtype != ref.dtype or p.device != ref.device:
+                raise ValueError(
+                    f"{cls}: parameters must be on {ref.device} with dtype {ref.dtype} like the posterior, got "
+                    f"{name!r} on {p.device} with dtype {p.dtype}. Call swag.to(...) after moving the model."
+                )
+        flat = getattr(self, "_flat", None)
+        if flat is None or flat.dtype != ref.dtype or flat.device != ref.device:
+            flat = self._flat = torch.empty_like(ref)
+        offset = 0
+        with torch.no_grad():
+            for _, p in named:
+                n = p.numel()
+                flat[offset:offset + n].copy_(p.reshape(-1))
+                offset += n
+        return flat
+
+    @torch.no_grad()
+    def collect(self) -> bool:
+        """Collect the current parameter vector now (whatever the step schedule).
+
+        Returns
+        -------
+        bool
+            Whether a vector reached the fit (``False`` while a window fills, or
+            when a non-finite vector was skipped).
+
+        Raises
+        ------
+        ValueError
+            If the parameter shapes changed, the parameters moved to another
+            device or dtype, or the vector holds NaN / inf (with
+            ``on_nonfinite="raise"``); the state is unchanged.
+        """
+        theta = self._vector()
+        if not bool(torch.isfinite(theta).all()):
+            bad = int((~torch.isfinite(theta)).sum())
+            msg = (f"{type(self).__name__}: the parameter vector must be finite, got NaN or inf in {bad} entries; "
+                   "it was not collected and the posterior is unchanged.")
+            if self.on_nonfinite == "skip":
+                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+                return False
+            raise ValueError(msg + " Pass on_nonfinite='skip' to skip such vectors with a warning.")
+        if self.window > 1:
+            self._window_sum.add_(theta)
+            self._n_window += 1
+            if self._n_window < self.window:
+                return False
+            theta = self._window_sum / self.window
+            self._window_sum.zero_()
+            self._n_window = 0
+        self._update(theta)
+        return True
+
+    def _update(self, theta: Tensor) -> None:
+        if self.method != "swag":
+            self.fa.update(theta)
+            self._n = self.fa.n_updates
+            return
+        # Welford running mean / squared deviations, then the deviation from the new mean (Maddox et al. Alg. 1)
+        n = self._n + 1
+        delta = theta - self._mean
+        self._mean.add_(delta, alpha=1.0 / n)
+        self._sq_dev.addcmul_(delta, theta - self._mean)
+        torch.sub(theta, self._mean, out=self._dev[self._n % self.rank])
+        self._n = n
+
+    def step(self) -> bool:
+        """Count one optimizer step and collect if the schedule says so.
+
+        Step :math:`t` (counted from one) is collected when ``t > start_after`` and
+        ``(t - start_after) % collect_every == 0``. This is what the hook of
+        :meth:`attach` calls; Pyro users call it after each ``svi.step``.
+
+        Returns
+        -------
+        bool
+            Whether a vector reached the fit.
+        """
+        self._n_steps += 1
+        t = self._n_steps - self.start_after
+        if t > 0 and t % self.collect_every == 0:
+            return self.collect()
+        return False
+
+    def attach(self, optimizer: torch.optim.Optimizer):
+        """Collect after the steps of ``optimizer`` (per ``start_after`` / ``collect_every``).
+
+        Parameters
+        ----------
+        optimizer : torch.optim.Optimizer
+
+        Returns
+        -------
+        torch.utils.hooks.RemovableHandle
+            ``handle.remove()`` detaches.
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"{type(self).__name__}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}. "
+                "With pyro.optim, call swag.step() after each svi.step(...)."
+            )
+        return optimizer.register_step_post_hook(lambda opt, args, kwargs: self.step())
+
+    # ---------------------------------------------------------------- posterior
+    @property
+    def n_collected(self) -> int:
+        return self._n
+
+    @property
+    def n_steps(self) -> int:
+        return self._n_steps
+
+    def _check_ready(self, what: str) -> None:
+        cls = type(self).__name__
+        if self._n == 0:
+            raise RuntimeError(
+                f"{cls}: {what} needs at least one collected parameter vector, got none. "
+                "Call attach(optimizer) and train, or collect()."
+            )
+        if self.method != "swag" and self._n <= self.warmup:
+            raise RuntimeError(
+                f"{cls}: {what} needs more than warmup={self.warmup} collected vectors for method="
+                f"{self.method!r}, got {self._n}. Collect more, or pass a smaller warmup."
+            )
+
+    @property
+    def loc(self) -> Tensor:
+        """The mean :math:`c` (the SWA solution), shape (D,)."""
+        return self._ref
+
+    @property
+    def cov_factor(self) -> Tensor:
+        r""":math:`F`, shape (D, K) (for ``"swag"``: :math:`\hat D/\sqrt{2(K'-1)}`, zero-padded columns)."""
+        if self.method != "swag":
+            return self.fa.cov_factor
+        k = min(self._n, self.rank)
+        return self._dev.T / math.sqrt(2 * max(k - 1, 1))
+
+    @property
+    def cov_diag(self) -> Tensor:
+        r""":math:`\psi`, shape (D,) (for ``"swag"``: half the running variances, floored)."""
+        if self.method != "swag":
+            return self.fa.cov_diag
+        var = self._sq_dev / max(self._n, 1)
+        floor = self.min_variance * var.mean().clamp_min(torch.finfo(var.dtype).tiny)
+        return 0.5 * var.clamp_min(floor)
+
+    def distribution(self) -> LowRankMultivariateNormal:
+        r"""The posterior :math:`N(c, FF^\top + \Psi)` over the flattened parameters."""
+        self._check_ready("distribution()")
+        return LowRankMultivariateNormal(self.loc, self.cov_factor, self.cov_diag)
+
+    @torch.no_grad()
+    def sample_parameters(self, num_samples: Optional[int] = None, generator: Optional[torch.Generator] = None) -> Tensor:
+        r"""Draw flattened parameter vectors :math:`c + Fh + \Psi^{1/2}\varepsilon`, never forming a D×D matrix.
+
+        Parameters
+        ----------
+        num_samples : int, optional
+            ``None``: one vector of shape (D,); else shape (num_samples, D).
+        generator : torch.Generator, optional
+            On the posterior's device.
+        """
+        if num_samples is not None:
+            _positive_int(type(self).__name__, "num_samples", num_samples)
+        self._check_ready("sample_parameters()")
+        S = 1 if num_samples is None else num_samples
+        ref = self.loc
+        h = torch.randn(S, self.rank, generator=generator, dtype=ref.dtype, device=ref.device)
+        eps = torch.randn(S, self.dim, generator=generator, dtype=ref.dtype, device=ref.device)
+        if self.method == "swag":
+            k = min(self._n, self.rank)
+            low = (h @ self._dev).mul_(1.0 / math.sqrt(2 * max(k - 1, 1)))
+        else:
+            low = h @ self.fa.cov_factor.T
+        out = eps.mul_(self.cov_diag.sqrt()).add_(low).add_(ref)
+        return out[0] if num_samples is None else out
+
+    def _split(self, theta: Tensor) -> List[Tensor]:
+        out, offset = [], 0
+        for shape in self._shapes:
+            n = shape.numel()
+            out.append(theta[..., offset:offset + n].reshape(theta.shape[:-1] + shape))
+            offset += n
+        return out
+
+    @contextlib.contextmanager
+    def sampled_weights(self, theta: Optional[Tensor] = None, loader=None, generator: Optional[torch.Generator] = None):
+        """Load sampled weights into the model for the ``with`` block, then restore the originals.
+
+        Parameters
+        ----------
+        theta : Tensor of shape (D,), optional
+            The weights to load; default one draw of :meth:`sample_parameters`.
+        loader : iterable, optional
+            Training batches: batch-norm statistics are recomputed for the
+            sampled weights by ``torch.optim.swa_utils.update_bn`` (module only).
+        generator : torch.Generator, optional
+
+        Yields
+        ------
+        Tensor of shape (D,)
+            The loaded vector. Parameters and buffers are restored on exit, also
+            after an exception.
+        """
+        cls = type(self).__name__
+        if theta is None:
+            theta = self.sample_parameters(generator=generator)
+        elif not torch.is_tensor(theta) or theta.shape != (self.dim,):
+            raise ValueError(f"{cls}: theta must be a tensor of shape ({self.dim},), got {theta!r}.")
+        module = self._source.module
+        if loader is not None and module is None:
+            raise ValueError(f"{cls}: loader needs a SWAG built from an nn.Module, got parameters only.")
+        tensors = [p for _, p in self._named()]
+        with torch.no_grad():
+            saved = [p.detach().clone() for p in tensors]
+            buffers = {k: b.clone() for k, b in module.named_buffers()} if loader is not None else {}
+        try:
+            with torch.no_grad():
+                for p, v in zip(tensors, self._split(theta)):
+                    p.copy_(v)
+            if loader is not None:
+                from torch.optim.swa_utils import update_bn
+
+                update_bn(loader, module)
+            yield theta
+        finally:
+            with torch.no_grad():
+                for p, v in zip(tensors, saved):
+                    p.copy_(v)
+                if buffers:
+                    current = dict(module.named_buffers())
+                    for k, v in buffers.items():
+                        current[k].copy_(v)
+
+    @torch.no_grad()
+    def predict(self, *args, num_samples: int = 30, fn: Optional[Callable[[Tensor], Tensor]] = None, loader=None,
+                generator: Optional[torch.Generator] = None, **kwargs) -> Tensor:
+        """Bayesian model average: the mean of ``fn(module(*args))`` over sampled weights.
+
+        Parameters
+        ----------
+        *args, **kwargs
+            The module's inputs (e.g. ``x`` of shape (N, ...)).
+        num_samples : int, default 30
+        fn : callable, optional
+            Applied to each output before averaging, e.g. ``lambda z: z.softmax(-1)``
+            to average predictive probabilities; default the identity.
+        loader : iterable, optional
+            Batch-norm refresh per sample (see :meth:`sampled_weights`).
+        """
+        cls = type(self).__name__
+        _positive_int(cls, "num_samples", num_samples)
+        module = self._source.module
+        if module is None:
+            raise RuntimeError(f"{cls}: predict() needs a SWAG built from an nn.Module; use to_guide() with "
+                               "pyro.infer.Predictive for Pyro models.")
+        thetas = self.sample_parameters(num_samples, generator=generator)
+        total = None
+        for theta in thetas:
+            with self.sampled_weights(theta, loader=loader):
+                out = module(*args, **kwargs)
+                out = fn(out) if fn is not None else out
+            total = out.clone() if total is None else total.add_(out)
+        return total / num_samples
+
+    def to_guide(self, model: Callable):
+        """A Pyro guide drawing ``model``'s latent sites from this posterior.
+
+        ``pyro.infer.Predictive(model, guide=swag.to_guide(model), num_samples=S)``
+        then averages over sampled weights. Sites are matched by name: the
+        module's parameter names (as in ``GaussianPrior.bayesianize(module)``), or
+        the param-store names with ``prefix.`` removed (:meth:`from_param_store`,
+        whose unconstrained values are mapped by ``biject_to(site support)``).
+        Use ``Predictive(..., parallel=False)``.
+        """
+        return FactorPosteriorGuide(model, [self])
+
+    def site_names(self) -> List[str]:
+        """Names of the model sites that the posterior's pieces stand for, in flattening order."""
+        self._named()
+        return [self._source.site_name(n) for n in self._names]
+
+    # ------------------------------------------------------------------ state
+    def get_extra_state(self):
+        return {"n_steps": self._n_steps, "n": self._n, "n_window": self._n_window,
+                "shapes": [tuple(s) for s in self._shapes] if self._shapes is not None else None}
+
+    def set_extra_state(self, state):
+        shapes = [torch.Size(s) for s in state["shapes"]] if state["shapes"] is not None else None
+        if self._shapes is not None and shapes != self._shapes:
+            raise ValueError(
+                f"{type(self).__name__}: state_dict must come from parameters of shapes "
+                f"{[tuple(s) for s in self._shapes]!r}, got {state['shapes']!r}."
+            )
+        self._n_steps, self._n, self._n_window = int(state["n_steps"]), int(state["n"]), int(state["n_window"])
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if self.dim is None:  # param-store source not yet resolved: resolve now to build the buffers
+            self._named()
+        state_dict = dict(state_dict)
+        opt_state = state_dict.pop("fa._optimizer_state", None)  # SGA's Adam moments (OnlineFactorAnalysis)
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if opt_state is not None and self.method == "sga":
+            self.fa._optimizer.load_state_dict(opt_state)
+            self.fa._cache = None
+        return result
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._flat = None
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, rank={self.rank}, method={self.method!r}, start_after={self.start_after}, "
+                f"collect_every={self.collect_every}, window={self.window}")
+
+
+class FactorPosteriorGuide:
+    """A Pyro guide that draws a model's latent sites from one or more SWAG posteriors.
+
+    Built by :meth:`SWAG.to_guide` (one member) or ``MultiSWAG.to_guide`` (an
+    equally weighted mixture: each call picks a member uniformly at random).
+    Each call draws one flattened vector, splits it into the sites (matched by
+    name), maps param-store values through ``biject_to(site support)``, and
+    records each site as a ``Delta``. The model is traced once, at the first
+    call, to check that the posterior's sites are latent sites of the model
+    with the right sizes; the model's other latent sites (e.g. predictions)
+    are left to the model.
+    """
+
+    def __init__(self, model: Callable, members: Sequence[SWAG]):
+        self.model = model
+        self.members = list(members)
+        self._supports: Optional[Dict[str, object]] = None
+
+    def _setup(self, *args, **kwargs) -> None:
+        import pyro.poutine as poutine
+        from pyro.poutine.util import site_is_subsample
+
+        trace = poutine.block(poutine.trace(self.model).get_trace)(*args, **kwargs)
+        latent = {name: site for name, site in trace.nodes.items()
+                  if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)}
+        for member in self.members:
+            names = member.site_names()
+            unknown = [n for n in names if n not in latent]
+            if unknown:
+                raise ValueError(
+                    f"{type(self).__name__}: the posterior's sites must be latent sites of the model, got "
+                    f"{unknown!r} not among the model's latent sites {list(latent)!r}. Sites are matched by "
+                    "parameter name (SWAG.site_names())."
+                )
+            for name, shape in zip(names, member._shapes):
+                if latent[name]["value"].numel() != shape.numel():
+                    raise ValueError(
+                        f"{type(self).__name__}: site {name!r} must have {shape.numel()} elements like the "
+                        f"posterior's piece, got shape {tuple(latent[name]['value'].shape)!r}."
+                    )
+        self._supports = {name: site["fn"].support for name, site in latent.items()}
+        self._shapes = {name: site["value"].shape for name, site in latent.items()}
+
+    def __call__(self, *args, **kwargs) -> Dict[str, Tensor]:
+        import pyro
+        import pyro.distributions as dist
+        from torch.distributions import biject_to
+
+        if self._supports is None:
+            self._setup(*args, **kwargs)
+        if len(self.members) == 1:
+            member = self.members[0]
+        else:
+            member = self.members[int(torch.randint(len(self.members), ()))]
+        theta = member.sample_parameters()
+        out = {}
+        for name, value in zip(member.site_names(), member._split(theta)):
+            value = value.reshape(self._shapes[name])
+            if member._source.from_param_store:
+                value = biject_to(self._supports[name])(value)
+            out[name] = pyro.sample(name, dist.Delta(value, event_dim=value.dim()))
+        return out
