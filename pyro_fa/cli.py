@@ -15,12 +15,16 @@ EXPERIMENTS = {
     "online-fa": "pyro_fa.experiments.online_fa",
     "vifa-synthetic": "pyro_fa.experiments.vifa_synthetic",
     "vifa-linreg": "pyro_fa.experiments.vifa_linreg",
+    "sgd-iterates": "pyro_fa.experiments.sgd_iterates",
+    "linreg-ensembles": "pyro_fa.experiments.linreg_ensembles",
 }
 
 _HELP = {
     "online-fa": "Chapter 5: online EM / online SGA vs batch factor analysis on synthetic FA models.",
     "vifa-synthetic": "Seed 003 Table 1: VIFA (Gaussian and Laplace priors) vs the exact 2-D linear-regression posterior.",
     "vifa-linreg": "Seed 003 Figs. 2-5: VIFA vs exact linear-regression posteriors on four UCI datasets.",
+    "sgd-iterates": "Seed 000 Table 6.1, Figs. 6.1-6.2: SGD iterates vs the exact 2-D linear-regression posterior.",
+    "linreg-ensembles": "Seed 000 Table A.1: pre-trained, SWA, SGA-FA and EM-FA ensembles of linear regression on UCI.",
 }
 
 
