@@ -16,11 +16,11 @@ def _fa_data(D=12, K=3, T=500, seed=0, dtype=torch.float64):
     return c, F, psi, X
 
 
-def _reference_online_em(X, K, warmup, F0, a, m_step_every=1):
+def _reference_online_em(X, K, warmup, F0, a, m_step_every=1, ramp=24):
     """Online EM written densely (explicit inverses), the reference for the class.
 
-    Seed 000 Algorithm 2 with the step gamma_t = a / (t + a - 1) (a = 1 is the
-    thesis's 1/t), two documented differences: H averages the expected statistic
+    Seed 000 Algorithm 2 with the step gamma_t = a_t / (t + a_t - 1), a_t ramping
+    from 1 to a over the first 2 D observations (a = 1 is the thesis's 1/t), two documented differences: H averages the expected statistic
     Sigma_t + m_t m_t^T (Cappé & Moulines 2009) instead of adding the current
     Sigma to an average of m m^T, and diag(S) is the exact variance about the
     current mean instead of an average of squared deviations from stale means.
@@ -34,7 +34,8 @@ def _reference_online_em(X, K, warmup, F0, a, m_step_every=1):
         C = (F / psi[:, None]).T
         Sigma = torch.linalg.inv(torch.eye(K) + C @ F)
         m = Sigma @ C @ d
-        gamma = min(1.0, a / (t + a - 1))
+        a_t = 1 + (a - 1) * min(1.0, t / ramp)
+        gamma = min(1.0, a_t / (t + a_t - 1))
         A = A + gamma * (torch.outer(d, m) - A)
         H = H + gamma * (Sigma + torch.outer(m, m) - H)
         if t > warmup and (t - warmup) % m_step_every == 0:
@@ -220,6 +221,8 @@ def test_constructor_errors():
         OnlineFactorAnalysis(5, 2, method="sga", lr=0.0)
     with pytest.raises(ValueError, match="step_scale must be a finite number >= 1"):
         OnlineFactorAnalysis(5, 2, step_scale=0.5)
+    with pytest.raises(ValueError, match="step_ramp must be a positive integer or None"):
+        OnlineFactorAnalysis(5, 2, step_ramp=0)
     with pytest.raises(ValueError, match="m_step_every must be a positive integer"):
         OnlineFactorAnalysis(5, 2, m_step_every=0)
     with pytest.raises(ValueError, match="init_scale must be a positive finite number"):

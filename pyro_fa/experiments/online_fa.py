@@ -190,6 +190,8 @@ def run(args) -> int:
             "trials": {m: {"rel": [r[m]["rel"] for r in runs], "w2": [r[m]["w2"] for r in runs],
                            "seconds": [r[m]["seconds"] for r in runs]} for m in METHODS},
         }
+        # the cells done so far, so that an interrupted full run keeps them (complete: false)
+        atomic_write_json(out_dir / "partial.json", {"experiment": "online-fa", "complete": False, "results": results})
     bar.close()
     elapsed = time.perf_counter() - t_start
 
@@ -230,10 +232,11 @@ def run(args) -> int:
     print(table)
     print(f"\nfinished in {elapsed:.0f} s")
 
-    payload = {"experiment": "online-fa", "protocol": protocol, "quick": quick, "trials": trials, "rank": args.rank,
+    payload = {"experiment": "online-fa", "complete": True, "protocol": protocol, "quick": quick, "trials": trials, "rank": args.rank,
                "seed": args.seed, "batch_size": args.batch_size, "seconds": elapsed, "summary": summary,
                "results": results}
     atomic_write_json(out_dir / "results.json", payload)
+    (out_dir / "partial.json").unlink(missing_ok=True)
     atomic_write_text(out_dir / "table.md", protocol + "\n\n" + table + "\n")
     _plot(results, dims, spectra, out_dir)
     print(f"results in {out_dir}/ (results.json, table.md, figure_5_1.png, figure_5_2.png)")

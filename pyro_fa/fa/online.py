@@ -40,8 +40,8 @@ class OnlineFactorAnalysis(nn.Module):
         \bar A_t = \bar A_{t-1} + \gamma_t (d_t m_t^\top - \bar A_{t-1}), \qquad
         \bar H_t = \bar H_{t-1} + \gamma_t (\Sigma_h + m_t m_t^\top - \bar H_{t-1})
 
-    are updated with step :math:`\gamma_t = a / (t + a - 1)` (``step_scale`` =
-    :math:`a`), and the M-step :math:`F = \bar A_t \bar H_t^{-1}`,
+    are updated with step :math:`\gamma_t = a_t / (t + a_t - 1)`, where :math:`a_t`
+    ramps from 1 to ``step_scale`` over the first ``step_ramp`` observations, and the M-step :math:`F = \bar A_t \bar H_t^{-1}`,
     :math:`\psi = \mathrm{diag}(S_t) - \mathrm{rowsum}(F \odot \bar A_t)`
     (eqs. 4.33–4.35) follows. With ``step_scale=1`` this is exactly the thesis's
     Algorithm 2 (:math:`\gamma_t = 1/t`), which forgets the statistics gathered
@@ -76,6 +76,12 @@ class OnlineFactorAnalysis(nn.Module):
         :math:`(i/t)^a`, at the price of an effective sample size
         :math:`t(2a-1)/a^2` (0.75 t for the default). ``1`` is the thesis's
         :math:`1/t`.
+    step_ramp : int, optional
+        Number of observations over which :math:`a_t` grows linearly from 1 to
+        ``step_scale``; default ``2 * dim``. The :math:`D\times K` statistic
+        :math:`\bar A` needs of the order of D observations before its M-step is
+        better than noise; until then plain averaging (:math:`a = 1`) is the stable,
+        minimum-variance choice, and forgetting the early E-steps pays only after.
     m_step_every : int, default 1
         EM only: run the M-step (the :math:`O(DK^2)` part of an update) after every
         ``m_step_every``-th update past the warm-up; the statistics are updated at every
@@ -153,6 +159,7 @@ class OnlineFactorAnalysis(nn.Module):
         optimizer: Optional[Union[type, Callable[..., torch.optim.Optimizer]]] = None,
         optimizer_kwargs: Optional[Dict[str, Any]] = None,
         step_scale: float = 2.0,
+        step_ramp: Optional[int] = None,
         m_step_every: int = 1,
         init_scale: float = 1.0,
         min_variance: float = 1e-6,
@@ -174,6 +181,8 @@ class OnlineFactorAnalysis(nn.Module):
             raise ValueError(f"{name}: lr must be a positive finite number, got {lr!r}.")
         if not (isinstance(step_scale, (int, float)) and math.isfinite(step_scale) and step_scale >= 1):
             raise ValueError(f"{name}: step_scale must be a finite number >= 1, got {step_scale!r}.")
+        if step_ramp is not None and (isinstance(step_ramp, bool) or not isinstance(step_ramp, int) or step_ramp < 1):
+            raise ValueError(f"{name}: step_ramp must be a positive integer or None, got {step_ramp!r}.")
         if isinstance(m_step_every, bool) or not isinstance(m_step_every, int) or m_step_every < 1:
             raise ValueError(f"{name}: m_step_every must be a positive integer, got {m_step_every!r}.")
         if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
@@ -191,6 +200,7 @@ class OnlineFactorAnalysis(nn.Module):
         self.warmup = warmup
         self.lr = float(lr)
         self.step_scale = float(step_scale)
+        self.step_ramp = 2 * dim if step_ramp is None else step_ramp
         self.m_step_every = m_step_every
         self._since_m_step = 0
         self.init_scale = float(init_scale)
@@ -418,7 +428,7 @@ class OnlineFactorAnalysis(nn.Module):
         eye = torch.eye(K, dtype=d.dtype, device=d.device)
         sigma_h = torch.cholesky_solve(eye, L)
         # statistics (eqs. 4.32, 4.36) with step gamma, A updated in place (one pass)
-        a = self.step_scale
+        a = 1.0 + (self.step_scale - 1.0) * min(1.0, n / self.step_ramp)
         gamma = min(1.0, a * B / (n + (a - 1) * B))
         self._A.addmm_(d.T, m.T, beta=1 - gamma, alpha=gamma / B)
         self._H.mul_(1 - gamma).add_(sigma_h + m @ m.T / B, alpha=gamma)
