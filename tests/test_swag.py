@@ -270,6 +270,8 @@ def test_errors():
         SWAG(net, rank=0)
     with pytest.raises(ValueError, match=r"SWAG: collect_every must be an integer >= 1"):
         SWAG(net, rank=2, collect_every=0)
+    with pytest.raises(ValueError, match=r"SWAG: warmup must be >= rank=3 for method 'em', got 2"):
+        SWAG(nn.Linear(5, 1), rank=3, warmup=2)
     with pytest.raises(ValueError, match=r"SWAG: on_nonfinite must be one of"):
         SWAG(net, rank=2, on_nonfinite="ignore")
     w = torch.zeros(4, requires_grad=True)

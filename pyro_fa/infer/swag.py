@@ -115,7 +115,8 @@ class SWAG(nn.Module):
         vector handed to the fit is the mean of ``window`` consecutive collected
         iterates.
     warmup : int, default 100
-        EM / SGA: vectors that only update the running statistics (seed 000 §6.2.1).
+        EM / SGA: vectors that only update the running statistics (seed 000 §6.2.1);
+        at least ``rank`` for EM.
     lr, step_scale, init_scale, min_variance, optimizer
         Passed to :class:`~pyro_fa.OnlineFactorAnalysis` (``lr``: SGA learning rate).
     on_nonfinite : {"raise", "skip"}, default "raise"
@@ -123,6 +124,8 @@ class SWAG(nn.Module):
         skipped with a ``RuntimeWarning``; the state is unchanged either way.
     seed : int, optional
         Seed of the initial factor of EM / SGA.
+    **fa_kwargs
+        Further options of :class:`~pyro_fa.OnlineFactorAnalysis` (e.g. ``m_step_every``).
 
     Attributes
     ----------
@@ -180,6 +183,7 @@ class SWAG(nn.Module):
         on_nonfinite: str = "raise",
         seed: Optional[int] = None,
         _source: Optional[_ParamSource] = None,
+        **fa_kwargs,
     ):
         super().__init__()
         cls = type(self).__name__
@@ -192,10 +196,16 @@ class SWAG(nn.Module):
         self.collect_every = _positive_int(cls, "collect_every", collect_every)
         self.window = _positive_int(cls, "window", window)
         self.warmup = _positive_int(cls, "warmup", warmup)
+        if method == "em" and self.warmup < self.rank:
+            raise ValueError(
+                f"{cls}: warmup must be >= rank={self.rank} for method 'em', got {warmup!r}: an M-step from fewer "
+                "vectors than factors is degenerate (psi collapses and the capacitance loses positive-definiteness "
+                "in float32)."
+            )
         self.method = method
         self.on_nonfinite = on_nonfinite
         self._fa_kwargs = dict(lr=lr, step_scale=step_scale, init_scale=init_scale, min_variance=min_variance,
-                               optimizer=optimizer, seed=seed)
+                               optimizer=optimizer, seed=seed, **fa_kwargs)
         self.min_variance = float(min_variance)
         if _source is None:
             _source = self._source_from(module_or_params)
