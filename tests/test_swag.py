@@ -353,3 +353,39 @@ def test_to_guide_site_mismatch():
 
     with pytest.raises(ValueError, match=r"FactorPosteriorGuide: the posterior's sites must be latent sites of the model, got \['weight', 'bias'\]"):
         swag.to_guide(model)(torch.zeros(1, 2))
+
+
+# ------------------------------------------------------------------ experiments (smoke)
+def _args(tmp_path, **kw):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(quick=True, output_dir=str(tmp_path), seed=0, no_progress=True, **kw)
+
+
+def test_sgd_iterates_experiment_smoke(tmp_path, capsys):
+    import json
+
+    from pyro_fa.experiments import sgd_iterates
+
+    args = _args(tmp_path, trials=1, pretrain_epochs=3, epochs=12, window=5, window_batch=50)
+    assert sgd_iterates.run(args) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert set(res["settings"]) == {"lr=0.1,lambda=0.1", "lr=0.1,lambda=0.001", "lr=0.01,lambda=0.1",
+                                    "lr=0.01,lambda=0.001"}
+    assert (tmp_path / "figure_6_1.png").exists() and (tmp_path / "figure_6_2.png").exists()
+    assert "(0.0666 ± 0.0078)" in capsys.readouterr().out
+
+
+def test_linreg_ensembles_experiment_smoke(tmp_path, capsys):
+    import json
+    import os
+
+    from pyro_fa.experiments import linreg_ensembles
+
+    if not os.environ.get("PYRO_FA_DATA"):
+        pytest.skip("needs the UCI data (PYRO_FA_DATA)")
+    args = _args(tmp_path, data_dir=None, datasets=["yacht"], folds=1, pretrain_epochs=5, epochs=15)
+    assert linreg_ensembles.run(args) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert set(res["yacht"]["ours"]) == {"pretrained", "swa", "sga_fa", "em_fa", "swag"}
+    assert "(82.83 ± 7.42)" in capsys.readouterr().out
