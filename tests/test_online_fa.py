@@ -41,7 +41,7 @@ def _reference_online_em(X, K, warmup, F0, a, m_step_every=1, ramp=24):
         if t > warmup and (t - warmup) % m_step_every == 0:
             F = A @ torch.linalg.inv(H)
             var = X[:t].var(0, unbiased=False)
-            psi = (var + ((F @ H) * F - 2 * F * A).sum(1)).clamp_min(1e-6 * var.mean())  # the floor
+            psi = torch.maximum(var + ((F @ H) * F - 2 * F * A).sum(1), 1e-4 * var)  # the floor
     return mean, F, psi
 
 
@@ -189,6 +189,25 @@ def test_to_dtype_and_float32_updates():
     assert fa.cov_factor.dtype == torch.float32 and fa.loc.dtype == torch.float32
     fa.update(X[100:].float())
     assert torch.isfinite(fa.cov_factor).all() and (fa.cov_diag > 0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["em", "sga"])
+def test_float32_tiny_iterates_short_warmup(method):
+    # SGD iterates late in training: variances ~1e-8, warm-up shorter than the rank
+    # (a Heywood start for EM; for SGA, steps of lr far above the data's scale)
+    D, K = 50_000, 20
+    g = torch.Generator().manual_seed(0)
+    F = torch.randn(D, K, generator=g) * 1e-4 / K**0.5
+    centre = torch.randn(D, generator=g)
+    fa = OnlineFactorAnalysis(D, K, method=method, warmup=5, seed=0, dtype=torch.float32)
+    for _ in range(200):
+        x = centre + F @ torch.randn(K, generator=g) + 3e-5 * torch.randn(D, generator=g)
+        fa.update(x.float())
+    assert torch.isfinite(fa.cov_factor).all() and (fa.cov_diag > 0).all()
+    total = fa.cov_diag.sum() + fa.cov_factor.pow(2).sum()
+    truth = (F.pow(2).sum() + D * 9e-10).float()
+    assert 0.2 < float(total / truth) < 5
 
 
 @pytest.mark.slow

@@ -91,9 +91,10 @@ class OnlineFactorAnalysis(nn.Module):
     init_scale : float, default 1.0
         Norm of each orthogonal column of the initial :math:`F` (seed 000 §4.4);
         :math:`\psi` starts at one.
-    min_variance : float, default 1e-6
+    min_variance : float, default 1e-4
         Relative floor of :math:`\psi`: :math:`\psi_d \ge` ``min_variance`` times the
-        average observed variance (keeps :math:`\Psi` positive definite in float32).
+        observed variance of coordinate d (a Heywood case cannot drive the capacitance
+        :math:`I + F^\top\Psi^{-1}F` past what float32 can factorise).
     seed : int, optional
         Seed of the generator used for the initialisation.
     dtype, device : optional
@@ -162,7 +163,7 @@ class OnlineFactorAnalysis(nn.Module):
         step_ramp: Optional[int] = None,
         m_step_every: int = 1,
         init_scale: float = 1.0,
-        min_variance: float = 1e-6,
+        min_variance: float = 1e-4,
         seed: Optional[int] = None,
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[str, torch.device]] = None,
@@ -231,6 +232,10 @@ class OnlineFactorAnalysis(nn.Module):
             cap0.diagonal().add_(1.0)
             self.register_buffer("_cap", cap0)
         else:
+            # the ascent runs in coordinates standardised by the running standard deviation
+            # at the end of the warm-up (F = diag(scale) F~, psi = scale^2 psi~), so that the
+            # optimizer's step size means the same whatever the scale of the data
+            self.register_buffer("_scale", torch.ones(dim, dtype=dtype, device=device))
             self._F = nn.Parameter(F0, requires_grad=False)
             self._log_psi = nn.Parameter(z(dim), requires_grad=False)
             opt = optimizer if optimizer is not None else torch.optim.Adam
@@ -258,14 +263,20 @@ class OnlineFactorAnalysis(nn.Module):
         return self._sq_dev / max(self._n, 1)
 
     def _floor(self, psi: Tensor, var: Tensor) -> Tensor:
-        floor = self.min_variance * var.mean().clamp_min(torch.finfo(var.dtype).tiny)
-        return psi.clamp_min(floor)
+        return torch.maximum(psi, self._floor_values(var))
+
+    def _floor_values(self, var: Tensor) -> Tensor:
+        # relative to each coordinate's variance; a coordinate that never moved gets a
+        # tiny absolute floor (its row of F is zero, so it does not enter the capacitance)
+        tiny = torch.finfo(var.dtype).eps * var.mean().clamp_min(torch.finfo(var.dtype).tiny)
+        return (self.min_variance * var).clamp_min(tiny)
 
     def _estimate(self):
         if self._cache is not None:
             return self._cache
         if self.method == "sga":
-            out = (self._F.detach(), self._log_psi.detach().exp())
+            scale = self._scale
+            out = (self._F.detach() * scale.unsqueeze(-1), self._log_psi.detach().exp() * scale.pow(2))
         else:
             out = (self._F, self._psi)
         self._cache = out
@@ -422,7 +433,7 @@ class OnlineFactorAnalysis(nn.Module):
         K = self.rank
         # E-step (eq. 4.23): the capacitance I + F^T Psi^-1 F of the current F, psi was
         # formed by the previous M-step; only F^T Psi^-1 d is new (one pass over F)
-        L = torch.linalg.cholesky(self._cap)
+        L = _cholesky(self._cap)
         u = self._F.T @ (d / self._psi).T  # (K, B)
         m = torch.cholesky_solve(u, L)
         eye = torch.eye(K, dtype=d.dtype, device=d.device)
@@ -448,8 +459,8 @@ class OnlineFactorAnalysis(nn.Module):
         :math:`I + F^\top \Psi^{-1} F`, without a D x K temporary.
         """
         var = self.variance
-        floor = self.min_variance * var.mean().clamp_min(torch.finfo(var.dtype).tiny)
-        H_inv = torch.cholesky_inverse(torch.linalg.cholesky(self._H))
+        floor = self._floor_values(var)
+        H_inv = torch.cholesky_inverse(_cholesky(self._H))
         A, F, psi = self._A, self._F, self._psi
         cap = self._cap
         cap.zero_()
@@ -461,7 +472,7 @@ class OnlineFactorAnalysis(nn.Module):
             torch.mm(A_c, H_inv, out=F_c)
             psi_c = psi[lo:hi]
             torch.sub(var[lo:hi], torch.mul(F_c, A_c, out=w).sum(-1), out=psi_c)
-            psi_c.clamp_min_(floor)
+            torch.maximum(psi_c, floor[lo:hi], out=psi_c)
             torch.div(F_c, psi_c.unsqueeze(-1), out=w)
             cap.addmm_(w.T, F_c)
         cap.diagonal().add_(1.0)
@@ -478,18 +489,21 @@ class OnlineFactorAnalysis(nn.Module):
         return w
 
     def _rescale_to_data(self) -> None:
-        # SGA starts its ascent at the scale of the data: psi = var, and the rows of F scaled
-        # so that diag(F F^T) = var / 100 (a small factor part, away from the saddle F = 0).
+        # SGA starts its ascent at the scale of the data: the standardising scale is the
+        # running standard deviation, psi~ = 1, and the rows of F~ scaled so that
+        # diag(F~ F~^T) = 1/100 (a small factor part, away from the saddle F = 0).
         var = self.variance
+        self._scale.copy_(self._floor(var, var).sqrt())
         F = self._F.detach()
         row_sq = F.pow(2).sum(-1).mean()
-        self._F.data.mul_((0.01 * var / row_sq).sqrt().unsqueeze(-1))
-        self._log_psi.data.copy_(self._floor(var, var).log())
+        self._F.data.mul_((0.01 / row_sq).sqrt())
+        self._log_psi.data.zero_()
 
     def _sga_step(self, d: Tensor) -> None:
         F = self._F.detach()
         psi = self._log_psi.detach().exp()
         B = d.shape[0]
+        d = d / self._scale  # standardised; gradients below are those of the standardised model
         m, sigma_h = linalg.latent_posterior(F, psi, d)  # (B, K), (K, K)
         # eq. 4.24 averaged over the batch: Psi^-1 (d m^T - F (Sigma + m m^T))
         E_hh = sigma_h + m.T @ m / B
@@ -505,3 +519,28 @@ class OnlineFactorAnalysis(nn.Module):
         self._optimizer.step()
         self._F.grad = None
         self._log_psi.grad = None
+        # keep psi~ within the same relative floor as EM
+        self._log_psi.data.clamp_min_(math.log(self.min_variance))
+
+
+def _cholesky(mat: Tensor) -> Tensor:
+    """Cholesky factor of a symmetric positive-definite K x K matrix, with jitter as a fallback.
+
+    The matrices factorised here (capacitances, E[h h^T]) are positive definite in exact
+    arithmetic; in float32 rounding can make a badly conditioned one fail, and a diagonal
+    jitter of a few ulps of its trace is then the smallest change that restores it.
+    """
+    L, info = torch.linalg.cholesky_ex(mat)
+    if not bool(info):
+        return L
+    eye = torch.eye(mat.shape[-1], dtype=mat.dtype, device=mat.device)
+    jitter = torch.finfo(mat.dtype).eps * mat.diagonal().abs().mean().clamp_min(1.0)
+    for _ in range(8):
+        jitter = jitter * 10
+        L, info = torch.linalg.cholesky_ex(mat + jitter * eye)
+        if not bool(info):
+            return L
+    raise RuntimeError(
+        f"OnlineFactorAnalysis: a {mat.shape[-1]} x {mat.shape[-1]} matrix of the E-step is not positive "
+        "definite even with jitter; the statistics hold non-finite values."
+    )
