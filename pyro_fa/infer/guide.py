@@ -76,11 +76,32 @@ class AutoLowRankFactorGuide(AutoContinuous):
         Only with ``noise="isotropic"``: a fixed :math:`\sigma` (so
         :math:`\Psi = \sigma^2 I` is a hyperparameter, as in seed 003 §2);
         :math:`\sigma` is learned when omitted.
+    loc_scale : {None, "prior"} or float, default None
+        Units of the learned mean. ``None``: :math:`c` itself is the
+        parameter, as in Pyro's autoguides. ``"prior"`` or a positive float
+        :math:`\lambda`: the parameter is the *whitened* mean :math:`u` with
+        :math:`c = \lambda \odot u`, where ``"prior"`` takes
+        :math:`\lambda_i` as the prior standard deviation of coordinate
+        :math:`i` (from the site's ``variance`` when its support is the real
+        line, e.g. :math:`\alpha^{-1/2}` for ``GaussianPrior``,
+        :math:`\sqrt2 b` for ``LaplacePrior``; 1 for constrained sites,
+        infinite variances or priors whose parameters are learned). An
+        optimiser such as Adam moves each parameter by about its learning
+        rate per step whatever the gradient's size, so with ``None`` the mean
+        travels at most ``lr`` per step and a mean many ``lr``-steps from its
+        start is reached late or never; whitening makes the step a fraction
+        of the prior's spread (the whitened parameterisation of sparse GPs,
+        GPflow's ``whiten=True``). Use a decaying learning rate with it: a
+        constant one leaves the mean jittering by about ``lr`` prior standard
+        deviations.
 
     Attributes
     ----------
-    loc : Parameter of shape (D,)
+    loc : Parameter (or, with ``loc_scale``, tensor) of shape (D,)
         :math:`c`.
+    whitened_loc : Parameter of shape (D,)
+        Only with ``loc_scale``: :math:`u`, with :math:`c = \lambda \odot u`
+        and :math:`\lambda` the buffer ``loc_scale`` of shape (D,).
     factor : Parameter of shape (D, K)
         :math:`G`; the covariance factor is :attr:`cov_factor`.
     scale : Parameter of shape (D,) or () (a buffer when fixed)
@@ -134,6 +155,7 @@ class AutoLowRankFactorGuide(AutoContinuous):
         init_loc_fn: Optional[Callable] = None,
         init_scale: float = 0.01,
         noise_scale: Optional[float] = None,
+        loc_scale=None,
     ):
         name = type(self).__name__
         if rank is not None:
@@ -145,6 +167,10 @@ class AutoLowRankFactorGuide(AutoContinuous):
         if noise not in _NOISE_OPTIONS:
             raise ValueError(f"{name}: noise must be one of {_NOISE_OPTIONS}, got {noise!r}.")
         init_scale = _check_positive(name, "init_scale", init_scale)
+        if loc_scale is not None and not (isinstance(loc_scale, str) and loc_scale == "prior"):
+            if isinstance(loc_scale, str):
+                raise ValueError(f"{name}: loc_scale must be None, 'prior' or a positive float, got {loc_scale!r}.")
+            loc_scale = _check_positive(name, "loc_scale", loc_scale)
         if noise_scale is not None:
             if noise != "isotropic":
                 raise ValueError(
@@ -162,6 +188,7 @@ class AutoLowRankFactorGuide(AutoContinuous):
         self.noise = noise
         self._init_scale = init_scale
         self._noise_scale = noise_scale
+        self._loc_scale_option = loc_scale
         super().__init__(model, init_loc_fn=init_loc_fn)
 
     def _setup_prototype(self, *args, **kwargs):
@@ -181,7 +208,14 @@ class AutoLowRankFactorGuide(AutoContinuous):
                 f"{name}: rank must be at most the latent dimension D={D}, got {self.rank!r}."
             )
         loc = self._init_loc()
-        self.loc = nn.Parameter(loc)
+        if self._loc_scale_option is None:
+            self.loc = nn.Parameter(loc)
+        else:
+            lam = self._prior_std(loc) if self._loc_scale_option == "prior" else loc.new_full(
+                (D,), self._loc_scale_option
+            )
+            self.register_buffer("loc_scale", lam)
+            self.whitened_loc = nn.Parameter(loc / lam)
         # G with orthogonal columns of norm sqrt(D / K): unit diagonal of G G^T on average
         G = orthogonal_init(D, self.rank, scale=math.sqrt(D / self.rank), dtype=loc.dtype, device=loc.device)
         self.factor = nn.Parameter(G)
@@ -192,6 +226,30 @@ class AutoLowRankFactorGuide(AutoContinuous):
             self.scale = PyroParam(loc.new_tensor(s0), constraint=self.scale_constraint)
         else:
             self.register_buffer("scale", loc.new_tensor(self._noise_scale))
+
+    def __getattr__(self, name):
+        if name == "loc" and "whitened_loc" in self._parameters:
+            return self.whitened_loc * self.loc_scale
+        return super().__getattr__(name)
+
+    def _prior_std(self, like: Tensor) -> Tensor:
+        """Per-coordinate prior standard deviation of the packed latent (1 where it is not simple)."""
+        parts = []
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
+            shape = self._unconstrained_shapes[name]
+            std = None
+            fn = site["fn"]
+            if fn.support is constraints.real or getattr(fn.support, "base_constraint", None) is constraints.real:
+                try:
+                    var = fn.variance
+                except (NotImplementedError, AttributeError):
+                    var = None
+                if torch.is_tensor(var) and not var.requires_grad:
+                    std = var.detach().to(like).sqrt().expand(shape)
+                    if not (torch.isfinite(std).all() and (std > 0).all()):
+                        std = None
+            parts.append((std if std is not None else like.new_ones(shape)).reshape(-1))
+        return torch.cat(parts)
 
     def _scale_vector(self) -> Tensor:
         scale = self.scale
