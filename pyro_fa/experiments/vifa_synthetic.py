@@ -191,6 +191,11 @@ def _contour_figure(X, m, S, fits, path):
     plt.close(fig)
 
 
+def _num(x: float) -> str:
+    """Four decimals, or two significant digits below 1e-3 (fits here can be exact to rounding)."""
+    return f"{x:.4f}" if x == 0 or abs(x) >= 1e-3 or x != x else f"{x:.1e}"
+
+
 def run(args) -> int:
     from tqdm.auto import tqdm
 
@@ -226,7 +231,7 @@ def run(args) -> int:
         r = results[(key, ref)]
         stats = {k: mean_se(r[k]) for k in ("mean", "cov", "w2", "seconds")}
         summary[f"{key}/{ref}"] = {k: {"mean": v[0], "se": v[1], "values": r[k]} for k, v in stats.items()}
-        fmt = lambda k: f"{stats[k][0]:.4f} ± {stats[k][1]:.4f}"  # noqa: E731
+        fmt = lambda k: f"{_num(stats[k][0])} ± {_num(stats[k][1])}"  # noqa: E731
         rows.append([_LABEL[key], _REF[ref], fmt("mean"), fmt("cov"), fmt("w2"), f"{stats['seconds'][0]:.1f}"])
         if key in PAPER and (key, ref) != ("laplace", "laplace"):
             p = PAPER[key]

@@ -81,12 +81,15 @@ def spherical_radial_rule(dim: int, num_points: int, *, dtype=None, device=None)
         )
     reps, left = divmod(num_points, n)
     kw = {"dtype": dtype or torch.get_default_dtype(), "device": device}
-    Q, R = torch.linalg.qr(torch.randn(reps, dim, dim, **kw))
-    Q = Q * torch.sign(torch.diagonal(R, dim1=-2, dim2=-1)).unsqueeze(-2)  # Haar-distributed
-    rho2 = torch.randn(reps, dim + 2, **kw).pow(2).sum(-1)  # chi^2 with d + 2 degrees of freedom
-    rows = Q.transpose(-1, -2) * rho2.sqrt()[:, None, None]  # rho q_i as rows
+    z = torch.randn(reps, dim + 1, dim + 2, **kw)  # one call: a d x d Gaussian block and d + 2 more normals
+    Q, R = torch.linalg.qr(z[:, :dim, :dim])
+    rho2 = z[:, dim].pow(2).sum(-1, keepdim=True)  # chi^2 with d + 2 degrees of freedom, shape (reps, 1)
+    # rows rho q_i of a Haar-distributed Q (QR with the signs of diag(R) fixed)
+    rows = (Q * torch.sign(torch.diagonal(R, dim1=-2, dim2=-1)).unsqueeze(-2)).transpose(-1, -2)
+    rows = rows * rho2.sqrt().unsqueeze(-1)
     points = torch.cat([rows.new_zeros(reps, 1, dim), rows, -rows], 1).reshape(reps * n, dim)
-    weights = torch.cat([(1 - dim / rho2)[:, None], (0.5 / rho2)[:, None].expand(reps, 2 * dim)], 1).reshape(-1)
+    inv = 1 / rho2
+    weights = torch.cat([1 - dim * inv, (0.5 * inv).expand(reps, 2 * dim)], 1).reshape(-1)
     if left:  # leftover points: anywhere, weight 0
         points = torch.cat([points, points.new_zeros(left, dim)])
         weights = torch.cat([weights, weights.new_zeros(left)])
@@ -141,8 +144,8 @@ class _SphericalRadialMessenger(Messenger):
                     f"got num_particles={self.size}. Raise num_particles or use sampling='auto'."
                 )
             return
-        loc = fn.mean
-        eps, self.weights = spherical_radial_rule(d, self.size, dtype=loc.dtype, device=loc.device)
+        like = fn.loc if hasattr(fn, "loc") else fn.mean
+        eps, self.weights = spherical_radial_rule(d, self.size, dtype=like.dtype, device=like.device)
         value = _affine(fn, eps)
         msg["value"] = value.reshape((self.size,) + (1,) * (-self.dim - 1) + tuple(fn.event_shape))
 
@@ -373,8 +376,8 @@ class FactorELBO(ELBO):
                 mean, variance = fn.mean, fn.variance
             except NotImplementedError:
                 continue
-            for (proto, m), (_, v) in zip(g._unpack_latent(mean), g._unpack_latent(variance)):
-                name = proto["name"]
+            for proto, mv in g._unpack_latent(torch.stack([mean, variance])):  # one pass over the sites
+                name, m, v = proto["name"], mv[0], mv[1]
                 site = model_trace.nodes.get(name)
                 if site is None or site["type"] != "sample" or site["is_observed"]:
                     continue
