@@ -74,7 +74,7 @@ def test_running_moments_exact_for_mixed_batches():
 @pytest.mark.parametrize("batch", [1, 4])
 def test_sga_step_is_gradient_of_log_prob(batch):
     _, _, _, X = _fa_data(T=1 + batch)
-    fa = OnlineFactorAnalysis(12, 3, method="sga", warmup=1, seed=0, optimizer=torch.optim.SGD, lr=1.0)
+    fa = OnlineFactorAnalysis(12, 3, method="sga", warmup=1, seed=0, optimizer=torch.optim.SGD, lr=1.0, lr_decay_after=0)
     fa.update(X[0])  # warm-up: only the running moments move
     fa._rescale_to_data = lambda: None  # keep the initial point to compare with autograd
     F0 = fa._F.detach().clone().requires_grad_()
@@ -113,7 +113,7 @@ def test_online_em_approaches_batch_fa():
 @pytest.mark.slow
 def test_online_sga_approaches_truth():
     c, F, psi, X = _fa_data(D=10, K=2, T=20_000, seed=2)
-    fa = OnlineFactorAnalysis(10, 2, method="sga", warmup=100, seed=0, lr=1e-2)
+    fa = OnlineFactorAnalysis(10, 2, method="sga", warmup=100, seed=0, lr=1e-2, lr_decay_after=0)
     start = None
     for i, chunk in enumerate(X.split(10)):
         fa.update(chunk)
@@ -242,6 +242,8 @@ def test_constructor_errors():
         OnlineFactorAnalysis(5, 2, step_scale=0.5)
     with pytest.raises(ValueError, match="step_ramp must be a positive integer or None"):
         OnlineFactorAnalysis(5, 2, step_ramp=0)
+    with pytest.raises(ValueError, match="lr_decay_after must be a non-negative integer or None"):
+        OnlineFactorAnalysis(5, 2, method="sga", lr_decay_after=-1)
     with pytest.raises(ValueError, match="m_step_every must be a positive integer"):
         OnlineFactorAnalysis(5, 2, m_step_every=0)
     with pytest.raises(ValueError, match="init_scale must be a positive finite number"):

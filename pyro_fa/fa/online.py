@@ -76,6 +76,10 @@ class OnlineFactorAnalysis(nn.Module):
         :math:`(i/t)^a`, at the price of an effective sample size
         :math:`t(2a-1)/a^2` (0.75 t for the default). ``1`` is the thesis's
         :math:`1/t`.
+    lr_decay_after : int, optional
+        SGA only: after this many ascent steps (updates past the warm-up) the learning
+        rate decays like :math:`\mathrm{lr}\sqrt{t_0/t}` (a constant step leaves a noise floor, Robbins &
+        Monro 1951); default ``2 * dim``; ``0`` keeps it constant (the thesis's setting).
     step_ramp : int, optional
         Number of observations over which :math:`a_t` grows linearly from 1 to
         ``step_scale``; default ``2 * dim``. The :math:`D\times K` statistic
@@ -161,6 +165,7 @@ class OnlineFactorAnalysis(nn.Module):
         optimizer_kwargs: Optional[Dict[str, Any]] = None,
         step_scale: float = 2.0,
         step_ramp: Optional[int] = None,
+        lr_decay_after: Optional[int] = None,
         m_step_every: int = 1,
         init_scale: float = 1.0,
         min_variance: float = 1e-4,
@@ -184,6 +189,10 @@ class OnlineFactorAnalysis(nn.Module):
             raise ValueError(f"{name}: step_scale must be a finite number >= 1, got {step_scale!r}.")
         if step_ramp is not None and (isinstance(step_ramp, bool) or not isinstance(step_ramp, int) or step_ramp < 1):
             raise ValueError(f"{name}: step_ramp must be a positive integer or None, got {step_ramp!r}.")
+        if lr_decay_after is not None and (
+            isinstance(lr_decay_after, bool) or not isinstance(lr_decay_after, int) or lr_decay_after < 0
+        ):
+            raise ValueError(f"{name}: lr_decay_after must be a non-negative integer or None, got {lr_decay_after!r}.")
         if isinstance(m_step_every, bool) or not isinstance(m_step_every, int) or m_step_every < 1:
             raise ValueError(f"{name}: m_step_every must be a positive integer, got {m_step_every!r}.")
         if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
@@ -202,8 +211,10 @@ class OnlineFactorAnalysis(nn.Module):
         self.lr = float(lr)
         self.step_scale = float(step_scale)
         self.step_ramp = 2 * dim if step_ramp is None else step_ramp
+        self.lr_decay_after = 2 * dim if lr_decay_after is None else lr_decay_after
         self.m_step_every = m_step_every
         self._since_m_step = 0
+        self._sga_steps = 0
         self.init_scale = float(init_scale)
         self.min_variance = float(min_variance)
         self.seed = seed
@@ -251,11 +262,12 @@ class OnlineFactorAnalysis(nn.Module):
         return self._n
 
     def get_extra_state(self):
-        return {"n_updates": self._n, "since_m_step": self._since_m_step}
+        return {"n_updates": self._n, "since_m_step": self._since_m_step, "sga_steps": self._sga_steps}
 
     def set_extra_state(self, state):
         self._n = int(state["n_updates"])
         self._since_m_step = int(state.get("since_m_step", 0))
+        self._sga_steps = int(state.get("sga_steps", 0))
 
     @property
     def variance(self) -> Tensor:
@@ -516,6 +528,12 @@ class OnlineFactorAnalysis(nn.Module):
         # ascent: hand the negative gradient to a minimising optimizer
         self._F.grad = -grad_F
         self._log_psi.grad = -grad_log_psi
+        self._sga_steps += 1
+        if self.lr_decay_after > 0 and self._sga_steps > self.lr_decay_after:
+            # Robbins-Monro: a constant step leaves a noise floor; decay like t^(-1/2)
+            factor = math.sqrt(self.lr_decay_after / self._sga_steps)
+            for group in self._optimizer.param_groups:
+                group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
         self._optimizer.step()
         self._F.grad = None
         self._log_psi.grad = None

@@ -178,7 +178,7 @@ class SWAG(nn.Module):
         lr: float = 1e-3,
         step_scale: float = 2.0,
         init_scale: float = 1.0,
-        min_variance: float = 1e-6,
+        min_variance: float = 1e-4,
         optimizer=None,
         on_nonfinite: str = "raise",
         seed: Optional[int] = None,
