@@ -59,6 +59,12 @@ def test_online_em_matches_dense_reference(a, every):
     assert torch.allclose(fa.cov_diag, psi)
 
 
+def test_m_step_every_default_scales_with_dim():
+    assert OnlineFactorAnalysis(1000, 5).m_step_every == 1
+    assert OnlineFactorAnalysis(1_000_000, 1, dtype=torch.float32).m_step_every == 10
+    assert OnlineFactorAnalysis(1000, 5, m_step_every=4).m_step_every == 4
+
+
 def test_running_moments_exact_for_mixed_batches():
     _, _, _, X = _fa_data(T=101)
     fa = OnlineFactorAnalysis(12, 3, warmup=5, seed=0)
@@ -244,7 +250,7 @@ def test_constructor_errors():
         OnlineFactorAnalysis(5, 2, step_ramp=0)
     with pytest.raises(ValueError, match="lr_decay_after must be a non-negative integer or None"):
         OnlineFactorAnalysis(5, 2, method="sga", lr_decay_after=-1)
-    with pytest.raises(ValueError, match="m_step_every must be a positive integer"):
+    with pytest.raises(ValueError, match="m_step_every must be a positive integer or None"):
         OnlineFactorAnalysis(5, 2, m_step_every=0)
     with pytest.raises(ValueError, match="init_scale must be a positive finite number"):
         OnlineFactorAnalysis(5, 2, init_scale=-1.0)

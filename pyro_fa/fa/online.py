@@ -20,6 +20,7 @@ __all__ = ["OnlineFactorAnalysis"]
 
 _METHODS = ("em", "sga")
 _MAX_DENSE_DIM = 20_000
+_M_STEP_DIM = 100_000  # default m_step_every = max(1, dim // _M_STEP_DIM)
 
 
 class OnlineFactorAnalysis(nn.Module):
@@ -86,12 +87,15 @@ class OnlineFactorAnalysis(nn.Module):
         :math:`\bar A` needs of the order of D observations before its M-step is
         better than noise; until then plain averaging (:math:`a = 1`) is the stable,
         minimum-variance choice, and forgetting the early E-steps pays only after.
-    m_step_every : int, default 1
+    m_step_every : int, optional
         EM only: run the M-step (the :math:`O(DK^2)` part of an update) after every
         ``m_step_every``-th update past the warm-up; the statistics are updated at every
-        update, and E-steps in between use the last :math:`F, \psi`. At large D a value
-        like 10 makes an update cost about one pass over :math:`\bar A` and one over
-        :math:`F` (see ``benchmarks/bench_online_em.py``).
+        update, and E-steps in between use the last :math:`F, \psi`. Default
+        ``max(1, dim // 100_000)``: every update up to :math:`D = 2\cdot 10^5`, every
+        10th at :math:`D = 10^6`, where an update then costs about one pass over
+        :math:`\bar A` and one over :math:`F` plus a tenth of an M-step (see
+        ``benchmarks/bench_online_em.py``); the stale factor of a few updates is
+        negligible beside the :math:`1/t` weight of each new observation.
     init_scale : float, default 1.0
         Norm of each orthogonal column of the initial :math:`F` (seed 000 §4.4);
         :math:`\psi` starts at one.
@@ -166,7 +170,7 @@ class OnlineFactorAnalysis(nn.Module):
         step_scale: float = 2.0,
         step_ramp: Optional[int] = None,
         lr_decay_after: Optional[int] = None,
-        m_step_every: int = 1,
+        m_step_every: Optional[int] = None,
         init_scale: float = 1.0,
         min_variance: float = 1e-4,
         seed: Optional[int] = None,
@@ -193,8 +197,10 @@ class OnlineFactorAnalysis(nn.Module):
             isinstance(lr_decay_after, bool) or not isinstance(lr_decay_after, int) or lr_decay_after < 0
         ):
             raise ValueError(f"{name}: lr_decay_after must be a non-negative integer or None, got {lr_decay_after!r}.")
-        if isinstance(m_step_every, bool) or not isinstance(m_step_every, int) or m_step_every < 1:
-            raise ValueError(f"{name}: m_step_every must be a positive integer, got {m_step_every!r}.")
+        if m_step_every is not None and (
+            isinstance(m_step_every, bool) or not isinstance(m_step_every, int) or m_step_every < 1
+        ):
+            raise ValueError(f"{name}: m_step_every must be a positive integer or None, got {m_step_every!r}.")
         if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
             raise ValueError(f"{name}: init_scale must be a positive finite number, got {init_scale!r}.")
         if not (isinstance(min_variance, (int, float)) and 0 < min_variance < 1):
@@ -212,7 +218,7 @@ class OnlineFactorAnalysis(nn.Module):
         self.step_scale = float(step_scale)
         self.step_ramp = 2 * dim if step_ramp is None else step_ramp
         self.lr_decay_after = 2 * dim if lr_decay_after is None else lr_decay_after
-        self.m_step_every = m_step_every
+        self.m_step_every = max(1, dim // _M_STEP_DIM) if m_step_every is None else m_step_every
         self._since_m_step = 0
         self._sga_steps = 0
         self.init_scale = float(init_scale)
