@@ -59,6 +59,27 @@ def test_online_em_matches_dense_reference(a, every):
     assert torch.allclose(fa.cov_diag, psi)
 
 
+def test_sga_reports_step_weighted_average_of_iterates():
+    _, _, _, X = _fa_data(T=60)
+    fa = OnlineFactorAnalysis(12, 3, method="sga", warmup=10, seed=0, lr=1e-2)
+    last = OnlineFactorAnalysis(12, 3, method="sga", warmup=10, seed=0, lr=1e-2, average=False)
+    iterates = []
+    for x in X:
+        fa.update(x)
+        last.update(x)
+        if fa.n_updates > 10:
+            iterates.append((fa._F.detach().clone(), fa._log_psi.detach().clone()))
+    weights = torch.arange(1, len(iterates) + 1, dtype=torch.float64)
+    weights = weights / weights.sum()
+    F_bar = sum(w * F for w, (F, _) in zip(weights, iterates))
+    log_psi_bar = sum(w * lp for w, (_, lp) in zip(weights, iterates))
+    scale = fa._scale
+    assert torch.allclose(fa.cov_factor, F_bar * scale.unsqueeze(-1))
+    assert torch.allclose(fa.cov_diag, log_psi_bar.exp() * scale**2)
+    # without averaging the last iterate is reported, and the trajectories are the same
+    assert torch.allclose(last.cov_factor, iterates[-1][0] * scale.unsqueeze(-1))
+
+
 def test_m_step_every_default_scales_with_dim():
     assert OnlineFactorAnalysis(1000, 5).m_step_every == 1
     assert OnlineFactorAnalysis(1_000_000, 1, dtype=torch.float32).m_step_every == 10
