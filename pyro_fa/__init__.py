@@ -8,11 +8,14 @@ from pyro_fa.fa import BatchFactorAnalysis, OnlineFactorAnalysis
 from pyro_fa.infer import AutoLowRankFactorGuide, FactorELBO
 from pyro_fa.infer import MultiSWAG, SWAG
 from pyro_fa.priors import GaussianPrior, LaplacePrior
+from pyro_fa import datasets, metrics
 
 __version__ = "0.1.0"
 
 __all__ = [
     "linalg",
+    "datasets",
+    "metrics",
     "OnlineFactorAnalysis",
     "BatchFactorAnalysis",
     "AutoLowRankFactorGuide",
