@@ -281,7 +281,9 @@ def _read_ints(path: Path, folder: str, root: Path, upper: Optional[int] = None)
 def _read_int(path: Path, folder: str, root: Path) -> int:
     values = _read_ints(path, folder, root)
     if values.size != 1 or values[0] < 1:
-        raise ValueError(f"load_uci: malformed file {path}: expected one positive integer. " + _how_to_get(folder, root))
+        raise ValueError(
+            f"load_uci: malformed file {path}: expected one positive integer. " + _how_to_get(folder, root)
+        )
     return int(values[0])
 
 

@@ -299,3 +299,20 @@ def test_overlapping_split(tmp_path):
     (path / "index_test_0.txt").write_text((path / "index_train_0.txt").read_text().split()[0] + "\n")
     with pytest.raises(ValueError, match=r"malformed split 0 .*index_train_0\.txt and index_test_0\.txt share rows"):
         load_uci("yacht", split=0, data_dir=tmp_path)
+
+
+def test_experiments_load_through_this_module(tmp_path):
+    from pyro_fa.experiments import linreg_ensembles, vifa_linreg
+
+    path, data = _fake(tmp_path)
+    X, y = linreg_ensembles._load("yacht", data_dir=tmp_path)
+    np.testing.assert_array_equal(X.numpy(), data[:, :3])
+    np.testing.assert_array_equal(y.numpy(), data[:, 3])
+    X, y = vifa_linreg._load_split("yacht", 1, data_dir=tmp_path)
+    d = load_uci("yacht", 1, data_dir=tmp_path)
+    assert torch.equal(X, d.x_train) and torch.equal(y, d.y_train)
+    (path / "data.txt").unlink()
+    with pytest.raises(SystemExit, match=r"pyro-fa linreg-ensembles: load_uci: missing file .*data\.txt"):
+        linreg_ensembles._load("yacht", data_dir=tmp_path)
+    with pytest.raises(SystemExit, match=r"pyro-fa vifa-linreg: load_uci: missing file .*data\.txt"):
+        vifa_linreg._load_split("yacht", 0, data_dir=tmp_path)

@@ -16,12 +16,12 @@ every dataset.
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from pyro_fa.datasets import load_uci_raw
 from pyro_fa.experiments._io import atomic_savefig, atomic_write_json, markdown_table, mean_se
 from pyro_fa.infer.swag import SWAG
 
@@ -38,7 +38,9 @@ RANK, NUM_SAMPLES, WEIGHT_DECAY = 3, 30, 1e-3
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--data-dir", default=None, help="UCI data folder (default: $PYRO_FA_DATA)")
+    parser.add_argument(
+        "--data-dir", default=None, help="UCI data folder (default: $PYRO_FA_DATA, else the download cache)"
+    )
     parser.add_argument("--datasets", nargs="+", default=None, choices=sorted(DATASETS), help="subset of datasets")
     parser.add_argument("--folds", type=int, default=None, help="folds to run of the 10 (default 10; quick: 3)")
     parser.add_argument("--pretrain-epochs", type=int, default=500, help="pre-training epochs at lr 0.001")
@@ -47,19 +49,10 @@ def add_arguments(parser) -> None:
 
 def _load(name: str, data_dir=None, dtype=torch.float64):
     """All rows of one UCI dataset: inputs (n, d) and target (n,)."""
-    data_dir = data_dir or os.environ.get("PYRO_FA_DATA")
-    if not data_dir:
-        raise SystemExit("pyro-fa linreg-ensembles: the UCI data folder is unknown; pass --data-dir or set PYRO_FA_DATA.")
-    folder = Path(data_dir) / name
-    if not folder.is_dir():
-        raise SystemExit(f"pyro-fa linreg-ensembles: no folder {str(folder)!r}; is --data-dir right?")
-
-    def ints(fname):
-        return [int(float(v)) for v in (folder / fname).read_text().split()]
-
-    rows = [list(map(float, line.split())) for line in (folder / "data.txt").read_text().splitlines() if line.strip()]
-    data = torch.tensor(rows, dtype=dtype)
-    return data[:, ints("index_features.txt")], data[:, ints("index_target.txt")[0]]
+    try:
+        return load_uci_raw(name, data_dir=data_dir, dtype=dtype)
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"pyro-fa linreg-ensembles: {err}") from err
 
 
 def _folds(n: int, k: int, seed: int):

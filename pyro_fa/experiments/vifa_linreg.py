@@ -15,12 +15,12 @@ off-diagonal covariances) as PNG.
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from pyro_fa.datasets import load_uci
 from pyro_fa.experiments._io import atomic_savefig, atomic_write_json, markdown_table
 from pyro_fa.experiments.vifa_synthetic import _schedule, laplace_scale
 
@@ -29,7 +29,9 @@ RANK = 3
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--data-dir", default=None, help="UCI data folder (default: $PYRO_FA_DATA)")
+    parser.add_argument(
+        "--data-dir", default=None, help="UCI data folder (default: $PYRO_FA_DATA, else the download cache)"
+    )
     parser.add_argument("--datasets", nargs="+", default=None, choices=sorted(DATASETS), help="subset of datasets")
     parser.add_argument("--split", type=int, default=0, help="standard split index (default 0)")
     parser.add_argument("--steps", type=int, default=None, help="Adam steps (default 4000; quick: 1500)")
@@ -43,28 +45,11 @@ def add_arguments(parser) -> None:
 
 def _load_split(name: str, split: int, data_dir=None, dtype=torch.float64):
     """Training inputs and targets of one standard split, standardised on the training set."""
-    data_dir = data_dir or os.environ.get("PYRO_FA_DATA")
-    if not data_dir:
-        raise SystemExit(
-            "pyro-fa vifa-linreg: the UCI data folder is unknown; pass --data-dir or set PYRO_FA_DATA."
-        )
-    folder = Path(data_dir) / name
-    if not folder.is_dir():
-        raise SystemExit(f"pyro-fa vifa-linreg: no folder {str(folder)!r}; is --data-dir right?")
-
-    def ints(fname):
-        return [int(float(v)) for v in (folder / fname).read_text().split()]
-
-    rows = [list(map(float, line.split())) for line in (folder / "data.txt").read_text().splitlines() if line.strip()]
-    data = torch.tensor(rows, dtype=dtype)
-    feats, target = ints("index_features.txt"), ints("index_target.txt")[0]
-    train = torch.tensor(ints(f"index_train_{split}.txt"))
-    X, y = data[train][:, feats], data[train][:, target]
-    x_std = X.std(0)
-    x_std[x_std == 0] = 1.0
-    X = (X - X.mean(0)) / x_std
-    y = (y - y.mean()) / y.std()
-    return X, y
+    try:
+        d = load_uci(name, split, data_dir=data_dir, dtype=dtype)
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"pyro-fa vifa-linreg: {err}") from err
+    return d.x_train, d.y_train
 
 
 def exact_posterior(X, y):
