@@ -225,7 +225,7 @@ def run(args) -> int:
         f"K = {args.rank}; online methods: warm-up 100, batch size {args.batch_size}, SGA = Adam lr 1e-3; "
         "batch = scikit-learn FactorAnalysis(svd_method='randomized') with default settings. "
         "Thesis numbers (seed 000) in parentheses where T = 100 000. "
-        "Bar (issue 2, at T = 100 000): online EM <= 1.05 x batch, online SGA <= 1.5 x batch in every cell; "
+        "Target (at T = 100 000): online EM <= 1.05 x batch, online SGA <= 1.5 x batch in every cell; "
         "the --quick subset stops at T = 10 000, where the online fits are still converging."
     )
     print()
