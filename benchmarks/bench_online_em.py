@@ -12,6 +12,7 @@ and the peak resident memory added by the model as a multiple of D*K*4 bytes.
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -68,26 +69,20 @@ def main(argv=None):
     print(f"D = {D}, K = {K}, float32, {torch.get_num_threads()} threads")
     print(f"two D x K matrix-vector products: {ref * 1e3:.2f} ms")
     for method, kwargs in (("em", {"m_step_every": 1}), ("em", {}), ("sga", {})):
-        base = _rss_peak_kib()
         _reset_peak()
         base = _rss_peak_kib()
         fa = OnlineFactorAnalysis(D, K, method=method, warmup=2, seed=0, dtype=torch.float32, **kwargs)
         for i in range(4):  # past the warm-up, so the timed updates are full updates
             fa.update(xs[i])
-        i = [0]
-
-        def step():
-            fa.update(xs[i[0] % 4])
-            i[0] += 1
-
-        t = _mean_time(step, args.repeats)
+        stream = itertools.cycle(xs)
+        t = _mean_time(lambda fa=fa: fa.update(next(stream)), args.repeats)
         peak = (_rss_peak_kib() - base) * 1024
         print(
             f"{method:>3} {kwargs or ''}: one update {t * 1e3:.2f} ms = {t / ref:.2f} x two matvecs; "
             f"peak memory added {peak / unit:.2f} x D*K*4 bytes"
         )
         assert torch.isfinite(fa.cov_factor).all()
-        del fa
+        del fa  # free the state before the next method's baseline
 
 
 if __name__ == "__main__":

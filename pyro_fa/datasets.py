@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import os
-import tempfile
 import urllib.error
 import urllib.request
 import warnings
@@ -42,6 +41,8 @@ from typing import Dict, List, Optional, Tuple, Union
 import numpy as np
 import torch
 from torch import Tensor
+
+from pyro_fa._files import atomic_write_bytes as _atomic_write_bytes
 
 __all__ = ["UCISplit", "load_uci", "load_uci_raw", "list_uci", "uci_n_splits", "download_uci", "BASE_URL"]
 
@@ -157,18 +158,6 @@ def _how_to_get(folder: str, root: Path) -> str:
 def _fetch(url: str, timeout: float) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return response.read()
-
-
-def _atomic_write_bytes(path: Path, payload: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def download_uci(name: str, data_dir: Optional[PathLike] = None, base_url: Optional[str] = None,

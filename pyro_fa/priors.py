@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Dict, Optional
+from typing import Dict
 
 import pyro.distributions as dist
 import torch
@@ -304,7 +304,7 @@ def _bayesianize(prior: _FactorisedPrior, module: torch.nn.Module, copy: bool = 
         name: value.detach().clone() for name, value in module.named_parameters()
     }
     to_pyro_module_(module)
-    for prefix, sub in module.named_modules():
+    for _prefix, sub in module.named_modules():
         for name, value in list(sub.named_parameters(recurse=False)):
             setattr(sub, name, PyroSample(prior.distribution(value.detach())))
     object.__setattr__(module, "initial_values", initial_values)

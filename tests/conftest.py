@@ -13,6 +13,15 @@ torch.set_num_threads(1)  # the tests run many tiny kernels: one thread avoids o
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_blas_thread():
+    """NumPy / scikit-learn BLAS on one thread too (spin-waiting threads cost 40x on a loaded 2-core machine)."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1):
+        yield
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     return torch.device(request.param)

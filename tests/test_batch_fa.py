@@ -1,7 +1,6 @@
 """Batch EM for factor analysis (pyro_fa.fa.batch) against dense algebra and scikit-learn."""
 import warnings
 
-import numpy as np
 import pytest
 import torch
 
@@ -14,18 +13,6 @@ from pyro_fa.fa.batch import (
     gaussian_loglike,
     initial_factors,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small matrices: one BLAS/OpenMP thread (spin-waiting threads cost 40x on a loaded 2-core machine)."""
-    from threadpoolctl import threadpool_limits
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with threadpool_limits(1):
-        yield
-    torch.set_num_threads(n)
 
 
 def fa_data(n=2000, dim=12, rank=3, seed=0, device="cpu", dtype=torch.float64):

@@ -14,18 +14,6 @@ from pyro_fa import linalg
 from pyro_fa.sklearn import FactorAnalysis
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small matrices: one BLAS/OpenMP thread (spin-waiting threads cost 40x on a loaded 2-core machine)."""
-    from threadpoolctl import threadpool_limits
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with threadpool_limits(1):
-        yield
-    torch.set_num_threads(n)
-
-
 def fa_data(n=1000, dim=10, rank=3, seed=0):
     rng = np.random.default_rng(seed)
     F = rng.standard_normal((dim, rank))

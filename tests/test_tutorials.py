@@ -1,5 +1,4 @@
 """Every tutorial notebook runs top to bottom in quick mode (PYRO_FA_QUICK=1)."""
-import os
 from pathlib import Path
 
 import pytest

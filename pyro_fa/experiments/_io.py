@@ -1,27 +1,18 @@
 """Small helpers shared by the experiment modules: atomic result files and tables."""
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+from pyro_fa._files import atomic_write_bytes
 
 
 def atomic_write_text(path, text: str) -> None:
     """Write ``text`` to ``path`` so that the file appears complete or not at all."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_bytes(path, text.encode())
 
 
 def atomic_write_json(path, obj: Any) -> None:
@@ -29,18 +20,10 @@ def atomic_write_json(path, obj: Any) -> None:
 
 
 def atomic_savefig(fig, path, **kwargs) -> None:
-    """Save a matplotlib figure atomically (PNG)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, **kwargs)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Save a matplotlib figure atomically (the format follows the file's suffix)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=Path(path).suffix.lstrip(".") or None, **kwargs)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def mean_se(values: Sequence[float]):

@@ -12,7 +12,6 @@ the true and fitted Gaussians; mean and standard error over trials.
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -200,7 +199,7 @@ def run(args) -> int:
     header = ["D", "spectrum", "T"] + [f"{LABELS[m]}" for m in METHODS] + ["EM / batch", "SGA / batch"]
     rows = []
     summary = []
-    for key, res in results.items():
+    for res in results.values():
         cell = {}
         for m in METHODS:
             vals = [trial[-1] for trial in res["trials"][m]["rel"]]

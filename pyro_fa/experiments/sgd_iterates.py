@@ -203,7 +203,7 @@ def run(args) -> int:
     print(f"\nFigure 6.2 (lr 0.1, λ 0.001, batch {B}, window {W}): window means vs exact posterior: "
           f"rel. mean {wstats[0][0]:.4f} ± {wstats[0][1]:.4f}, rel. cov. {wstats[1][0]:.4f} ± {wstats[1][1]:.4f}, "
           f"W2² {wstats[2][0]:.4f} ± {wstats[2][1]:.4f}; SWAG-EM(window) rel. cov. {wstats[4][0]:.4f}")
-    print(f"(paper: qualitative — 'a much better representation of the true posterior' than Fig. 6.1(b), "
-          f"whose rel. cov. distance is 0.8065)")
+    print("(paper: qualitative — 'a much better representation of the true posterior' than Fig. 6.1(b), "
+          "whose rel. cov. distance is 0.8065)")
     print(f"\nwrote {out_dir}/results.json, figure_6_1.png, figure_6_2.png ({results['seconds']:.0f} s)")
     return 0

@@ -342,16 +342,11 @@ class OnlineFactorAnalysis(nn.Module):
         """Log-density of ``x`` (shape (..., D)) under the fitted Gaussian."""
         return self.distribution().log_prob(x)
 
-    def sample(self, n: int = 1, generator: Optional[torch.Generator] = None) -> Tensor:
+    def sample(self, n: int = 1) -> Tensor:
         """Draw ``n`` vectors from the fitted Gaussian, a tensor of shape (n, D)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{type(self).__name__}: n must be a positive integer, got {n!r}.")
-        self._check_fitted("sample()")
-        F, psi = self._estimate()
-        like = self.loc
-        h = torch.randn(n, self.rank, generator=generator, dtype=like.dtype, device=like.device if generator is None else generator.device).to(like.device)
-        e = torch.randn(n, self.dim, generator=generator, dtype=like.dtype, device=like.device if generator is None else generator.device).to(like.device)
-        return self.loc + h @ F.T + e * psi.sqrt()
+        return self.distribution().sample((n,))
 
     def covariance(self) -> Tensor:
         r"""The dense :math:`D\times D` covariance :math:`FF^\top+\Psi` (small D only)."""

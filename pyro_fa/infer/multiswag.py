@@ -10,7 +10,7 @@ average is taken over the mixture
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn

@@ -237,7 +237,7 @@ class SWAG(nn.Module):
                     f"{cls}: module_or_params must be an nn.Module or an iterable of tensors, got {obj!r}."
                 ) from None
             module = None
-            for name, p in named:
+            for _name, p in named:
                 if not torch.is_tensor(p):
                     raise TypeError(f"{cls}: module_or_params must hold only tensors, got {p!r}.")
         if not named:

@@ -11,7 +11,6 @@ from pyro.infer.autoguide import AutoLowRankMultivariateNormal, init_to_value
 from pyro.optim import Adam, ClippedAdam
 
 from pyro_fa import AutoLowRankFactorGuide, FactorELBO, GaussianPrior, LaplacePrior
-from pyro_fa.linalg import relative_frobenius_distance
 
 GUIDES = [AutoLowRankFactorGuide, AutoLowRankMultivariateNormal]
 ELBOS = [Trace_ELBO, TraceMeanField_ELBO, FactorELBO]
