@@ -1,0 +1,279 @@
+r"""The UCI Bayesian-neural-network regression benchmark on the standard splits.
+
+Protocol (Hernández-Lobato & Adams 2015; the splits of Gal & Ghahramani 2016):
+for each dataset, each of its 20 standard 90 % / 10 % splits (5 for protein), a
+ReLU network with one or two hidden layers of 50 units (100 for protein, the
+benchmark's ``n_hidden.txt``) and a Gaussian likelihood with a learned noise
+scale; inputs and target standardised on the training part; test RMSE and test
+log-likelihood of the Bayesian model average in the original units of y, mean
+± standard error over the splits.
+
+Methods, all run by the same vectorised trainer (:mod:`pyro_fa.experiments._bnn`,
+checked against the Pyro classes in the tests), with the same search budget:
+
+* ``vifa`` / ``vippca``: :class:`~pyro_fa.AutoLowRankFactorGuide` (diagonal /
+  isotropic noise, rank 10, ``init_scale`` 0.01) with :class:`~pyro_fa.FactorELBO`,
+  under a Gaussian prior (precision α) or a Laplace prior of the same variance;
+* ``autonormal``, ``lowrank``: Pyro's ``AutoNormal`` and
+  ``AutoLowRankMultivariateNormal`` (rank 10) with ``Trace_ELBO``, Gaussian
+  prior, ``init_scale`` 0.01, means started as ``nn.Linear`` starts its weights;
+* ``swag-em``, ``swag-sga``, ``swag``, ``multiswag``: a MAP fit (AutoDelta,
+  Gaussian prior), then minibatch SGD whose iterates feed :class:`~pyro_fa.SWAG`
+  (online EM, online SGA, classic SWAG; rank 10); MultiSWAG mixes 5 SWAG-EM
+  posteriors trained from different initialisations.
+
+Hyperparameter search (never on the test split): the training part of each of
+the first ``--tune-splits`` splits (default 3) is cut at random into 80 %
+sub-training and 20 % validation parts (re-standardised on the sub-training
+part). Every configuration of the grid — prior precision α ∈ {0.01, 0.1, 1, 10},
+Adam learning rate ∈ {0.003, 0.01} — is trained on every tuning split, and the
+validation log-likelihood (32 posterior draws) is recorded every
+``steps / 20`` steps; the configuration and step count with the best mean
+validation log-likelihood are chosen (for SWAG: the MAP fit's, then the SGD
+learning rate of the collection phase ∈ {0.001, 0.003, 0.01} by SWAG-EM's validation
+log-likelihood). Then every split is trained on its whole training part with the
+chosen values and evaluated once on its test part (100 posterior draws). The
+noise scale is learned in every method. Full-batch training for datasets of up
+to 2 000 training points, batches of 1 000 above.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from pyro_fa import metrics
+from pyro_fa.datasets import UCI_DATASETS, list_uci, load_uci, uci_n_splits
+from pyro_fa.experiments._bnn import MLPSpec, ReplicaVI
+from pyro_fa.experiments._io import atomic_write_json, mean_se
+
+# ----------------------------------------------------------------------------- methods
+
+
+@dataclass(frozen=True)
+class Method:
+    """One column of the benchmark table."""
+
+    name: str
+    label: str
+    depth: int
+    family: str = "fa"  # ReplicaVI family; "delta" for the SWAG family
+    prior: str = "gaussian"
+    swag: Optional[str] = None  # "em" | "sga" | "swag" | "multiswag"
+
+
+def _methods() -> Dict[str, Method]:
+    out = {}
+    for depth in (1, 2):
+        arch = f"{depth}x50"
+        for fam, fam_label in (("fa", "VIFA"), ("ppca", "VIPPCA")):
+            for prior in ("gaussian", "laplace"):
+                name = f"{'vifa' if fam == 'fa' else 'vippca'}-{prior}-{arch}"
+                out[name] = Method(name, f"{fam_label} {prior.capitalize()} {depth}×50", depth, fam, prior)
+        out[f"autonormal-{arch}"] = Method(f"autonormal-{arch}", f"Pyro AutoNormal {depth}×50", depth, "normal")
+        out[f"lowrank-{arch}"] = Method(f"lowrank-{arch}", f"Pyro AutoLowRankMVN {depth}×50", depth, "lowrank")
+    for swag, label in (("em", "SWAG online EM"), ("sga", "SWAG online SGA"), ("swag", "classic SWAG"),
+                        ("multiswag", "MultiSWAG (5 × online EM)")):
+        name = f"{'multiswag' if swag == 'multiswag' else 'swag-' + swag if swag != 'swag' else 'swag'}-1x50"
+        out[name] = Method(name, f"{label} 1×50", 1, "delta", "gaussian", swag)
+    return out
+
+
+METHODS: Dict[str, Method] = _methods()
+#: what ``pyro-fa uci`` runs by default: everything, SWAG's four variants sharing one search
+DEFAULT_METHODS = tuple(METHODS)
+QUICK_METHODS = ("vifa-gaussian-1x50", "vippca-gaussian-2x50", "autonormal-1x50", "lowrank-1x50", "swag-em-1x50")
+SWAG_METHODS = tuple(n for n, m in METHODS.items() if m.swag is not None)
+
+# ----------------------------------------------------------------------------- search
+
+
+@dataclass
+class Budget:
+    """How much each fit may train, and the grid it is tuned over."""
+
+    steps: int = 5000
+    precisions: Tuple[float, ...] = (0.01, 0.1, 1.0, 10.0)
+    lrs: Tuple[float, ...] = (3e-3, 1e-2)
+    swag_lrs: Tuple[float, ...] = (1e-3, 3e-3, 1e-2)
+    swag_steps: int = 2000
+    swag_batch: int = 32
+    tune_splits: int = 3
+    val_fraction: float = 0.2
+    checkpoints: int = 20
+    batch_limit: int = 2000  # full batch up to this many training points
+    batch_size: int = 1000
+    rank: int = 10
+    particles: int = 1
+    eval_samples: int = 32
+    test_samples: int = 100
+    ensemble: int = 5
+
+    @classmethod
+    def quick(cls) -> "Budget":
+        return cls(steps=1500, precisions=(0.1, 1.0, 10.0), lrs=(1e-2,), swag_lrs=(3e-3,), swag_steps=500,
+                   tune_splits=1, checkpoints=10, test_samples=50, ensemble=3)
+
+
+@dataclass
+class SplitData:
+    """Training and held-out tensors of several replicas, stacked: x (R, N, p), y (R, N), y_std (R,)."""
+
+    x: Tensor
+    y: Tensor
+    x_eval: Tensor
+    y_eval: Tensor
+    y_std: Tensor
+
+    def take(self, index: Tensor) -> "SplitData":
+        return SplitData(self.x[index], self.y[index], self.x_eval[index], self.y_eval[index], self.y_std[index])
+
+
+def _validation_split(d, fraction: float, seed: int):
+    """Cut a split's training part into sub-training and validation parts, re-standardised on the former."""
+    n = d.x_train.shape[0]
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(10_000 + seed))
+    n_val = int(round(fraction * n))
+    val, tr = perm[:n_val], perm[n_val:]
+    x_tr, y_tr, x_va, y_va = d.x_train[tr], d.y_train[tr], d.x_train[val], d.y_train[val]
+    xm, xs = x_tr.mean(0), x_tr.std(0, unbiased=False)
+    xs = torch.where(xs > 0, xs, torch.ones_like(xs))
+    ym, ys = y_tr.mean(), y_tr.std(unbiased=False)
+    return (x_tr - xm) / xs, (y_tr - ym) / ys, (x_va - xm) / xs, (y_va - ym) / ys, float(ys) * d.y_std
+
+
+def _stack(parts) -> SplitData:
+    x, y, xe, ye, ys = zip(*parts)
+    return SplitData(torch.stack(x), torch.stack(y), torch.stack(xe), torch.stack(ye),
+                     torch.tensor(ys, dtype=x[0].dtype, device=x[0].device))
+
+
+def tuning_data(splits, budget: Budget) -> SplitData:
+    """Sub-training / validation parts of the first ``budget.tune_splits`` splits."""
+    return _stack([_validation_split(d, budget.val_fraction, d.split) for d in splits[:budget.tune_splits]])
+
+
+def final_data(splits) -> SplitData:
+    """Whole training parts and test parts of every split."""
+    return _stack([(d.x_train, d.y_train, d.x_test, d.y_test, d.y_std) for d in splits])
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _batches(data: SplitData, batch_size: int, generator: torch.Generator):
+    """Row indices of a random minibatch per replica, or None for full batch."""
+    R, N = data.y.shape
+    if batch_size >= N:
+        return None
+    return torch.randint(N, (R, batch_size), generator=generator, device=data.y.device)
+
+
+def _gather(data: SplitData, idx: Optional[Tensor]):
+    if idx is None:
+        return data.x, data.y
+    p = data.x.shape[-1]
+    return torch.gather(data.x, 1, idx.unsqueeze(-1).expand(-1, -1, p)), torch.gather(data.y, 1, idx)
+
+
+@torch.no_grad()
+def evaluate(means: Tensor, noise_var: Tensor, data: SplitData) -> Dict[str, Tensor]:
+    """Test log-likelihood, RMSE (original units) and calibration error of every replica.
+
+    Parameters
+    ----------
+    means : Tensor of shape (S, R, M)
+        Predictive means of S posterior draws (standardised units).
+    noise_var : Tensor of shape (R, 1) or (S, R, 1)
+    data : SplitData
+        ``y_eval`` (R, M) standardised targets, ``y_std`` (R,).
+
+    Returns
+    -------
+    dict of Tensors of shape (R,): ``ll``, ``rmse``, ``calibration_error``.
+    """
+    R = means.shape[1]
+    ll, rmse, cal = [], [], []
+    nv = noise_var.expand(means.shape[0], R, 1) if noise_var.dim() == 2 else noise_var
+    for r in range(R):
+        m, v, y, s = means[:, r].double(), nv[:, r].double(), data.y_eval[r].double(), float(data.y_std[r])
+        ll.append(metrics.gaussian_log_likelihood(m, v, y, y_std=s))
+        rmse.append(metrics.rmse(m, y, y_std=s))
+        cal.append(metrics.calibration(m, v, y).error)
+    return {"ll": torch.stack(ll), "rmse": torch.stack(rmse), "calibration_error": torch.stack(cal)}
+
+
+def train(model: ReplicaVI, data: SplitData, steps: int, budget: Budget, generator: torch.Generator,
+          checkpoints: Optional[int] = None, progress=None) -> List[Tuple[int, Tensor]]:
+    """Adam on the summed negative ELBO of all replicas; returns [(step, held-out LL per replica)] at checkpoints."""
+    opt = model.optimizer()
+    N = data.y.shape[1]
+    batch = N if N <= budget.batch_limit else budget.batch_size
+    every = max(1, steps // checkpoints) if checkpoints else None
+    curve = []
+    for step in range(1, steps + 1):
+        xb, yb = _gather(data, _batches(data, batch, generator))
+        opt.zero_grad(set_to_none=True)
+        loss = model.loss(xb, yb, N, budget.particles).sum()
+        loss.backward()
+        opt.step()
+        if every and step % every == 0:
+            means, nv = model.predict(data.x_eval, budget.eval_samples)
+            curve.append((step, evaluate(means, nv, data)["ll"]))
+        if progress is not None:
+            progress(1)
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"pyro-fa uci: the loss of {model.family} became {float(loss)}.")
+    return curve
+
+
+def _choose(curves, configs, n_tune: int):
+    """The (config, steps) with the best mean held-out log-likelihood over the tuning splits."""
+    best = None
+    table = []
+    for step, ll in curves:
+        per_config = ll.reshape(len(configs), n_tune)
+        per_config = torch.where(torch.isfinite(per_config), per_config, torch.full_like(per_config, -1e30))
+        score = per_config.mean(1)
+        for c, cfg in enumerate(configs):
+            table.append({**cfg, "steps": step, "val_ll": float(score[c])})
+            if best is None or score[c] > best[0]:
+                best = (float(score[c]), {**cfg, "steps": step})
+    return best[1], best[0], table
+
+
+def _vi_model(method: Method, spec: MLPSpec, configs, budget: Budget, generator, like: Tensor, repeat: int):
+    prec = like.new_tensor([c["precision"] for c in configs]).repeat_interleave(repeat)
+    lr = like.new_tensor([c["lr"] for c in configs]).repeat_interleave(repeat)
+    return ReplicaVI(spec, method.family, method.prior, prec, lr, rank=budget.rank, generator=generator,
+                     dtype=like.dtype, device=like.device)
+
+
+def run_vi(method: Method, splits, budget: Budget, seed: int, progress=None) -> dict:
+    """Search on the tuning splits, then train and test every split: one VI method on one dataset."""
+    gen = torch.Generator(device=splits[0].x_train.device).manual_seed(seed)
+    cpu_gen = torch.Generator().manual_seed(seed)
+    width = splits[0].n_hidden or 50
+    spec = MLPSpec(splits[0].x_train.shape[1], (width,) * method.depth)
+    tune = tuning_data(splits, budget)
+    n_tune = tune.y.shape[0]
+    configs = [{"precision": a, "lr": lr} for a in budget.precisions for lr in budget.lrs]
+    index = torch.arange(n_tune, device=tune.y.device).repeat(len(configs))
+    torch.manual_seed(seed)
+    model = _vi_model(method, spec, configs, budget, cpu_gen, tune.x, n_tune)
+    curves = train(model, tune.take(index), budget.steps, budget, gen, budget.checkpoints, progress)
+    choice, val_ll, table = _choose(curves, configs, n_tune)
+    final = final_data(splits)
+    R = final.y.shape[0]
+    model = _vi_model(method, spec, [choice], budget, cpu_gen, final.x, R)
+    train(model, final, choice["steps"], budget, gen, None, progress)
+    means, nv = model.predict(final.x_eval, budget.test_samples)
+    scores = evaluate(means, nv, final)
+    return {"choice": choice, "val_ll": val_ll, "search": table, "dim": spec.dim,
+            **{k: v.tolist() for k, v in scores.items()},
+            "noise_scale": (model.noise_scale() * final.y_std).tolist()}
