@@ -14,7 +14,9 @@ Where the files are looked for, in order:
 2. the ``PYRO_FA_DATA`` environment variable,
 3. a user cache folder, ``$XDG_CACHE_HOME/pyro_fa/uci`` (default
    ``~/.cache/pyro_fa/uci``), filled on first use by downloading the files from
-   :data:`BASE_URL`. Only the cache folder is ever written to.
+   :data:`BASE_URL`, except for yacht, which the package carries
+   (:data:`BUNDLED_DIR`) and uses when the cache does not hold it. Only the
+   cache folder is ever written to.
 
 Inputs and target are standardised with the mean and standard deviation
 (``ddof=0``, as the benchmark's code does) of the training part only; columns
@@ -62,6 +64,8 @@ UCI_DATASETS: Dict[str, str] = {
     "wine": "wine-quality-red",
     "yacht": "yacht",
 }
+#: datasets shipped inside the package (yacht), used when no data folder or cache holds them
+BUNDLED_DIR = Path(__file__).resolve().parent / "data" / "uci"
 _REQUIRED = ("data.txt", "index_features.txt", "index_target.txt", "n_splits.txt")
 _OPTIONAL = ("n_hidden.txt", "n_epochs.txt")
 
@@ -281,6 +285,8 @@ def _folder(name: str, data_dir: Optional[PathLike]) -> Tuple[str, Path, Path]:
     folder = _folder_name(name)
     root, is_cache = _resolve(data_dir)
     if is_cache and not all((root / folder / f).is_file() for f in _REQUIRED):
+        if all((BUNDLED_DIR / folder / f).is_file() for f in _REQUIRED):
+            return folder, BUNDLED_DIR, BUNDLED_DIR / folder
         download_uci(folder, root)
     return folder, root, root / folder
 

@@ -195,6 +195,7 @@ def test_download_into_the_cache(server, tmp_path, monkeypatch):
     monkeypatch.delenv("PYRO_FA_DATA", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(datasets, "BASE_URL", url)
+    monkeypatch.setattr(datasets, "BUNDLED_DIR", tmp_path / "nothing bundled")
     d = load_uci("yacht", split=1)
     cache = tmp_path / "cache" / "pyro_fa" / "uci" / "yacht"
     assert sorted(p.name for p in cache.iterdir()) == sorted(p.name for p in served.iterdir())
@@ -228,11 +229,28 @@ def test_offline_with_nothing_local(tmp_path, monkeypatch):
     monkeypatch.delenv("PYRO_FA_DATA", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(datasets.urllib.request, "urlopen", _no_network)
+    monkeypatch.setattr(datasets, "BUNDLED_DIR", tmp_path / "nothing bundled")
     with pytest.raises(FileNotFoundError, match=r"could not download .*yacht/data/data\.txt.*network is unreachable"
                        r".*no local copy.*pyro_fa/uci/yacht.*set PYRO_FA_DATA"):
         load_uci("yacht")
     assert not (tmp_path / "pyro_fa" / "uci" / "yacht").exists() or not any(
         (tmp_path / "pyro_fa" / "uci" / "yacht").iterdir())
+
+
+def test_bundled_yacht_offline_with_nothing_local(tmp_path, monkeypatch):
+    """yacht ships with the package: it loads with no data folder, no cache and no network."""
+    monkeypatch.delenv("PYRO_FA_DATA", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(datasets.urllib.request, "urlopen", _no_network)
+    d = load_uci("yacht", split=19)
+    assert d.n_splits == 20 and d.x_train.shape == (277, 6) and d.x_test.shape == (31, 6)
+    assert not (tmp_path / "pyro_fa").exists()  # nothing written to the cache
+    # the same rows as the benchmark's files: target column 6 of data.txt in the original units
+    raw = np.loadtxt(datasets.BUNDLED_DIR / "yacht" / "data.txt")
+    test_rows = np.loadtxt(datasets.BUNDLED_DIR / "yacht" / "index_test_19.txt").astype(int)
+    np.testing.assert_allclose(d.y_test.numpy() * d.y_std + d.y_mean, raw[test_rows, 6], rtol=1e-12)
+    with pytest.raises(FileNotFoundError, match="could not download .*bostonHousing"):
+        load_uci("boston")  # not bundled: still the download path and its error
 
 
 def test_atomic_write_leaves_nothing_on_failure(tmp_path, monkeypatch):

@@ -230,13 +230,14 @@ class ReplicaVI:
         if self.family in ("fa", "ppca"):
             s = p["log_scale"].exp() if "log_scale" in p else self.fixed_scale
             s = s.expand_as(p["loc"])
-            return LowRankMultivariateNormal(p["loc"], p["factor"] * s.unsqueeze(-1), s * s)
+            return LowRankMultivariateNormal(p["loc"], p["factor"] * s.unsqueeze(-1), s * s, validate_args=False)
         if self.family == "delta":
             return None
         scale = F_.softplus(p["scale_u"])
         if self.family == "lowrank":
-            return LowRankMultivariateNormal(p["loc"], p["cov_factor"] * scale.unsqueeze(-1), scale * scale)
-        return Independent(Normal(p["loc"], scale), 1)
+            return LowRankMultivariateNormal(p["loc"], p["cov_factor"] * scale.unsqueeze(-1), scale * scale,
+                                             validate_args=False)
+        return Independent(Normal(p["loc"], scale, validate_args=False), 1, validate_args=False)
 
     def noise_scale(self, p: Optional[Dict[str, Tensor]] = None) -> Tensor:
         """:math:`\\sigma_y` per replica, shape (R,)."""
@@ -245,7 +246,7 @@ class ReplicaVI:
 
     def _prior_log_prob(self, theta: Tensor) -> Tensor:
         if self.prior == "gaussian":
-            return Normal(0.0, self.prior_scale).log_prob(theta).sum(-1)
+            return Normal(0.0, self.prior_scale, validate_args=False).log_prob(theta).sum(-1)
         b = self.prior_scale
         return (-(2 * b).log() - theta.abs() / b).sum(-1)
 
@@ -271,7 +272,7 @@ class ReplicaVI:
         theta = p["loc"].unsqueeze(0) if q is None else q.rsample((particles,))  # (S, R, D)
         f = self.spec.forward(theta, x)  # (S, R, B)
         noise = self.noise_scale(p).unsqueeze(-1)
-        loglik = Normal(f, noise).log_prob(y).sum(-1) * (dataset_size / y.shape[-1])  # (S, R)
+        loglik = Normal(f, noise, validate_args=False).log_prob(y).sum(-1) * (dataset_size / y.shape[-1])  # (S, R)
         if self.estimator == "map":  # AutoDelta: the log joint at the point
             elbo = (loglik + self._prior_log_prob(theta)).mean(0)
         elif self.estimator == "trace":

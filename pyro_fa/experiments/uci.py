@@ -102,6 +102,8 @@ class Budget:
     lrs: Tuple[float, ...] = (3e-3, 1e-2)
     swag_lrs: Tuple[float, ...] = (1e-3, 3e-3, 1e-2)
     swag_steps: int = 2000
+    swag_collections: int = 100
+    swag_warmup: int = 20
     swag_batch: int = 32
     tune_splits: int = 3
     val_fraction: float = 0.2
@@ -117,6 +119,7 @@ class Budget:
     @classmethod
     def quick(cls) -> "Budget":
         return cls(steps=1500, precisions=(0.1, 1.0, 10.0), lrs=(1e-2,), swag_lrs=(3e-3,), swag_steps=500,
+                   swag_collections=50,
                    tune_splits=1, checkpoints=10, test_samples=50, ensemble=3)
 
 
@@ -182,6 +185,23 @@ def _gather(data: SplitData, idx: Optional[Tensor]):
 
 
 @torch.no_grad()
+def heldout_ll(means: Tensor, noise_var: Tensor, data: SplitData) -> Tensor:
+    """Mean held-out log-likelihood per replica in original units, shape (R,); ``-inf`` where a fit diverged.
+
+    One call of :func:`pyro_fa.metrics.gaussian_log_likelihood` over all replicas' points.
+    """
+    S, R, M = means.shape
+    nv = noise_var.expand(S, R, 1) if noise_var.dim() == 2 else noise_var
+    ok = torch.isfinite(means).all(-1).all(0) & torch.isfinite(nv).all(-1).all(0) & (nv > 0).all(-1).all(0)
+    means = torch.where(ok.unsqueeze(-1), means, torch.zeros_like(means))
+    nv = torch.where(ok.unsqueeze(-1), nv, torch.ones_like(nv)).expand(S, R, M)
+    per_point = metrics.gaussian_log_likelihood(means.reshape(S, R * M), nv.reshape(S, R * M),
+                                                data.y_eval.reshape(R * M), reduction="none")
+    ll = per_point.reshape(R, M).mean(1) - data.y_std.log()
+    return torch.where(ok, ll, torch.full_like(ll, -math.inf))
+
+
+@torch.no_grad()
 def evaluate(means: Tensor, noise_var: Tensor, data: SplitData) -> Dict[str, Tensor]:
     """Test log-likelihood, RMSE (original units) and calibration error of every replica.
 
@@ -196,7 +216,14 @@ def evaluate(means: Tensor, noise_var: Tensor, data: SplitData) -> Dict[str, Ten
     Returns
     -------
     dict of Tensors of shape (R,): ``ll``, ``rmse``, ``calibration_error``.
+
+    Raises
+    ------
+    FloatingPointError
+        If a replica's predictions are not finite (its training diverged).
     """
+    if not (torch.isfinite(means).all() and torch.isfinite(noise_var).all()):
+        raise FloatingPointError("pyro-fa uci: a final fit diverged (non-finite predictions).")
     R = means.shape[1]
     ll, rmse, cal = [], [], []
     nv = noise_var.expand(means.shape[0], R, 1) if noise_var.dim() == 2 else noise_var
@@ -208,30 +235,47 @@ def evaluate(means: Tensor, noise_var: Tensor, data: SplitData) -> Dict[str, Ten
     return {"ll": torch.stack(ll), "rmse": torch.stack(rmse), "calibration_error": torch.stack(cal)}
 
 
+def _batch_size(data: SplitData, budget: "Budget") -> int:
+    N = data.y.shape[1]
+    return N if N <= budget.batch_limit else budget.batch_size
+
+
 def train(model: ReplicaVI, data: SplitData, steps: int, budget: Budget, generator: torch.Generator,
-          checkpoints: Optional[int] = None, progress=None) -> List[Tuple[int, Tensor]]:
-    """Adam on the summed negative ELBO of all replicas; returns [(step, held-out LL per replica)] at checkpoints."""
+          checkpoints: Optional[int] = None, progress=None, patience: bool = False,
+          n_configs: int = 1) -> List[Tuple[int, Tensor]]:
+    """Adam on the summed negative ELBO of all replicas.
+
+    Returns ``[(step, held-out log-likelihood per replica)]`` every ``steps // checkpoints``
+    steps (none without ``checkpoints``). Replicas are ``n_configs`` consecutive blocks, one per
+    configuration. With ``patience``, training stops early once the best mean held-out
+    log-likelihood of any configuration is older than half the steps run
+    (and at least a fifth of ``steps`` have run): later checkpoints could only be chosen
+    if they beat a long-standing best.
+    """
     opt = model.optimizer()
     N = data.y.shape[1]
-    batch = N if N <= budget.batch_limit else budget.batch_size
+    batch = _batch_size(data, budget)
     every = max(1, steps // checkpoints) if checkpoints else None
-    curve = []
+    curve, best_step, best = [], 0, -math.inf
     for step in range(1, steps + 1):
         xb, yb = _gather(data, _batches(data, batch, generator))
         opt.zero_grad(set_to_none=True)
-        loss = model.loss(xb, yb, N, budget.particles).sum()
-        loss.backward()
+        model.loss(xb, yb, N, budget.particles).sum().backward()
         opt.step()
-        if every and step % every == 0:
-            means, nv = model.predict(data.x_eval, budget.eval_samples)
-            curve.append((step, evaluate(means, nv, data)["ll"]))
         if progress is not None:
             progress(1)
-    if not torch.isfinite(loss):
-        raise FloatingPointError(f"pyro-fa uci: the loss of {model.family} became {float(loss)}.")
+        if every and step % every == 0:
+            means, nv = model.predict(data.x_eval, budget.eval_samples)
+            ll = heldout_ll(means, nv, data)
+            curve.append((step, ll))
+            score = float(ll.reshape(n_configs, -1).mean(1).max())
+            if score > best:
+                best, best_step = score, step
+            if patience and step >= steps // 5 and best_step < step // 2:
+                if progress is not None:
+                    progress(steps - step)
+                break
     return curve
-
-
 def _choose(curves, configs, n_tune: int):
     """The (config, steps) with the best mean held-out log-likelihood over the tuning splits."""
     best = None
@@ -256,24 +300,148 @@ def _vi_model(method: Method, spec: MLPSpec, configs, budget: Budget, generator,
 
 def run_vi(method: Method, splits, budget: Budget, seed: int, progress=None) -> dict:
     """Search on the tuning splits, then train and test every split: one VI method on one dataset."""
-    gen = torch.Generator(device=splits[0].x_train.device).manual_seed(seed)
+    device = splits[0].x_train.device
+    gen = torch.Generator(device=device).manual_seed(seed)
     cpu_gen = torch.Generator().manual_seed(seed)
-    width = splits[0].n_hidden or 50
-    spec = MLPSpec(splits[0].x_train.shape[1], (width,) * method.depth)
+    torch.manual_seed(seed)
+    spec = _spec(method, splits)
     tune = tuning_data(splits, budget)
     n_tune = tune.y.shape[0]
     configs = [{"precision": a, "lr": lr} for a in budget.precisions for lr in budget.lrs]
-    index = torch.arange(n_tune, device=tune.y.device).repeat(len(configs))
-    torch.manual_seed(seed)
+    index = torch.arange(n_tune, device=device).repeat(len(configs))
     model = _vi_model(method, spec, configs, budget, cpu_gen, tune.x, n_tune)
-    curves = train(model, tune.take(index), budget.steps, budget, gen, budget.checkpoints, progress)
+    curves = train(model, tune.take(index), budget.steps, budget, gen, budget.checkpoints, progress,
+                   patience=True, n_configs=len(configs))
     choice, val_ll, table = _choose(curves, configs, n_tune)
     final = final_data(splits)
-    R = final.y.shape[0]
-    model = _vi_model(method, spec, [choice], budget, cpu_gen, final.x, R)
+    model = _vi_model(method, spec, [choice], budget, cpu_gen, final.x, final.y.shape[0])
     train(model, final, choice["steps"], budget, gen, None, progress)
     means, nv = model.predict(final.x_eval, budget.test_samples)
     scores = evaluate(means, nv, final)
     return {"choice": choice, "val_ll": val_ll, "search": table, "dim": spec.dim,
             **{k: v.tolist() for k, v in scores.items()},
             "noise_scale": (model.noise_scale() * final.y_std).tolist()}
+
+
+def _spec(method: Method, splits) -> MLPSpec:
+    width = splits[0].n_hidden or 50
+    return MLPSpec(splits[0].x_train.shape[1], (width,) * method.depth)
+
+
+# ----------------------------------------------------------------------------- SWAG family
+
+
+def _collect_schedule(data: SplitData, budget: Budget) -> Tuple[int, int]:
+    """SGD steps of the collection phase and the collection interval: about one collection per epoch."""
+    N = data.y.shape[1]
+    per_epoch = max(1, N // budget.swag_batch)
+    every = min(per_epoch, max(1, budget.swag_steps // budget.swag_collections))
+    return every * budget.swag_collections, every
+
+
+def _map_then_collect(spec, data: SplitData, precision: float, lr: float, steps: int, swag_lr: float,
+                      budget: Budget, kinds: Sequence[str], members: Sequence[int], cpu_gen, gen, progress=None):
+    """MAP fits (AutoDelta) of every replica, then minibatch SGD feeding SWAG posteriors.
+
+    Returns ``{kind: [SWAG per replica]}`` and the MAP model (its learned noise scales).
+    """
+    from pyro_fa.infer.swag import SWAG
+
+    R = data.y.shape[0]
+    like = data.x
+    model = ReplicaVI(spec, "delta", "gaussian", like.new_full((R,), precision), like.new_full((R,), lr),
+                      generator=cpu_gen, dtype=like.dtype, device=like.device)
+    train(model, data, steps, budget, gen, None, progress)
+    leaves = list(model._groups[0][0][2].values())  # one learning rate: one group, replica order
+    theta = model._groups[0][0][2]["loc"]
+    n_steps, every = _collect_schedule(data, budget)
+    swags = {}
+    with torch.no_grad():
+        for kind in kinds:
+            keep = members if kind != "em" else range(R)
+            swags[kind] = {r: SWAG([theta[r]], rank=budget.rank, method=kind, warmup=budget.swag_warmup,
+                                   collect_every=every, seed=r, on_nonfinite="skip") for r in keep}
+    opt = torch.optim.SGD(leaves, lr=swag_lr)
+    N = data.y.shape[1]
+    for _ in range(n_steps):
+        xb, yb = _gather(data, _batches(data, budget.swag_batch, gen))
+        opt.zero_grad(set_to_none=True)
+        (model.loss(xb, yb, N).sum() / N).backward()  # the per-example loss SGD users train on
+        opt.step()
+        for per_kind in swags.values():
+            for sw in per_kind.values():
+                sw.step()
+        if progress is not None:
+            progress(1)
+    return swags, model
+
+
+def _swag_predict(swags: Dict[int, object], model: ReplicaVI, data: SplitData, replicas: Sequence[Sequence[int]],
+                  num_samples: int, generator: torch.Generator):
+    """Predictive means (S, R_out, M) of SWAG posteriors; output replica j mixes the members ``replicas[j]``."""
+    spec = model.spec
+    theta = []
+    for members in replicas:
+        per = max(1, num_samples // len(members))
+        draws = [swags[r].sample_parameters(per, generator=generator) for r in members]
+        theta.append(torch.cat(draws)[:num_samples] if len(members) > 1 else draws[0])
+    theta = torch.stack(theta, 1)  # (S, R_out, D)
+    x = data.x_eval[[m[0] for m in replicas]]
+    noise = model.noise_scale().detach().pow(2)
+    nv = torch.stack([noise[list(m)].repeat_interleave(max(1, num_samples // len(m)))[:num_samples]
+                      for m in replicas], 1).unsqueeze(-1)  # (S, R_out, 1): each draw keeps its member's noise
+    with torch.no_grad():
+        return spec.forward(theta, x), nv
+
+
+def run_swag(methods: Sequence[Method], splits, budget: Budget, seed: int, progress=None) -> Dict[str, dict]:
+    """The SWAG family on one dataset: one shared search, one set of SGD runs, one column per method."""
+    device = splits[0].x_train.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cpu_gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    spec = _spec(methods[0], splits)
+    tune = tuning_data(splits, budget)
+    n_tune = tune.y.shape[0]
+    # 1. the MAP fit: prior precision (weight decay), Adam learning rate, steps
+    configs = [{"precision": a, "lr": lr} for a in budget.precisions for lr in budget.lrs]
+    index = torch.arange(n_tune, device=device).repeat(len(configs))
+    prec = tune.x.new_tensor([c["precision"] for c in configs]).repeat_interleave(n_tune)
+    lr = tune.x.new_tensor([c["lr"] for c in configs]).repeat_interleave(n_tune)
+    model = ReplicaVI(spec, "delta", "gaussian", prec, lr, generator=cpu_gen, dtype=tune.x.dtype, device=device)
+    curves = train(model, tune.take(index), budget.steps, budget, gen, budget.checkpoints, progress,
+                   patience=True, n_configs=len(configs))
+    choice, map_val_ll, table = _choose(curves, configs, n_tune)
+    # 2. the SGD learning rate of the collection phase, by SWAG-EM's validation log-likelihood
+    swag_scores = []
+    tune_gen = torch.Generator(device=device).manual_seed(seed + 1)
+    for swag_lr in budget.swag_lrs:
+        swags, m = _map_then_collect(spec, tune, choice["precision"], choice["lr"], choice["steps"], swag_lr,
+                                     budget, ("em",), (), cpu_gen, gen, progress)
+        means, nv = _swag_predict(swags["em"], m, tune, [[r] for r in range(n_tune)], budget.eval_samples,
+                                  tune_gen)
+        swag_scores.append(float(heldout_ll(means, nv, tune).mean()))
+    best = max(range(len(budget.swag_lrs)), key=lambda i: swag_scores[i])
+    choice = {**choice, "swag_lr": budget.swag_lrs[best]}
+    # 3. every split: `ensemble` members per split (member 0 is the single-SWAG run)
+    final = final_data(splits)
+    n = final.y.shape[0]
+    M = budget.ensemble if any(m.swag == "multiswag" for m in methods) else 1
+    data = final.take(torch.arange(n, device=device).repeat(M))  # replica = member * n + split
+    kinds = sorted({"em" if m.swag == "multiswag" else m.swag for m in methods})
+    swags, model = _map_then_collect(spec, data, choice["precision"], choice["lr"], choice["steps"],
+                                     choice["swag_lr"], budget, kinds, range(n), cpu_gen, gen, progress)
+    test_gen = torch.Generator(device=device).manual_seed(seed + 2)
+    out = {}
+    for method in methods:
+        kind = "em" if method.swag == "multiswag" else method.swag
+        groups = [[m * n + s for m in range(M)] for s in range(n)] if method.swag == "multiswag" \
+            else [[s] for s in range(n)]
+        means, nv = _swag_predict(swags[kind], model, data, groups, budget.test_samples, test_gen)
+        scores = evaluate(means, nv, final)
+        out[method.name] = {
+            "choice": choice, "val_ll": map_val_ll, "swag_val_ll": dict(zip(map(str, budget.swag_lrs), swag_scores)),
+            "search": table, "dim": spec.dim, **{k: v.tolist() for k, v in scores.items()},
+            "noise_scale": (model.noise_scale()[:n].detach() * final.y_std).tolist(),
+        }
+    return out
