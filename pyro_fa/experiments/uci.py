@@ -23,7 +23,7 @@ checked against the Pyro classes in the tests), with the same search budget:
   posteriors trained from different initialisations.
 
 Hyperparameter search (never on the test split): the training part of each of
-the first ``--tune-splits`` splits (default 3) is cut at random into 80 %
+the first ``--tune-splits`` splits (default 2) is cut at random into 80 %
 sub-training and 20 % validation parts (re-standardised on the sub-training
 part). Every configuration of the grid — prior precision α ∈ {0.01, 0.1, 1, 10},
 Adam learning rate ∈ {0.003, 0.01} — is trained on every tuning split, and the
@@ -85,8 +85,8 @@ def _methods() -> Dict[str, Method]:
 
 
 METHODS: Dict[str, Method] = _methods()
-#: what ``pyro-fa uci`` runs by default: everything, SWAG's four variants sharing one search
-DEFAULT_METHODS = tuple(METHODS)
+#: what ``pyro-fa uci`` runs by default: all but Pyro's guides on 2×50 (``--methods`` adds them)
+DEFAULT_METHODS = tuple(n for n in METHODS if n not in ("autonormal-2x50", "lowrank-2x50"))
 QUICK_METHODS = ("vifa-gaussian-1x50", "vippca-gaussian-2x50", "autonormal-1x50", "lowrank-1x50", "swag-em-1x50")
 SWAG_METHODS = tuple(n for n, m in METHODS.items() if m.swag is not None)
 
@@ -97,7 +97,7 @@ SWAG_METHODS = tuple(n for n, m in METHODS.items() if m.swag is not None)
 class Budget:
     """How much each fit may train, and the grid it is tuned over."""
 
-    steps: int = 5000
+    steps: int = 10000
     precisions: Tuple[float, ...] = (0.01, 0.1, 1.0, 10.0)
     lrs: Tuple[float, ...] = (3e-3, 1e-2)
     swag_lrs: Tuple[float, ...] = (1e-3, 3e-3, 1e-2)
@@ -105,7 +105,7 @@ class Budget:
     swag_collections: int = 100
     swag_warmup: int = 20
     swag_batch: int = 32
-    tune_splits: int = 3
+    tune_splits: int = 2
     val_fraction: float = 0.2
     checkpoints: int = 20
     batch_limit: int = 2000  # full batch up to this many training points
@@ -248,8 +248,8 @@ def train(model: ReplicaVI, data: SplitData, steps: int, budget: Budget, generat
     Returns ``[(step, held-out log-likelihood per replica)]`` every ``steps // checkpoints``
     steps (none without ``checkpoints``). Replicas are ``n_configs`` consecutive blocks, one per
     configuration. With ``patience``, training stops early once the best mean held-out
-    log-likelihood of any configuration is older than half the steps run
-    (and at least a fifth of ``steps`` have run): later checkpoints could only be chosen
+    log-likelihood of any configuration was reached in the first third of the steps run
+    (and at least a quarter of ``steps`` have run): later checkpoints could only be chosen
     if they beat a long-standing best.
     """
     opt = model.optimizer()
@@ -271,7 +271,7 @@ def train(model: ReplicaVI, data: SplitData, steps: int, budget: Budget, generat
             score = float(ll.reshape(n_configs, -1).mean(1).max())
             if score > best:
                 best, best_step = score, step
-            if patience and step >= steps // 5 and best_step < step // 2:
+            if patience and step >= steps // 4 and best_step <= step // 3:
                 if progress is not None:
                     progress(steps - step)
                 break
@@ -352,8 +352,8 @@ def _map_then_collect(spec, data: SplitData, precision: float, lr: float, steps:
     model = ReplicaVI(spec, "delta", "gaussian", like.new_full((R,), precision), like.new_full((R,), lr),
                       generator=cpu_gen, dtype=like.dtype, device=like.device)
     train(model, data, steps, budget, gen, None, progress)
-    leaves = list(model._groups[0][0][2].values())  # one learning rate: one group, replica order
-    theta = model._groups[0][0][2]["loc"]
+    theta = model.params()["loc"]  # one learning rate: the leaf itself, in replica order
+    assert theta.is_leaf
     n_steps, every = _collect_schedule(data, budget)
     swags = {}
     with torch.no_grad():
@@ -361,12 +361,15 @@ def _map_then_collect(spec, data: SplitData, precision: float, lr: float, steps:
             keep = members if kind != "em" else range(R)
             swags[kind] = {r: SWAG([theta[r]], rank=budget.rank, method=kind, warmup=budget.swag_warmup,
                                    collect_every=every, seed=r, on_nonfinite="skip") for r in keep}
-    opt = torch.optim.SGD(leaves, lr=swag_lr)
+    opt = torch.optim.SGD([theta], lr=swag_lr)  # the noise scale stays at its MAP value
+    noise_var = model.noise_scale().detach().pow(2)
     N = data.y.shape[1]
     for _ in range(n_steps):
         xb, yb = _gather(data, _batches(data, budget.swag_batch, gen))
         opt.zero_grad(set_to_none=True)
-        (model.loss(xb, yb, N).sum() / N).backward()  # the per-example loss SGD users train on
+        # the per-example loss in units of the noise variance: squared error / 2 plus weight decay, what a
+        # torch user's SGD minimises (its step size then means the same whatever the learned noise)
+        (model.loss(xb, yb, N) * noise_var).sum().div(N).backward()
         opt.step()
         for per_kind in swags.values():
             for sw in per_kind.values():
@@ -445,3 +448,174 @@ def run_swag(methods: Sequence[Method], splits, budget: Budget, seed: int, progr
             "noise_scale": (model.noise_scale()[:n].detach() * final.y_std).tolist(),
         }
     return out
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--data-dir", default=None,
+                        help="UCI data folder (default: $PYRO_FA_DATA, else the download cache; yacht is bundled)")
+    parser.add_argument("--datasets", nargs="+", default=None, choices=list_uci(), metavar="NAME",
+                        help=f"datasets to run (default: all nine; quick: yacht); one of {', '.join(list_uci())}")
+    parser.add_argument("--methods", nargs="+", default=None, choices=list(METHODS), metavar="METHOD",
+                        help=f"methods to run (default: all; quick: {' '.join(QUICK_METHODS)}); "
+                             f"one of {', '.join(METHODS)}")
+    parser.add_argument("--splits", type=int, default=None,
+                        help="use the first N standard splits (default: all, 20 or 5; quick: 2)")
+    parser.add_argument("--steps", type=int, default=None, help="most Adam steps of a fit (default 10000; quick 1500)")
+    parser.add_argument("--tune-splits", type=int, default=None,
+                        help="splits whose training parts carry the search (default 2; quick 1)")
+    parser.add_argument("--jobs", type=int, default=1, help="datasets run in parallel processes (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="only rebuild the table and figures from the per-dataset result files")
+
+
+def _budget(args) -> Budget:
+    b = Budget.quick() if args.quick else Budget()
+    if args.steps is not None:
+        if args.steps < b.checkpoints:
+            raise SystemExit(f"pyro-fa uci: --steps must be >= {b.checkpoints}, got {args.steps}.")
+        b.steps = args.steps
+    if args.tune_splits is not None:
+        if args.tune_splits < 1:
+            raise SystemExit(f"pyro-fa uci: --tune-splits must be >= 1, got {args.tune_splits}.")
+        b.tune_splits = args.tune_splits
+    return b
+
+
+def _load_splits(name: str, n: Optional[int], data_dir, device) -> list:
+    try:
+        total = uci_n_splits(name, data_dir)
+        count = total if n is None else n
+        if not 1 <= count <= total:
+            raise SystemExit(f"pyro-fa uci: --splits must be in 1..{total} for {name!r}, got {n}.")
+        return [load_uci(name, s, data_dir=data_dir, dtype=torch.float32, device=device) for s in range(count)]
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"pyro-fa uci: {err}") from err
+
+
+def run_dataset(name: str, method_names: Sequence[str], budget: Budget, splits_n: Optional[int], data_dir,
+                device: str, seed: int, threads: int, out_dir: str, progress: bool = True) -> dict:
+    """Every method on one dataset; writes ``<out_dir>/datasets/<name>.json`` (atomically) and returns it."""
+    from dataclasses import asdict
+
+    from tqdm.auto import tqdm
+
+    torch.set_num_threads(threads)
+    splits = _load_splits(name, splits_n, data_dir, device)
+    if budget.tune_splits > len(splits):
+        raise SystemExit(f"pyro-fa uci: --tune-splits must be at most the {len(splits)} splits run, "
+                         f"got {budget.tune_splits}.")
+    results = {}
+    vi = [METHODS[m] for m in method_names if METHODS[m].swag is None]
+    swag = [METHODS[m] for m in method_names if METHODS[m].swag is not None]
+    units = [(m.name, m) for m in vi] + ([("SWAG family", swag)] if swag else [])
+    for label, unit in units:
+        bar = tqdm(desc=f"{name}: {label}", unit="step", disable=not progress, leave=False, mininterval=1.0)
+        t0 = time.perf_counter()
+        if isinstance(unit, Method):
+            results[unit.name] = run_vi(unit, splits, budget, seed, bar.update)
+            results[unit.name]["seconds"] = time.perf_counter() - t0
+        else:
+            out = run_swag(unit, splits, budget, seed, bar.update)
+            for m, r in out.items():
+                results[m] = {**r, "seconds": (time.perf_counter() - t0) / len(out)}
+        bar.close()
+        r = results[unit.name if isinstance(unit, Method) else unit[0].name]
+        ll, rmse = mean_se(r["ll"]), mean_se(r["rmse"])
+        tqdm.write(f"{name:>9} {label:<22} test LL {ll[0]:7.3f} ± {ll[1]:.3f}   RMSE {rmse[0]:.3f} ± {rmse[1]:.3f}   "
+                   f"{time.perf_counter() - t0:6.0f} s")
+    record = {"dataset": name, "n_splits": len(splits), "budget": asdict(budget), "seed": seed,
+              "device": str(device), "methods": results}
+    atomic_write_json(Path(out_dir) / "datasets" / f"{name}.json", record)
+    return record
+
+
+def _worker(kwargs):
+    return run_dataset(**kwargs)["dataset"]
+
+
+def report(out_dir: str, budget: Budget, names: Sequence[str]) -> dict:
+    """Aggregate the per-dataset files of this budget: results.json, table.md, ll.png, rmse.png."""
+    import json
+    from dataclasses import asdict
+
+    from pyro_fa.experiments import _uci_report as rep
+    from pyro_fa.experiments._io import atomic_savefig, atomic_write_text
+
+    out = Path(out_dir)
+    results, meta = {}, {}
+    for path in sorted((out / "datasets").glob("*.json")):
+        record = json.loads(path.read_text())
+        if record.get("budget") != json.loads(json.dumps(asdict(budget))) or record["dataset"] not in names:
+            continue
+        results[record["dataset"]] = record["methods"]
+        meta[record["dataset"]] = {"n_splits": record["n_splits"], "device": record["device"]}
+    if not results:
+        raise SystemExit(f"pyro-fa uci: no per-dataset results of this budget in {out / 'datasets'}; run without "
+                         "--report-only first.")
+    labels = {n: m.label for n, m in METHODS.items()}
+    checks = rep.bar_checks(results)
+    text = ["# UCI regression benchmark", "", __doc__.split("\n\n", 1)[1].strip(), "",
+            "## Results (mean ± s.e. over splits; LL = test log-likelihood per point, original units)", "",
+            rep.results_table(results, labels), "", "## Published anchors (1×50)", "", rep.published_table(), ""]
+    summary = rep.bar_summary(checks)
+    if summary:
+        text += ["## The bar", "", summary, ""]
+    atomic_write_text(out / "table.md", "\n".join(text))
+    atomic_write_json(out / "results.json", {"budget": asdict(budget), "datasets": meta, "results": results,
+                                             "bar": checks, "published": rep.PUBLISHED, "paper": rep.PAPER})
+    import matplotlib.pyplot as plt
+
+    for metric in ("ll", "rmse"):
+        fig = rep.figure(results, labels, metric)
+        atomic_savefig(fig, out / f"{metric}.png", dpi=110)
+        plt.close(fig)
+    print()
+    print(rep.results_table(results, labels))
+    if summary:
+        print()
+        print(summary)
+    print(f"\nwrote {out / 'table.md'}, {out / 'results.json'}, {out / 'll.png'}, {out / 'rmse.png'}")
+    return {"results": results, "bar": checks}
+
+
+def run(args) -> int:
+    budget = _budget(args)
+    names = args.datasets or (["yacht"] if args.quick else list(DATASET_ORDER))
+    methods = args.methods or list(QUICK_METHODS if args.quick else DEFAULT_METHODS)
+    splits = args.splits if args.splits is not None else (2 if args.quick else None)
+    if args.jobs < 1 or args.threads < 1:
+        raise SystemExit(f"pyro-fa uci: --jobs and --threads must be >= 1, got {args.jobs} and {args.threads}.")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"pyro-fa uci: --device {args.device!r} needs CUDA, which this torch does not see.")
+    print(f"pyro-fa uci: {len(names)} dataset(s) x {len(methods)} method(s); {'quick' if args.quick else 'full'} "
+          f"budget: up to {budget.steps} steps, search on {budget.tune_splits} split(s), "
+          f"precision {list(budget.precisions)}, lr {list(budget.lrs)}")
+    if not args.report_only:
+        jobs = [dict(name=n, method_names=methods, budget=budget, splits_n=splits, data_dir=args.data_dir,
+                     device=args.device, seed=args.seed, threads=args.threads, out_dir=args.output_dir,
+                     progress=not args.no_progress and args.jobs == 1) for n in names]
+        if args.jobs == 1:
+            for kw in jobs:
+                run_dataset(**kw)
+        else:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor, as_completed
+
+            from tqdm.auto import tqdm
+
+            with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
+                futures = [pool.submit(_worker, kw) for kw in jobs]
+                for f in tqdm(as_completed(futures), total=len(futures), desc="datasets", disable=args.no_progress):
+                    f.result()
+    report(args.output_dir, budget, names)
+    return 0
+
+
+#: the order datasets are run in: the costly ones first, so that parallel jobs end together
+DATASET_ORDER = ("protein", "wine", "concrete", "naval", "power", "kin8nm", "energy", "boston", "yacht")
+assert sorted(DATASET_ORDER) == list_uci() == sorted(UCI_DATASETS)
