@@ -1,0 +1,292 @@
+"""The UCI benchmark: the vectorised trainer against Pyro's own classes, the protocol, the command."""
+import json
+import math
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import Trace_ELBO
+from pyro.infer.autoguide import AutoDelta, AutoLowRankMultivariateNormal, AutoNormal
+
+from pyro_fa import AutoLowRankFactorGuide, FactorELBO, cli, metrics
+from pyro_fa.datasets import load_uci
+from pyro_fa.experiments import uci
+from pyro_fa.experiments._bnn import MLPSpec, ReplicaVI
+
+
+@pytest.fixture(autouse=True)
+def _clear_param_store():
+    pyro.clear_param_store()
+    yield
+    pyro.clear_param_store()
+
+
+def _toy(N=40, p=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, p, generator=g)
+    y = torch.sin(x.sum(-1)) + 0.1 * torch.randn(N, generator=g)
+    return x, y
+
+
+# ------------------------------------------------------------------ the network
+
+
+def test_mlp_forward_matches_nn_sequential():
+    spec = MLPSpec(3, (5, 4))
+    theta = spec.init(2, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, 7, 3)
+    out = spec.forward(theta.unsqueeze(0).expand(3, -1, -1), x)
+    assert out.shape == (3, 2, 7) and spec.dim == 3 * 5 + 5 + 5 * 4 + 4 + 4 + 1
+    for r in range(2):
+        net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 4), torch.nn.ReLU(),
+                                  torch.nn.Linear(4, 1))
+        i = 0
+        with torch.no_grad():
+            for lin in (net[0], net[2], net[4]):
+                n = lin.in_features * lin.out_features
+                lin.weight.copy_(theta[r, i:i + n].reshape(lin.in_features, lin.out_features).T)
+                lin.bias.copy_(theta[r, i + n:i + n + lin.out_features])
+                i += n + lin.out_features
+        torch.testing.assert_close(out[1, r], net(x[r]).squeeze(-1))
+
+
+def test_mlp_init_is_nn_linear_default():
+    """U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weights and biases, as nn.Linear's reset_parameters."""
+    spec = MLPSpec(4, (50,))
+    theta = spec.init(200, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    first = theta[:, :4 * 50 + 50]
+    assert first.abs().max() <= 0.5 and first.abs().max() > 0.49
+    # variance of U(-b, b) is b^2 / 3
+    assert abs(float(first.var()) - 0.25 / 3) < 0.003
+
+
+# ------------------------------------------------- one replica == the Pyro classes
+
+
+def _pyro_model(spec, prior, precision):
+    scale = precision ** -0.5 if prior == "gaussian" else (2 * precision) ** -0.5
+
+    def model(x, y):
+        base = dist.Normal(0.0, scale) if prior == "gaussian" else dist.Laplace(0.0, scale)
+        w = pyro.sample("w", base.expand([spec.dim]).to_event(1))
+        noise = pyro.param("noise", torch.tensor(0.7), constraint=dist.constraints.positive)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("y", dist.Normal(spec.forward(w, x.unsqueeze(0)).squeeze(0), noise), obs=y)
+
+    return model
+
+
+def _copy_into_guide(guide, family, p):
+    """Write the replica's parameters into the Pyro guide (same parameterisation)."""
+    store = pyro.get_param_store()
+    p = {k: v.detach() for k, v in p.items()}
+    with torch.no_grad():
+        if family in ("fa", "ppca"):
+            guide.loc.copy_(p["loc"][0])
+            guide.factor.copy_(p["factor"][0])
+            guide.scale = p["log_scale"][0].exp().squeeze() if family == "ppca" else p["log_scale"][0].exp()
+        elif family == "lowrank":
+            guide.loc.copy_(p["loc"][0])
+            guide.cov_factor.copy_(p["cov_factor"][0])
+            guide.scale = torch.nn.functional.softplus(p["scale_u"][0])
+        elif family == "normal":
+            guide.locs.w = p["loc"][0].clone()
+            guide.scales.w = torch.nn.functional.softplus(p["scale_u"][0])
+        else:
+            guide.w = p["loc"][0].clone()
+    if "noise" in store:
+        del store["noise"]
+    pyro.param("noise", p["log_noise"][0].exp(), constraint=dist.constraints.positive)  # unconstrained: log sigma
+
+
+CASES = [
+    ("fa", "gaussian", lambda m: AutoLowRankFactorGuide(m, rank=3), FactorELBO),
+    ("fa", "laplace", lambda m: AutoLowRankFactorGuide(m, rank=3), FactorELBO),
+    ("ppca", "gaussian", lambda m: AutoLowRankFactorGuide(m, rank=3, noise="isotropic"), FactorELBO),
+    ("lowrank", "gaussian", lambda m: AutoLowRankMultivariateNormal(m, rank=3), Trace_ELBO),
+    ("normal", "laplace", AutoNormal, Trace_ELBO),
+    ("delta", "gaussian", AutoDelta, Trace_ELBO),
+]
+
+
+@pytest.mark.parametrize("family,prior,make_guide,elbo_cls", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_replica_loss_and_gradients_equal_pyro(family, prior, make_guide, elbo_cls):
+    """Same parameters, same random draws: the replica's loss and gradients are Pyro's, to rounding."""
+    torch.set_default_dtype(torch.float64)
+    x, y = _toy()
+    spec = MLPSpec(3, (6,))
+    vi = ReplicaVI(spec, family, prior, torch.tensor([0.8]), torch.tensor([1e-2]), rank=3,
+                   generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with torch.no_grad():  # a non-trivial q and noise
+        g = torch.Generator().manual_seed(2)
+        for v in vi.params().values():
+            v.add_(0.2 * torch.randn(v.shape, generator=g, dtype=v.dtype))
+    model = _pyro_model(spec, prior, 0.8)
+    guide = make_guide(model)
+    guide(x, y)
+    _copy_into_guide(guide, family, vi.params())
+
+    torch.manual_seed(5)
+    ours = vi.loss(x.unsqueeze(0), y.unsqueeze(0), x.shape[0])[0]
+    ours.backward()
+    elbo = elbo_cls()
+    elbo.differentiable_loss(model, guide, x, y)  # FactorELBO inspects the model once (and draws) on first use
+    pyro.get_param_store().clear()
+    _copy_into_guide(guide, family, vi.params())
+    for q in guide.parameters():
+        q.grad = None
+    torch.manual_seed(5)
+    theirs = elbo.differentiable_loss(model, guide, x, y)
+    theirs.backward()
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-8)
+    grads = {n: p.grad for n, p in pyro.get_param_store().named_parameters()}
+    p = vi.params()
+    torch.testing.assert_close(p["log_noise"].grad[0], grads["noise"])  # unconstrained noise = log sigma
+    loc_name = {"fa": "loc", "ppca": "loc", "lowrank": "loc", "normal": "locs.w", "delta": "AutoDelta.w"}[family]
+    key = next(k for k in grads if k.endswith(loc_name))
+    torch.testing.assert_close(p["loc"].grad[0], grads[key], rtol=1e-8, atol=1e-8)
+
+
+def test_replicas_are_independent_and_lrs_make_param_groups():
+    """The loss of each replica depends only on its parameters; one Adam group per learning rate."""
+    x, y = _toy()
+    spec = MLPSpec(3, (6,))
+    vi = ReplicaVI(spec, "fa", "gaussian", torch.tensor([0.5, 1.0, 2.0]), torch.tensor([1e-2, 3e-3, 1e-2]), rank=2,
+                   generator=torch.Generator().manual_seed(0))
+    opt = vi.optimizer()
+    assert sorted(g["lr"] for g in opt.param_groups) == [3e-3, 1e-2]
+    xs, ys = x.expand(3, -1, -1), y.expand(3, -1)
+    loss = vi.loss(xs, ys, 40)
+    loss[1].backward()
+    grads = vi.params()["loc"].grad if vi.params()["loc"].is_leaf else None
+    if grads is None:  # several groups: gradients live on the per-group leaves
+        leaves = [t["loc"] for _, _, t in vi._groups[0]]
+        rates = [rate for rate, _, _ in vi._groups[0]]
+        g_small = leaves[rates.index(3e-3)].grad
+        g_large = leaves[rates.index(1e-2)].grad
+        assert g_small.abs().sum() > 0 and (g_large is None or g_large.abs().sum() == 0)
+    before = vi.state()
+    opt.step()
+    after = vi.state()
+    assert torch.equal(before["loc"][0], after["loc"][0]) and not torch.equal(before["loc"][1], after["loc"][1])
+
+
+def test_replica_rejects_bad_options():
+    spec = MLPSpec(2, (3,))
+    with pytest.raises(ValueError, match="family must be one of"):
+        ReplicaVI(spec, "flow", "gaussian", torch.ones(1), torch.ones(1))
+    with pytest.raises(ValueError, match="prior must be one of"):
+        ReplicaVI(spec, "fa", "horseshoe", torch.ones(1), torch.ones(1))
+    with pytest.raises(ValueError, match="lr must have one entry per replica"):
+        ReplicaVI(spec, "fa", "gaussian", torch.ones(2), torch.ones(3))
+    with pytest.raises(ValueError, match="noise_scale must be None"):
+        ReplicaVI(spec, "fa", "gaussian", torch.ones(1), torch.ones(1), noise_scale=torch.ones(1))
+
+
+# ------------------------------------------------------------------ the protocol
+
+
+def test_validation_split_is_inside_the_training_part():
+    """The search sees only the training part: 80 % / 20 % of it, re-standardised on the 80 %."""
+    d = load_uci("yacht", split=3)
+    x_tr, y_tr, x_va, y_va, y_std = uci._validation_split(d, 0.2, 3)
+    n_val = round(0.2 * 277)
+    assert x_tr.shape[0] + x_va.shape[0] == 277 and x_va.shape[0] == n_val
+    torch.testing.assert_close(x_tr.mean(0), torch.zeros(6, dtype=x_tr.dtype), atol=1e-10, rtol=0)
+    torch.testing.assert_close(y_tr.std(unbiased=False), torch.tensor(1.0, dtype=y_tr.dtype))
+    # the rows are the training part's, permuted: undo the affine re-standardisation and compare
+    perm = torch.randperm(277, generator=torch.Generator().manual_seed(10_003))
+    val, sub = d.x_train[perm[:n_val]], d.x_train[perm[n_val:]]
+    mean, std = sub.mean(0), sub.std(0, unbiased=False)
+    torch.testing.assert_close(x_va * std + mean, val)
+    torch.testing.assert_close(y_va * d.y_train[perm[n_val:]].std(unbiased=False) + d.y_train[perm[n_val:]].mean(),
+                               d.y_train[perm[:n_val]])
+    # no test row anywhere in the search data
+    train_rows = {tuple(np.round(r, 8)) for r in d.x_train.numpy()}
+    test_only = {tuple(np.round(r, 8)) for r in d.x_test.numpy()} - train_rows
+    assert test_only and not ({tuple(np.round(r, 8)) for r in val.numpy()} & test_only)
+    assert y_std == pytest.approx(float(d.y_train[perm[n_val:]].std(unbiased=False)) * d.y_std)
+
+
+def test_heldout_ll_equals_metrics_per_replica():
+    g = torch.Generator().manual_seed(0)
+    means = torch.randn(7, 3, 5, generator=g, dtype=torch.float64)
+    nv = torch.rand(3, 1, generator=g, dtype=torch.float64) + 0.1
+    data = uci.SplitData(torch.zeros(3, 1, 1), torch.zeros(3, 1), torch.zeros(3, 5, 1),
+                         torch.randn(3, 5, generator=g, dtype=torch.float64), torch.tensor([1.0, 2.0, 0.5]))
+    ll = uci.heldout_ll(means, nv, data)
+    full = uci.evaluate(means, nv, data)
+    for r in range(3):
+        ref = metrics.gaussian_log_likelihood(means[:, r], nv[r], data.y_eval[r], y_std=float(data.y_std[r]))
+        torch.testing.assert_close(ll[r], ref)
+        torch.testing.assert_close(full["ll"][r], ref)
+        torch.testing.assert_close(full["rmse"][r], metrics.rmse(means[:, r], data.y_eval[r], float(data.y_std[r])))
+    bad = means.clone()
+    bad[0, 1, 0] = float("nan")
+    assert uci.heldout_ll(bad, nv, data)[1] == -math.inf and torch.isfinite(uci.heldout_ll(bad, nv, data)[0])
+    with pytest.raises(FloatingPointError, match="diverged"):
+        uci.evaluate(bad, nv, data)
+
+
+def test_choose_takes_the_best_mean_over_tuning_splits():
+    configs = [{"precision": 1.0, "lr": 0.1}, {"precision": 10.0, "lr": 0.1}]
+    curves = [(10, torch.tensor([-2.0, -2.0, -1.0, -4.0])), (20, torch.tensor([-1.5, -1.6, -3.0, -3.0]))]
+    choice, val, table = uci._choose(curves, configs, 2)
+    assert choice == {"precision": 1.0, "lr": 0.1, "steps": 20} and val == pytest.approx(-1.55)
+    assert len(table) == 4
+
+
+@pytest.mark.slow
+def test_vi_fit_learns_a_regression():
+    """A few hundred full-batch steps on yacht: far better than predicting the training mean."""
+    splits = [load_uci("yacht", s, dtype=torch.float32) for s in range(2)]
+    budget = uci.Budget(steps=600, precisions=(1.0,), lrs=(1e-2,), tune_splits=1, checkpoints=4, test_samples=20)
+    res = uci.run_vi(uci.METHODS["vifa-gaussian-1x50"], splits, budget, seed=0)
+    # predicting the mean: RMSE = std of y (about 15 in original units), LL about -4.1
+    assert max(res["rmse"]) < 5 and min(res["ll"]) > -3.2
+    assert res["choice"]["steps"] in {150, 300, 450, 600} and len(res["search"]) == 4
+
+
+# ------------------------------------------------------------------ the command
+
+
+@pytest.mark.slow
+def test_uci_command_writes_complete_results(tmp_path, capsys):
+    out = tmp_path / "uci"
+    code = cli.main(["uci", "--quick", "--datasets", "yacht", "--methods", "vifa-gaussian-1x50", "swag-em-1x50",
+                     "multiswag-1x50", "--steps", "40", "--output-dir", str(out), "--no-progress"])
+    assert code == 0
+    res = json.loads((out / "results.json").read_text())
+    got = res["results"]["yacht"]
+    assert set(got) == {"vifa-gaussian-1x50", "swag-em-1x50", "multiswag-1x50"}
+    for r in got.values():
+        assert len(r["ll"]) == 2 and len(r["rmse"]) == 2 and all(math.isfinite(v) for v in r["ll"])
+        assert r["choice"]["precision"] in (0.1, 1.0, 10.0)
+    table = (out / "table.md").read_text()
+    assert "VIFA Gaussian 1×50" in table and "-2.36 ± 0.06" in table  # seed 003's number beside ours
+    assert (out / "ll.png").stat().st_size > 0 and (out / "rmse.png").stat().st_size > 0
+    assert (out / "datasets" / "yacht.json").exists() and not list(out.rglob("*.part"))
+    assert "test LL" in capsys.readouterr().out
+
+
+def test_uci_command_bad_input(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["uci", "--datasets", "titanic"])
+    assert "invalid choice: 'titanic'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["uci", "--methods", "mcmc"])
+    assert "invalid choice: 'mcmc'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"--splits must be in 1\.\.20 for 'yacht', got 25"):
+        cli.main(["uci", "--datasets", "yacht", "--splits", "25", "--output-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--steps must be >= 10"):
+        cli.main(["uci", "--quick", "--steps", "5", "--output-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--tune-splits must be at most the 2 splits"):
+        cli.main(["uci", "--quick", "--tune-splits", "3", "--output-dir", str(tmp_path), "--no-progress"])
+    with pytest.raises(SystemExit, match="no per-dataset results of this budget"):
+        cli.main(["uci", "--quick", "--report-only", "--output-dir", str(tmp_path / "empty")])
+    assert not (tmp_path / "empty").exists()
+    with pytest.raises(SystemExit, match=r"missing file .*bostonHousing.*PYRO_FA_DATA"):
+        cli.main(["uci", "--quick", "--datasets", "boston", "--data-dir", str(tmp_path / "nowhere"),
+                  "--output-dir", str(tmp_path)])
