@@ -267,8 +267,15 @@ def test_uci_command_writes_complete_results(tmp_path, capsys):
     table = (out / "table.md").read_text()
     assert "VIFA Gaussian 1×50" in table and "-2.36 ± 0.06" in table  # seed 003's number beside ours
     assert (out / "ll.png").stat().st_size > 0 and (out / "rmse.png").stat().st_size > 0
-    assert (out / "datasets" / "yacht.json").exists() and not list(out.rglob("*.part"))
-    assert "test LL" in capsys.readouterr().out
+    assert (out / "units" / "yacht__vifa-gaussian-1x50.json").exists() and not list(out.rglob("*.part"))
+    assert json.loads((out / "units" / "yacht__swag-family.json").read_text())["cpu_seconds"] > 0
+    printed = capsys.readouterr().out
+    assert "test LL" in printed and "CPU-hours" in printed
+    # a second run reuses the units of the same budget, and the report is the same
+    cli.main(["uci", "--quick", "--datasets", "yacht", "--methods", "vifa-gaussian-1x50", "swag-em-1x50",
+              "multiswag-1x50", "--steps", "40", "--output-dir", str(out), "--no-progress"])
+    assert "done before" in capsys.readouterr().out
+    assert json.loads((out / "results.json").read_text())["results"] == res["results"]
 
 
 def test_uci_command_bad_input(tmp_path, capsys):
@@ -284,7 +291,7 @@ def test_uci_command_bad_input(tmp_path, capsys):
         cli.main(["uci", "--quick", "--steps", "5", "--output-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="--tune-splits must be at most the 2 splits"):
         cli.main(["uci", "--quick", "--tune-splits", "3", "--output-dir", str(tmp_path), "--no-progress"])
-    with pytest.raises(SystemExit, match="no per-dataset results of this budget"):
+    with pytest.raises(SystemExit, match="no results of this budget"):
         cli.main(["uci", "--quick", "--report-only", "--output-dir", str(tmp_path / "empty")])
     assert not (tmp_path / "empty").exists()
     with pytest.raises(SystemExit, match=r"missing file .*bostonHousing.*PYRO_FA_DATA"):

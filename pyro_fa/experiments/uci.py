@@ -34,7 +34,7 @@ learning rate of the collection phase ∈ {0.001, 0.003, 0.01} by SWAG-EM's vali
 log-likelihood). Then every split is trained on its whole training part with the
 chosen values and evaluated once on its test part (100 posterior draws). The
 noise scale is learned in every method. Full-batch training for datasets of up
-to 2 000 training points, batches of 1 000 above.
+to 1 000 training points, batches of 500 above (the likelihood scaled by N / 500).
 """
 from __future__ import annotations
 
@@ -108,8 +108,8 @@ class Budget:
     tune_splits: int = 2
     val_fraction: float = 0.2
     checkpoints: int = 20
-    batch_limit: int = 2000  # full batch up to this many training points
-    batch_size: int = 1000
+    batch_limit: int = 1000  # full batch up to this many training points
+    batch_size: int = 500
     rank: int = 10
     particles: int = 1
     eval_samples: int = 32
@@ -470,7 +470,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
     parser.add_argument("--report-only", action="store_true",
-                        help="only rebuild the table and figures from the per-dataset result files")
+                        help="only rebuild the table and figures from the result files of earlier runs")
+    parser.add_argument("--fresh", action="store_true",
+                        help="recompute units whose result file exists (default: reuse those of the same budget)")
 
 
 def _budget(args) -> Budget:
@@ -497,45 +499,63 @@ def _load_splits(name: str, n: Optional[int], data_dir, device) -> list:
         raise SystemExit(f"pyro-fa uci: {err}") from err
 
 
-def run_dataset(name: str, method_names: Sequence[str], budget: Budget, splits_n: Optional[int], data_dir,
-                device: str, seed: int, threads: int, out_dir: str, progress: bool = True) -> dict:
-    """Every method on one dataset; writes ``<out_dir>/datasets/<name>.json`` (atomically) and returns it."""
+def _units(names: Sequence[str], method_names: Sequence[str]) -> List[Tuple[str, str]]:
+    """(dataset, unit) pairs, costliest datasets first; a unit is a VI method or "swag-family"."""
+    vi = [m for m in method_names if METHODS[m].swag is None]
+    swag = [m for m in method_names if METHODS[m].swag is not None]
+    units = vi + (["swag-family"] if swag else [])
+    return [(d, u) for d in DATASET_ORDER if d in names for u in units]
+
+
+def _unit_path(out_dir, dataset: str, unit: str) -> Path:
+    return Path(out_dir) / "units" / f"{dataset}__{unit}.json"
+
+
+def _same_run(record: dict, budget: Budget, n_splits: Optional[int], seed: int) -> bool:
+    import json
+    from dataclasses import asdict
+
+    return (record.get("budget") == json.loads(json.dumps(asdict(budget))) and record.get("seed") == seed
+            and (n_splits is None or record.get("n_splits") == n_splits))
+
+
+def run_unit(dataset: str, unit: str, method_names: Sequence[str], budget: Budget, splits_n: Optional[int], data_dir,
+             device: str, seed: int, threads: int, out_dir: str, progress: bool = True) -> dict:
+    """One VI method, or the SWAG family, on one dataset; writes ``<out_dir>/units/<dataset>__<unit>.json``."""
     from dataclasses import asdict
 
     from tqdm.auto import tqdm
 
     torch.set_num_threads(threads)
-    splits = _load_splits(name, splits_n, data_dir, device)
+    splits = _load_splits(dataset, splits_n, data_dir, device)
     if budget.tune_splits > len(splits):
         raise SystemExit(f"pyro-fa uci: --tune-splits must be at most the {len(splits)} splits run, "
                          f"got {budget.tune_splits}.")
-    results = {}
-    vi = [METHODS[m] for m in method_names if METHODS[m].swag is None]
-    swag = [METHODS[m] for m in method_names if METHODS[m].swag is not None]
-    units = [(m.name, m) for m in vi] + ([("SWAG family", swag)] if swag else [])
-    for label, unit in units:
-        bar = tqdm(desc=f"{name}: {label}", unit="step", disable=not progress, leave=False, mininterval=1.0)
-        t0 = time.perf_counter()
-        if isinstance(unit, Method):
-            results[unit.name] = run_vi(unit, splits, budget, seed, bar.update)
-            results[unit.name]["seconds"] = time.perf_counter() - t0
-        else:
-            out = run_swag(unit, splits, budget, seed, bar.update)
-            for m, r in out.items():
-                results[m] = {**r, "seconds": (time.perf_counter() - t0) / len(out)}
-        bar.close()
-        r = results[unit.name if isinstance(unit, Method) else unit[0].name]
-        ll, rmse = mean_se(r["ll"]), mean_se(r["rmse"])
-        tqdm.write(f"{name:>9} {label:<22} test LL {ll[0]:7.3f} ± {ll[1]:.3f}   RMSE {rmse[0]:.3f} ± {rmse[1]:.3f}   "
-                   f"{time.perf_counter() - t0:6.0f} s")
-    record = {"dataset": name, "n_splits": len(splits), "budget": asdict(budget), "seed": seed,
-              "device": str(device), "methods": results}
-    atomic_write_json(Path(out_dir) / "datasets" / f"{name}.json", record)
+    bar = tqdm(desc=f"{dataset}: {unit}", unit="step", disable=not progress, leave=False, mininterval=1.0)
+    t0, c0 = time.perf_counter(), time.process_time()
+    if unit == "swag-family":
+        results = run_swag([METHODS[m] for m in method_names if METHODS[m].swag is not None], splits, budget, seed,
+                           bar.update)
+    else:
+        results = {unit: run_vi(METHODS[unit], splits, budget, seed, bar.update)}
+    bar.close()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    for r in results.values():
+        r["seconds"] = wall / len(results)
+    first = next(iter(results.values()))
+    ll, rmse = mean_se(first["ll"]), mean_se(first["rmse"])
+    tqdm.write(f"{dataset:>9} {unit:<22} test LL {ll[0]:7.3f} ± {ll[1]:.3f}   RMSE {rmse[0]:7.3f} ± {rmse[1]:.3f}"
+               f"   {wall:6.0f} s")
+    record = {"dataset": dataset, "unit": unit, "n_splits": len(splits), "budget": asdict(budget), "seed": seed,
+              "device": str(device), "threads": threads, "wall_seconds": wall, "cpu_seconds": cpu,
+              "methods": results}
+    atomic_write_json(_unit_path(out_dir, dataset, unit), record)
     return record
 
 
 def _worker(kwargs):
-    return run_dataset(**kwargs)["dataset"]
+    run_unit(**kwargs)
+    return kwargs["dataset"], kwargs["unit"]
 
 
 def report(out_dir: str, budget: Budget, names: Sequence[str]) -> dict:
@@ -548,14 +568,19 @@ def report(out_dir: str, budget: Budget, names: Sequence[str]) -> dict:
 
     out = Path(out_dir)
     results, meta = {}, {}
-    for path in sorted((out / "datasets").glob("*.json")):
+    for path in sorted((out / "units").glob("*.json")):
         record = json.loads(path.read_text())
         if record.get("budget") != json.loads(json.dumps(asdict(budget))) or record["dataset"] not in names:
             continue
-        results[record["dataset"]] = record["methods"]
-        meta[record["dataset"]] = {"n_splits": record["n_splits"], "device": record["device"]}
+        results.setdefault(record["dataset"], {}).update(record["methods"])
+        m = meta.setdefault(record["dataset"], {"n_splits": record["n_splits"], "cpu_seconds": 0.0, "devices": []})
+        m["cpu_seconds"] += record["cpu_seconds"]
+        if record["device"] not in m["devices"]:
+            m["devices"].append(record["device"])
+    order = {n: i for i, n in enumerate(METHODS)}
+    results = {ds: dict(sorted(r.items(), key=lambda kv: order.get(kv[0], 99))) for ds, r in results.items()}
     if not results:
-        raise SystemExit(f"pyro-fa uci: no per-dataset results of this budget in {out / 'datasets'}; run without "
+        raise SystemExit(f"pyro-fa uci: no results of this budget in {out / 'units'}; run without "
                          "--report-only first.")
     labels = {n: m.label for n, m in METHODS.items()}
     checks = rep.bar_checks(results)
@@ -579,7 +604,9 @@ def report(out_dir: str, budget: Budget, names: Sequence[str]) -> dict:
     if summary:
         print()
         print(summary)
-    print(f"\nwrote {out / 'table.md'}, {out / 'results.json'}, {out / 'll.png'}, {out / 'rmse.png'}")
+    cpu = sum(m["cpu_seconds"] for m in meta.values())
+    print(f"\ncompute: {cpu / 3600:.2f} CPU-hours in all (single-threaded units: about {cpu / 7200:.2f} h on 2 cores)")
+    print(f"wrote {out / 'table.md'}, {out / 'results.json'}, {out / 'll.png'}, {out / 'rmse.png'}")
     return {"results": results, "bar": checks}
 
 
@@ -596,21 +623,30 @@ def run(args) -> int:
           f"budget: up to {budget.steps} steps, search on {budget.tune_splits} split(s), "
           f"precision {list(budget.precisions)}, lr {list(budget.lrs)}")
     if not args.report_only:
-        jobs = [dict(name=n, method_names=methods, budget=budget, splits_n=splits, data_dir=args.data_dir,
-                     device=args.device, seed=args.seed, threads=args.threads, out_dir=args.output_dir,
-                     progress=not args.no_progress and args.jobs == 1) for n in names]
+        todo = []
+        for dataset, unit in _units(names, methods):
+            path = _unit_path(args.output_dir, dataset, unit)
+            if not args.fresh and path.is_file():
+                import json
+
+                if _same_run(json.loads(path.read_text()), budget, splits, args.seed):
+                    print(f"{dataset:>9} {unit:<22} done before: {path}")
+                    continue
+            todo.append(dict(dataset=dataset, unit=unit, method_names=methods, budget=budget, splits_n=splits,
+                             data_dir=args.data_dir, device=args.device, seed=args.seed, threads=args.threads,
+                             out_dir=args.output_dir, progress=not args.no_progress and args.jobs == 1))
         if args.jobs == 1:
-            for kw in jobs:
-                run_dataset(**kw)
-        else:
+            for kw in todo:
+                run_unit(**kw)
+        elif todo:
             import multiprocessing as mp
             from concurrent.futures import ProcessPoolExecutor, as_completed
 
             from tqdm.auto import tqdm
 
             with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
-                futures = [pool.submit(_worker, kw) for kw in jobs]
-                for f in tqdm(as_completed(futures), total=len(futures), desc="datasets", disable=args.no_progress):
+                futures = [pool.submit(_worker, kw) for kw in todo]
+                for f in tqdm(as_completed(futures), total=len(futures), desc="units", disable=args.no_progress):
                     f.result()
     report(args.output_dir, budget, names)
     return 0

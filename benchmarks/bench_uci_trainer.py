@@ -1,0 +1,91 @@
+"""Cost of one training step of one UCI fit: the vectorised trainer of ``pyro-fa uci`` vs Pyro's SVI loop.
+
+The same model (1×50 ReLU network, Gaussian prior, learned noise, full batch of
+a Boston split, float32, one thread) trained by
+
+* ``pyro.infer.SVI`` with ``AutoLowRankFactorGuide`` + ``FactorELBO`` (and with
+  Pyro's ``AutoLowRankMultivariateNormal`` / ``AutoNormal`` + ``Trace_ELBO``), one
+  fit at a time, as a Pyro user writes it;
+* ``ReplicaVI`` (``pyro_fa/experiments/_bnn.py``): R fits in one batch of tensors.
+
+Prints milliseconds per fit-step and the ratio, measured in one run::
+
+    python benchmarks/bench_uci_trainer.py [--replicas 16] [--steps 200]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoLowRankMultivariateNormal, AutoNormal
+
+from pyro_fa import AutoLowRankFactorGuide, FactorELBO
+from pyro_fa.datasets import load_uci
+from pyro_fa.experiments._bnn import MLPSpec, ReplicaVI
+
+
+def pyro_step_ms(spec, x, y, make_guide, elbo, steps):
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(spec.dim), 1.0).to_event(1))
+        noise = pyro.param("noise", torch.tensor(1.0), constraint=dist.constraints.positive)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("y", dist.Normal(spec.forward(w, x.unsqueeze(0)).squeeze(0), noise), obs=y)
+
+    pyro.clear_param_store()
+    svi = SVI(model, make_guide(model), pyro.optim.Adam({"lr": 3e-3}), elbo)
+    for _ in range(5):
+        svi.step(x, y)
+    t = time.perf_counter()
+    for _ in range(steps):
+        svi.step(x, y)
+    return (time.perf_counter() - t) / steps * 1e3
+
+
+def replica_step_ms(spec, x, y, family, replicas, steps):
+    vi = ReplicaVI(spec, family, "gaussian", torch.ones(replicas), torch.full((replicas,), 3e-3),
+                   generator=torch.Generator().manual_seed(0))
+    opt = vi.optimizer()
+    xs, ys = x.expand(replicas, -1, -1).contiguous(), y.expand(replicas, -1).contiguous()
+    for _ in range(5):
+        opt.zero_grad()
+        vi.loss(xs, ys, x.shape[0]).sum().backward()
+        opt.step()
+    t = time.perf_counter()
+    for _ in range(steps):
+        opt.zero_grad()
+        vi.loss(xs, ys, x.shape[0]).sum().backward()
+        opt.step()
+    return (time.perf_counter() - t) / steps / replicas * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=16, help="fits per batch (the search's 8 configs x 2 splits)")
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float32)
+    os.environ.setdefault("PYRO_FA_DATA", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "uci"))
+    d = load_uci("boston", 0, dtype=torch.float32)
+    spec = MLPSpec(d.x_train.shape[1], (50,))
+    print(f"Boston split 0: N = {d.x_train.shape[0]}, {spec}, full batch, one thread, R = {args.replicas}")
+    print(f"{'guide':<34} {'Pyro SVI ms/step':>17} {'replicas ms/fit-step':>21} {'speed-up':>9}")
+    cases = [
+        ("AutoLowRankFactorGuide + FactorELBO", lambda m: AutoLowRankFactorGuide(m, rank=10), FactorELBO(), "fa"),
+        ("AutoLowRankMVN + Trace_ELBO", lambda m: AutoLowRankMultivariateNormal(m, rank=10, init_scale=0.01),
+         Trace_ELBO(), "lowrank"),
+        ("AutoNormal + Trace_ELBO", lambda m: AutoNormal(m, init_scale=0.01), Trace_ELBO(), "normal"),
+    ]
+    for label, make_guide, elbo, family in cases:
+        a = pyro_step_ms(spec, d.x_train, d.y_train, make_guide, elbo, args.steps)
+        b = replica_step_ms(spec, d.x_train, d.y_train, family, args.replicas, args.steps)
+        print(f"{label:<34} {a:17.2f} {b:21.3f} {a / b:8.1f}x")
+
+
+if __name__ == "__main__":
+    main()
