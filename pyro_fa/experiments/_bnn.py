@@ -135,7 +135,8 @@ class ReplicaVI:
     rank : int, default 10
         :math:`K` (unused by ``"normal"``).
     noise_scale : Tensor of shape (R,), optional
-        ``"ppca"`` only: a fixed :math:`\sigma` per replica; learned when omitted.
+        ``"ppca"`` only: a fixed :math:`\sigma` per replica, NaN where it is
+        learned (the default, all learned, when omitted).
     estimator : {"factor", "trace"}, optional
         Default: ``"factor"`` for ``"fa"`` / ``"ppca"`` (FactorELBO), ``"trace"``
         for Pyro's guides (Trace_ELBO), as each is used in practice.
@@ -182,10 +183,12 @@ class ReplicaVI:
                 orthogonal_init(D, K, scale=math.sqrt(D / K), dtype=dtype, device=device, generator=generator)
                 for _ in range(R)])
             width = D if family == "fa" else 1
-            if noise_scale is None:
-                p["log_scale"] = loc.new_full((R, width), math.log(init_scale / math.sqrt(2)))
-            else:
-                self.fixed_scale = torch.as_tensor(noise_scale, dtype=dtype, device=device).reshape(R, 1)
+            p["log_scale"] = loc.new_full((R, width), math.log(init_scale / math.sqrt(2)))
+            if noise_scale is not None:  # fixed sigma where given: those replicas' log_scale gets no gradient
+                fixed = torch.as_tensor(noise_scale, dtype=dtype, device=device).reshape(R, 1)
+                if not bool(((fixed > 0) | fixed.isnan()).all()):
+                    raise ValueError(f"ReplicaVI: noise_scale must be positive or NaN (learned), got {fixed.tolist()}.")
+                self.fixed_scale = fixed
         elif family == "lowrank":
             # AutoLowRankMultivariateNormal: cov_factor ~ N(0, 1/K), scale = sqrt(0.5) init_scale (softplus)
             p["cov_factor"] = torch.randn(R, D, K, generator=generator, dtype=dtype).to(device) / math.sqrt(K)
@@ -228,7 +231,10 @@ class ReplicaVI:
         """:math:`q(\\theta)` of every replica: a batch of R distributions over :math:`\\mathbb{R}^D`."""
         p = self.params() if p is None else p
         if self.family in ("fa", "ppca"):
-            s = p["log_scale"].exp() if "log_scale" in p else self.fixed_scale
+            s = p["log_scale"].exp()
+            fixed = getattr(self, "fixed_scale", None)
+            if fixed is not None:
+                s = torch.where(fixed.isnan(), s, fixed)
             s = s.expand_as(p["loc"])
             return LowRankMultivariateNormal(p["loc"], p["factor"] * s.unsqueeze(-1), s * s, validate_args=False)
         if self.family == "delta":

@@ -26,7 +26,9 @@ Hyperparameter search (never on the test split): the training part of each of
 the first ``--tune-splits`` splits (default 2) is cut at random into 80 %
 sub-training and 20 % validation parts (re-standardised on the sub-training
 part). Every configuration of the grid — prior precision α ∈ {0.01, 0.1, 1, 10},
-Adam learning rate ∈ {0.003, 0.01} — is trained on every tuning split, and the
+Adam learning rate ∈ {0.003, 0.01}; for VIPPCA, whose isotropic σ is a
+hyperparameter in seed 003, learning rate 0.003 and σ ∈ {learned, 0.01, 0.03,
+0.1} instead — is trained on every tuning split, and the
 validation log-likelihood (32 posterior draws) is recorded every
 ``steps / 20`` steps; the configuration and step count with the best mean
 validation log-likelihood are chosen (for SWAG: the MAP fit's, then the SGD
@@ -100,6 +102,8 @@ class Budget:
     steps: int = 10000
     precisions: Tuple[float, ...] = (0.01, 0.1, 1.0, 10.0)
     lrs: Tuple[float, ...] = (3e-3, 1e-2)
+    ppca_lr: float = 3e-3
+    ppca_scales: Tuple[Optional[float], ...] = (None, 0.01, 0.03, 0.1)
     swag_lrs: Tuple[float, ...] = (1e-3, 3e-3, 1e-2)
     swag_steps: int = 2000
     swag_collections: int = 100
@@ -118,7 +122,8 @@ class Budget:
 
     @classmethod
     def quick(cls) -> "Budget":
-        return cls(steps=1500, precisions=(0.1, 1.0, 10.0), lrs=(1e-2,), swag_lrs=(3e-3,), swag_steps=500,
+        return cls(steps=1500, precisions=(0.1, 1.0, 10.0), lrs=(1e-2,), ppca_lr=1e-2, ppca_scales=(None, 0.03),
+                   swag_lrs=(3e-3,), swag_steps=500,
                    swag_collections=50,
                    tune_splits=1, checkpoints=10, test_samples=50, ensemble=3)
 
@@ -291,11 +296,23 @@ def _choose(curves, configs, n_tune: int):
     return best[1], best[0], table
 
 
+def _configs(method: Method, budget: Budget) -> List[dict]:
+    """The search grid: prior precision x learning rate; for VIPPCA, precision x sigma (learned or fixed)."""
+    if method.family == "ppca":
+        return [{"precision": a, "lr": budget.ppca_lr, "sigma": s} for a in budget.precisions
+                for s in budget.ppca_scales]
+    return [{"precision": a, "lr": lr} for a in budget.precisions for lr in budget.lrs]
+
+
 def _vi_model(method: Method, spec: MLPSpec, configs, budget: Budget, generator, like: Tensor, repeat: int):
     prec = like.new_tensor([c["precision"] for c in configs]).repeat_interleave(repeat)
     lr = like.new_tensor([c["lr"] for c in configs]).repeat_interleave(repeat)
-    return ReplicaVI(spec, method.family, method.prior, prec, lr, rank=budget.rank, generator=generator,
-                     dtype=like.dtype, device=like.device)
+    sigma = None
+    if method.family == "ppca":
+        sigma = like.new_tensor([math.nan if c["sigma"] is None else c["sigma"] for c in configs])
+        sigma = sigma.repeat_interleave(repeat)
+    return ReplicaVI(spec, method.family, method.prior, prec, lr, rank=budget.rank, noise_scale=sigma,
+                     generator=generator, dtype=like.dtype, device=like.device)
 
 
 def run_vi(method: Method, splits, budget: Budget, seed: int, progress=None) -> dict:
@@ -307,7 +324,7 @@ def run_vi(method: Method, splits, budget: Budget, seed: int, progress=None) -> 
     spec = _spec(method, splits)
     tune = tuning_data(splits, budget)
     n_tune = tune.y.shape[0]
-    configs = [{"precision": a, "lr": lr} for a in budget.precisions for lr in budget.lrs]
+    configs = _configs(method, budget)
     index = torch.arange(n_tune, device=device).repeat(len(configs))
     model = _vi_model(method, spec, configs, budget, cpu_gen, tune.x, n_tune)
     curves = train(model, tune.take(index), budget.steps, budget, gen, budget.checkpoints, progress,
