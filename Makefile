@@ -1,5 +1,5 @@
 # pyro_fa: one command sets up and runs the main job, one sets up and runs the tests.
-#   make demo    # set up .venv, then `pyro-fa online-fa --quick`
+#   make demo    # set up .venv, then `pyro-fa uci --quick` (the UCI benchmark on yacht, 2 splits)
 #   make test    # set up .venv, then the whole test suite (slow statistical tests included)
 # TORCH selects the torch build; the default pins the CPU wheel these machines carry.
 # Elsewhere use e.g. `make test TORCH="torch --index-url https://download.pytorch.org/whl/cpu"`.
@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(BIN)/pyro-fa online-fa --quick
+	$(BIN)/pyro-fa uci --quick
 
 test: setup
 	$(BIN)/python -m pytest -q

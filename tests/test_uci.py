@@ -297,3 +297,19 @@ def test_uci_command_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit, match=r"missing file .*bostonHousing.*PYRO_FA_DATA"):
         cli.main(["uci", "--quick", "--datasets", "boston", "--data-dir", str(tmp_path / "nowhere"),
                   "--output-dir", str(tmp_path)])
+
+
+def test_ppca_replicas_mix_fixed_and_learned_sigma():
+    """noise_scale: a fixed sigma per replica (NaN: learned); fixed replicas get no gradient on it."""
+    spec = MLPSpec(3, (4,))
+    vi = ReplicaVI(spec, "ppca", "gaussian", torch.ones(2), torch.full((2,), 1e-2), rank=2,
+                   noise_scale=torch.tensor([math.nan, 0.05]), generator=torch.Generator().manual_seed(0))
+    q = vi.distribution()
+    assert torch.allclose(q.cov_diag[1], torch.full((spec.dim,), 0.05**2))
+    assert torch.allclose(q.cov_diag[0], torch.full((spec.dim,), 0.01**2 / 2))  # init_scale / sqrt(2), squared
+    x, y = _toy()
+    vi.loss(x.expand(2, -1, -1), y.expand(2, -1), 40).sum().backward()
+    g = vi.params()["log_scale"].grad
+    assert g[0].abs().sum() > 0 and g[1].abs().sum() == 0
+    with pytest.raises(ValueError, match="noise_scale must be positive or NaN"):
+        ReplicaVI(spec, "ppca", "gaussian", torch.ones(1), torch.ones(1), noise_scale=torch.tensor([-1.0]))

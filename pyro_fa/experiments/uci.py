@@ -605,6 +605,9 @@ def report(out_dir: str, budget: Budget, names: Sequence[str]) -> dict:
             "## Results (mean ± s.e. over splits; LL = test log-likelihood per point, original units)", "",
             rep.results_table(results, labels), "", "## Published anchors (1×50)", "", rep.published_table(), ""]
     summary = rep.bar_summary(checks)
+    if summary and budget != Budget():
+        summary += ("\n\n(The bar is set for the full run, `pyro-fa uci`; this run's budget is smaller, so these "
+                    "rows only show the checks.)")
     if summary:
         text += ["## The bar", "", summary, ""]
     atomic_write_text(out / "table.md", "\n".join(text))
