@@ -14,6 +14,7 @@ networks in Pyro 1.9).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from typing import Callable, Dict, Optional
@@ -24,6 +25,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer import SVI
 from pyro.infer.autoguide import init_to_median, init_to_value
+from pyro.nn import PyroModule
 from torch import Tensor
 
 from pyro_fa.infer import AutoLowRankFactorGuide, FactorELBO
@@ -32,6 +34,7 @@ from pyro_fa.priors import _FactorisedPrior
 __all__ = ["BayesianNetwork"]
 
 _LIKELIHOODS = ("gaussian", "bernoulli", "categorical")
+_INSTANCES = itertools.count()
 
 
 class BayesianNetwork:
@@ -54,6 +57,12 @@ class BayesianNetwork:
     rank : int, default 10
     num_particles : int, default 1
         Particles of the :class:`~pyro_fa.FactorELBO` used by :meth:`fit`.
+    name : str, optional
+        Prefix of this network's entries in Pyro's param store (the guide's
+        parameters ``<name>.guide.*`` and the learned noise
+        ``<name>.noise_scale``), so that several networks live side by side.
+        Default: ``"BayesianNetwork"``, then ``"BayesianNetwork_1"``, … for
+        further networks made in the same process.
 
     Raises
     ------
@@ -74,6 +83,7 @@ class BayesianNetwork:
         guide_builder: Optional[Callable] = None,
         rank: int = 10,
         num_particles: int = 1,
+        name: Optional[str] = None,
     ):
         if not isinstance(net, torch.nn.Module):
             raise TypeError(f"BayesianNetwork: net must be a torch.nn.Module, got {net!r}.")
@@ -88,6 +98,12 @@ class BayesianNetwork:
                 )
             if isinstance(noise_scale, bool) or not isinstance(noise_scale, numbers.Real) or not noise_scale > 0:
                 raise ValueError(f"BayesianNetwork: noise_scale must be a positive float, got {noise_scale!r}.")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"BayesianNetwork: name must be a non-empty str, got {name!r}.")
+        if name is None:
+            count = next(_INSTANCES)
+            name = "BayesianNetwork" if count == 0 else f"BayesianNetwork_{count}"
+        self.name = name
         self.likelihood = likelihood
         self.noise_scale = noise_scale
         self.prior = prior
@@ -97,6 +113,8 @@ class BayesianNetwork:
             self.guide = AutoLowRankFactorGuide(self.model, rank=rank, init_loc_fn=init)
         else:
             self.guide = guide_builder(self.model, init)
+        if isinstance(self.guide, PyroModule):
+            self.guide._pyro_name = f"{name}.guide"  # its parameters: <name>.guide.loc, ...
         self.num_particles = num_particles
         self._fitted = False
 
@@ -104,7 +122,15 @@ class BayesianNetwork:
     def _noise(self, like: Tensor) -> Tensor:
         if self.noise_scale is not None:
             return like.new_tensor(self.noise_scale)
-        return pyro.param("likelihood.noise_scale", like.new_tensor(1.0), constraint=dist.constraints.positive)
+        return pyro.param(f"{self.name}.noise_scale", like.new_tensor(1.0), constraint=dist.constraints.positive)
+
+    @property
+    def learned_noise_scale(self) -> Optional[Tensor]:
+        """The Gaussian noise standard deviation learned by :meth:`fit` (``None`` before, or when it is fixed)."""
+        key = f"{self.name}.noise_scale"
+        if self.noise_scale is not None or key not in pyro.get_param_store():
+            return None
+        return pyro.param(key).detach()
 
     def model(self, x: Tensor, y: Optional[Tensor] = None, dataset_size: Optional[int] = None):
         """The Pyro model: weights from the prior, then ``y`` given ``net(x)``; the batch scaled to ``dataset_size``."""
@@ -191,7 +217,7 @@ class BayesianNetwork:
         S = out.shape[0]
         if self.likelihood == "gaussian":
             mean = out.squeeze(-1)
-            noise = self.noise_scale if self.noise_scale is not None else float(pyro.param("likelihood.noise_scale"))
+            noise = self.noise_scale if self.noise_scale is not None else float(pyro.param(f"{self.name}.noise_scale"))
             lp = dist.Normal(mean, noise).log_prob(y)
             metric = {"rmse": float((mean.mean(0) - y).pow(2).mean().sqrt())}
         elif self.likelihood == "bernoulli":

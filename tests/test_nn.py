@@ -33,7 +33,29 @@ def test_gaussian_regression_learns_and_evaluates():
     baseline = float(y.std())
     assert res["rmse"] < 0.5 * baseline
     assert res["log_likelihood"] > -1.5
-    assert pyro.param("likelihood.noise_scale").item() < 0.5
+    assert bnn.learned_noise_scale.item() < 0.5
+    assert pyro.param(f"{bnn.name}.noise_scale").item() == bnn.learned_noise_scale.item()
+
+
+@pytest.mark.slow
+def test_two_networks_keep_their_own_parameters():
+    """Each network has its own guide and noise in Pyro's param store: fitting B leaves A as it was."""
+    torch.manual_seed(0)
+    x = torch.linspace(-2, 2, 100).unsqueeze(-1)
+    y1 = 3 * x.squeeze(-1) + 0.1 * torch.randn(100)
+    y2 = 2 * torch.randn(100)
+    a = BayesianNetwork(torch.nn.Linear(1, 1), GaussianPrior(1.0), rank=1, name="a")
+    a.fit(_loader(x, y1), Adam({"lr": 0.05}), epochs=60, progress=False)
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    rmse_a = a.evaluate(x, y1, num_samples=20)["rmse"]
+    b = BayesianNetwork(torch.nn.Linear(1, 1), GaussianPrior(1.0), rank=1)
+    b.fit(_loader(x, y2), Adam({"lr": 0.05}), epochs=20, progress=False)
+    assert b.name != "a" and all(k.startswith(("a.", b.name + ".")) for k in pyro.get_param_store().keys())
+    for k, v in before.items():
+        assert torch.equal(pyro.param(k).detach(), v), k
+    assert a.evaluate(x, y1, num_samples=20)["rmse"] == pytest.approx(rmse_a, rel=0.3) and rmse_a < 0.5 * y1.std()
+    with pytest.raises(ValueError, match="name must be a non-empty str"):
+        BayesianNetwork(torch.nn.Linear(1, 1), GaussianPrior(1.0), name="")
 
 
 @pytest.mark.slow
