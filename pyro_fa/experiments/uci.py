@@ -517,11 +517,11 @@ def _load_splits(name: str, n: Optional[int], data_dir, device) -> list:
 
 
 def _units(names: Sequence[str], method_names: Sequence[str]) -> List[Tuple[str, str]]:
-    """(dataset, unit) pairs, costliest datasets first; a unit is a VI method or "swag-family"."""
+    """(dataset, unit) pairs in the order of ``names``; a unit is a VI method or "swag-family"."""
     vi = [m for m in method_names if METHODS[m].swag is None]
     swag = [m for m in method_names if METHODS[m].swag is not None]
     units = vi + (["swag-family"] if swag else [])
-    return [(d, u) for d in DATASET_ORDER if d in names for u in units]
+    return [(d, u) for d in dict.fromkeys(names) for u in units]
 
 
 def _unit_path(out_dir, dataset: str, unit: str) -> Path:
