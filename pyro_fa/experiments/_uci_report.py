@@ -188,3 +188,36 @@ def bar_summary(checks: List[dict]) -> Optional[str]:
         return None
     rows = [[DATASET_LABELS[c["dataset"]], c["check"], "met" if c["ok"] else "NOT met"] for c in checks]
     return markdown_table(["dataset", "check", "bar"], rows)
+
+
+#: the columns of the summary tables: ours, Pyro's guides, SWAG
+SUMMARY_COLUMNS = ("vifa-gaussian-1x50", "vifa-laplace-1x50", "autonormal-1x50", "lowrank-1x50",
+                   "vippca-gaussian-2x50", "vippca-laplace-2x50", "vifa-gaussian-2x50", "swag-em-1x50",
+                   "swag-1x50", "multiswag-1x50")
+SHORT = {"vifa-gaussian-1x50": "VIFA-G 1×50", "vifa-laplace-1x50": "VIFA-L 1×50", "autonormal-1x50": "AutoNormal 1×50",
+         "lowrank-1x50": "AutoLowRankMVN 1×50", "vippca-gaussian-2x50": "VIPPCA-G 2×50",
+         "vippca-laplace-2x50": "VIPPCA-L 2×50", "vifa-gaussian-2x50": "VIFA-G 2×50", "swag-em-1x50": "SWAG-EM 1×50",
+         "swag-1x50": "SWAG 1×50", "multiswag-1x50": "MultiSWAG 1×50"}
+
+
+def summary_table(results: Dict[str, Dict[str, dict]], metric: str) -> str:
+    """Datasets × main methods for ``metric`` ("ll" or "rmse"), best of ours in bold, published SLANG / MC dropout beside."""
+    cols = [c for c in SUMMARY_COLUMNS if any(c in r for r in results.values())]
+    rows = []
+    for ds in DATASET_LABELS:
+        if ds not in results:
+            continue
+        cells = []
+        vals = {c: mean_se(results[ds][c][metric]) for c in cols if c in results[ds]}
+        best = (max if metric == "ll" else min)(vals, key=lambda c: vals[c][0]) if vals else None
+        for c in cols:
+            if c not in vals:
+                cells.append("")
+                continue
+            digits = 3 if metric == "rmse" and vals[c][0] < 1 else 2
+            text = _fmt(*vals[c], digits=digits)
+            cells.append(f"**{text}**" if c == best else text)
+        pub = [_fmt(*PUBLISHED[n][ds][1 if metric == "ll" else 0]) if ds in PUBLISHED[n] else ""
+               for n in ("SLANG", "MC dropout")]
+        rows.append([DATASET_LABELS[ds]] + cells + pub)
+    return markdown_table(["dataset"] + [SHORT[c] for c in cols] + ["SLANG", "MC dropout"], rows)

@@ -602,7 +602,10 @@ def report(out_dir: str, budget: Budget, names: Sequence[str]) -> dict:
     labels = {n: m.label for n, m in METHODS.items()}
     checks = rep.bar_checks(results)
     text = ["# UCI regression benchmark", "", __doc__.split("\n\n", 1)[1].strip(), "",
-            "## Results (mean ± s.e. over splits; LL = test log-likelihood per point, original units)", "",
+            "## Test log-likelihood (mean ± s.e. over splits, per point, original units; higher is better)", "",
+            rep.summary_table(results, "ll"), "",
+            "## Test RMSE (original units; lower is better)", "", rep.summary_table(results, "rmse"), "",
+            "## Every method, with seed 003's number for the same method and the time per split", "",
             rep.results_table(results, labels), "", "## Published anchors (1×50)", "", rep.published_table(), ""]
     summary = rep.bar_summary(checks)
     if summary and budget != Budget():
@@ -621,6 +624,8 @@ def report(out_dir: str, budget: Budget, names: Sequence[str]) -> dict:
         plt.close(fig)
     print()
     print(rep.results_table(results, labels))
+    print()
+    print(rep.summary_table(results, "ll"))
     if summary:
         print()
         print(summary)
