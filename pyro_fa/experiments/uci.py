@@ -646,7 +646,8 @@ def run(args) -> int:
         raise SystemExit(f"pyro-fa uci: --device {args.device!r} needs CUDA, which this torch does not see.")
     print(f"pyro-fa uci: {len(names)} dataset(s) x {len(methods)} method(s); {'quick' if args.quick else 'full'} "
           f"budget: up to {budget.steps} steps, search on {budget.tune_splits} split(s), "
-          f"precision {list(budget.precisions)}, lr {list(budget.lrs)}")
+          f"precision {list(budget.precisions)}, lr {list(budget.lrs)} (VIPPCA: sigma "
+          f"{['learned' if v is None else v for v in budget.ppca_scales]} at lr {budget.ppca_lr})")
     if not args.report_only:
         todo = []
         for dataset, unit in _units(names, methods):
