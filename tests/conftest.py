@@ -22,6 +22,16 @@ def _one_blas_thread():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _clear_param_store():
+    """Every test starts and ends with an empty Pyro param store (guides register their parameters there)."""
+    import pyro
+
+    pyro.clear_param_store()
+    yield
+    pyro.clear_param_store()
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     return torch.device(request.param)

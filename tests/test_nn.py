@@ -7,13 +7,6 @@ from pyro_fa import GaussianPrior, LaplacePrior
 from pyro_fa.nn import BayesianNetwork
 
 
-@pytest.fixture(autouse=True)
-def _clear():
-    pyro.clear_param_store()
-    yield
-    pyro.clear_param_store()
-
-
 def _loader(x, y, batch=50):
     ds = torch.utils.data.TensorDataset(x, y)
     return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True)

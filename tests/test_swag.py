@@ -12,13 +12,6 @@ from torch import nn
 from pyro_fa import GaussianPrior, MultiSWAG, OnlineFactorAnalysis, SWAG
 
 
-@pytest.fixture(autouse=True)
-def _clear_param_store():
-    pyro.clear_param_store()
-    yield
-    pyro.clear_param_store()
-
-
 def _iterates(T=60, D=7, seed=0):
     g = torch.Generator().manual_seed(seed)
     F = torch.randn(D, 2, generator=g)

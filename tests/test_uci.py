@@ -16,13 +16,6 @@ from pyro_fa.experiments import uci
 from pyro_fa.experiments._bnn import MLPSpec, ReplicaVI
 
 
-@pytest.fixture(autouse=True)
-def _clear_param_store():
-    pyro.clear_param_store()
-    yield
-    pyro.clear_param_store()
-
-
 def _toy(N=40, p=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N, p, generator=g)

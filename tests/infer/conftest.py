@@ -7,13 +7,6 @@ import pytest
 import torch
 
 
-@pytest.fixture(autouse=True)
-def _clear_param_store():
-    pyro.clear_param_store()
-    yield
-    pyro.clear_param_store()
-
-
 def make_linreg(N=60, D=3, alpha=0.5, beta=4.0, seed=0):
     """Bayesian linear regression with its exact posterior and log evidence (seed 000 eq. 2.13)."""
     g = torch.Generator().manual_seed(seed)
