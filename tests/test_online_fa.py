@@ -16,7 +16,7 @@ def _fa_data(D=12, K=3, T=500, seed=0, dtype=torch.float64):
     return c, F, psi, X
 
 
-def _reference_online_em(X, K, warmup, F0, a, m_step_every=1, ramp=24):
+def _reference_online_em(X, K, warmup, F0, a, m_step_every=1, ramp=24, expand=True):
     """Online EM written densely (explicit inverses), the reference for the class.
 
     Seed 000 Algorithm 2 with the step gamma_t = a_t / (t + a_t - 1), a_t ramping
@@ -24,6 +24,8 @@ def _reference_online_em(X, K, warmup, F0, a, m_step_every=1, ramp=24):
     Sigma_t + m_t m_t^T (Cappé & Moulines 2009) instead of adding the current
     Sigma to an average of m m^T, and diag(S) is the exact variance about the
     current mean instead of an average of squared deviations from stale means.
+    With ``expand`` the M-step is PX-EM's: with H = L L^T (Cholesky), F = A H^-1 L,
+    and the statistics are rewritten in the latent coordinates h' = L^-1 h.
     """
     T, D = X.shape
     F, psi = F0.clone(), torch.ones(D)
@@ -40,20 +42,25 @@ def _reference_online_em(X, K, warmup, F0, a, m_step_every=1, ramp=24):
         H = H + gamma * (Sigma + torch.outer(m, m) - H)
         if t > warmup and (t - warmup) % m_step_every == 0:
             F = A @ torch.linalg.inv(H)
+            if expand:
+                L = torch.linalg.cholesky(H)
+                F = F @ L
+                A, H = A @ torch.linalg.inv(L).T, torch.linalg.inv(L) @ H @ torch.linalg.inv(L).T
             var = X[:t].var(0, unbiased=False)
             psi = torch.maximum(var + ((F @ H) * F - 2 * F * A).sum(1), 1e-4 * var)  # the floor
     return mean, F, psi
 
 
+@pytest.mark.parametrize("expand", [True, False])
 @pytest.mark.parametrize("a, every", [(1.0, 1), (2.0, 1), (3.5, 1), (2.0, 3)])
-def test_online_em_matches_dense_reference(a, every):
+def test_online_em_matches_dense_reference(a, every, expand):
     _, _, _, X = _fa_data(T=300)
-    fa = OnlineFactorAnalysis(12, 3, warmup=20, step_scale=a, m_step_every=every, seed=3)
+    fa = OnlineFactorAnalysis(12, 3, warmup=20, step_scale=a, m_step_every=every, expand=expand, seed=3)
     F0 = fa.cov_factor.clone()
     for x in X[:-1]:
         fa.update(x)
     fa.update(X[-1])
-    mean, F, psi = _reference_online_em(X, 3, 20, F0, a, every)
+    mean, F, psi = _reference_online_em(X, 3, 20, F0, a, every, expand=expand)
     assert torch.allclose(fa.loc, mean)
     assert torch.allclose(fa.cov_factor, F)
     assert torch.allclose(fa.cov_diag, psi)
@@ -117,9 +124,8 @@ def test_sga_step_is_gradient_of_log_prob(batch):
 def test_online_em_approaches_batch_fa():
     from sklearn.decomposition import FactorAnalysis
 
-    # A moderately conditioned model. EM's contraction rate for psi_d is about
-    # 1 - psi_d / S_dd, so online EM, which makes about a * log(T) EM iterations'
-    # worth of progress, lags batch FA where uniquenesses are small (README, Chapter 5).
+    # A moderately conditioned model; measured at T = 10 000: 0.033 against
+    # scikit-learn's 0.035 (plain EM, expand=False: 0.057).
     g = torch.Generator().manual_seed(1)
     F = 0.5 * torch.randn(20, 3, generator=g)
     psi = torch.rand(20, generator=g) + 0.5
@@ -133,7 +139,7 @@ def test_online_em_approaches_batch_fa():
     sk = FactorAnalysis(3, random_state=0, tol=1e-8, max_iter=5000).fit(X.numpy())
     sk_err = linalg.relative_frobenius_distance(F, psi, torch.tensor(sk.components_.T), torch.tensor(sk.noise_variance_))
     assert errors[-1] < 0.6 * errors[0]
-    assert errors[-1] < 6 * sk_err, (errors, sk_err)
+    assert errors[-1] < 1.5 * sk_err, (errors, sk_err)
     assert torch.allclose(fa.loc, X.mean(0))
 
 
@@ -318,18 +324,47 @@ def test_cuda_state_and_device_error():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "known limitation: online EM crawls when the noise is small against the communalities "
-    "(EM's contraction rate for psi_d is about 1 - psi_d / S_dd); see the README's Chapter-5 notes"
-))
 def test_online_em_small_noise_regime():
+    # noise small against the signal: plain EM adjusts the scale of F by about
+    # 1 + psi / (s^2 + psi) per iteration and crawls; the expanded (PX-EM) M-step does not
+    from pyro_fa.fa.batch import BatchFactorAnalysis
+
     g = torch.Generator().manual_seed(0)
     D, K, T, noise = 200, 5, 3000, 0.1
     F = torch.randn(D, K, generator=g) / K**0.5
     X = torch.randn(T, K, generator=g) @ F.T + noise * torch.randn(T, D, generator=g)
-    fa = OnlineFactorAnalysis(D, K, seed=0)
+    psi = torch.full((D,), noise**2)
+    errors = {}
+    for expand in (True, False):
+        fa = OnlineFactorAnalysis(D, K, expand=expand, seed=0)
+        for x in X:
+            fa.update(x)
+        errors[expand] = linalg.relative_frobenius_distance(F, psi, fa.cov_factor, fa.cov_diag).item()
+    batch = BatchFactorAnalysis(D, K).fit(X)
+    batch_err = linalg.relative_frobenius_distance(F, psi, batch.cov_factor, batch.cov_diag).item()
+    # measured: expanded 0.059, batch FA 0.046, plain EM 0.91
+    assert errors[True] < 1.5 * batch_err, (errors, batch_err)
+    assert errors[False] > 5 * errors[True], errors
+
+
+@pytest.mark.slow
+def test_online_em_strong_signal_matches_sample_covariance():
+    # ten strong factors (communality about 10 against psi in [0.5, 1]): the sample
+    # covariance of the same T draws is the reference an O(DK) estimate should approach
+    g = torch.Generator().manual_seed(0)
+    D, K, T = 401, 10, 3000
+    F = torch.randn(D, K, generator=g, dtype=torch.float64)
+    psi = 0.5 + 0.5 * torch.rand(D, generator=g, dtype=torch.float64)
+    X = torch.randn(T, K, generator=g, dtype=torch.float64) @ F.T
+    X += torch.randn(T, D, generator=g, dtype=torch.float64) * psi.sqrt()
+    fa = OnlineFactorAnalysis(D, K, seed=0, dtype=torch.float64)
     for x in X:
         fa.update(x)
-    psi = torch.full((D,), noise**2)
-    # batch FA reaches about 0.05 here; online EM stays near 0.7
-    assert linalg.relative_frobenius_distance(F, psi, fa.cov_factor, fa.cov_diag) < 0.2
+    true = linalg.dense_covariance(F, psi)
+    sample = torch.cov(X.T, correction=0)
+    sample_err = torch.linalg.norm(sample - true) / torch.linalg.norm(true)
+    err = linalg.relative_frobenius_distance(F, psi, fa.cov_factor, fa.cov_diag)
+    # measured: 0.071 against the sample covariance's 0.062 (plain EM: 0.97)
+    assert err < 1.5 * sample_err, (err, sample_err)
+    ratio = fa.covariance().diagonal() / true.diagonal()
+    assert 0.85 < ratio.median() < 1.15

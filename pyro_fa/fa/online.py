@@ -42,11 +42,17 @@ class OnlineFactorAnalysis(nn.Module):
         \bar H_t = \bar H_{t-1} + \gamma_t (\Sigma_h + m_t m_t^\top - \bar H_{t-1})
 
     are updated with step :math:`\gamma_t = a_t / (t + a_t - 1)`, where :math:`a_t`
-    ramps from 1 to ``step_scale`` over the first ``step_ramp`` observations, and the M-step :math:`F = \bar A_t \bar H_t^{-1}`,
-    :math:`\psi = \mathrm{diag}(S_t) - \mathrm{rowsum}(F \odot \bar A_t)`
-    (eqs. 4.33–4.35) follows. With ``step_scale=1`` this is exactly the thesis's
-    Algorithm 2 (:math:`\gamma_t = 1/t`), which forgets the statistics gathered
-    under its random initialisation too slowly (see Notes).
+    ramps from 1 to ``step_scale`` over the first ``step_ramp`` observations, and the M-step
+    :math:`\psi = \mathrm{diag}(S_t) - \mathrm{diag}(\bar A_t \bar H_t^{-1} \bar A_t^\top)`
+    (eqs. 4.33–4.35) follows, with the factor of parameter-expanded EM (PX-EM, Liu,
+    Rubin & Wu 1998): :math:`F = \bar A_t L^{-\top}`, :math:`\bar H_t = LL^\top`, after
+    which the statistics are moved to the new latent coordinates
+    (:math:`\bar A_t \leftarrow \bar A_t L^{-\top}`, :math:`\bar H_t \leftarrow I`).
+    With ``expand=False`` the factor is the plain EM one, :math:`F = \bar A_t \bar H_t^{-1}`,
+    and with ``step_scale=1`` as well this is exactly the thesis's Algorithm 2
+    (:math:`\gamma_t = 1/t`), which forgets the statistics gathered under its
+    random initialisation too slowly and adjusts the scale of :math:`F` too slowly
+    (see Notes).
     ``method="sga"`` is Algorithm 1: the gradients of eqs. 4.24 and 4.26 of
     :math:`\log N(\theta_t; c, FF^\top+\Psi)` in :math:`(F, \log\psi)` are
     handed to a torch optimizer (Adam by default, learning rate ``lr``); at the
@@ -86,6 +92,15 @@ class OnlineFactorAnalysis(nn.Module):
         with weights proportional to the step count, instead of the last iterate
         (one more :math:`D\times K` buffer). Measured on Chapter 5, D = 1000: relative
         covariance error 0.020 against 0.040 for the last iterate (batch FA: 0.019).
+    expand : bool, default True
+        EM only: the parameter-expanded M-step (PX-EM). Plain EM changes the scale of
+        :math:`F` by a factor of about :math:`1 + \psi/(s^2+\psi)` per EM iteration along a
+        direction of signal variance :math:`s^2`: where the noise is small against the
+        signal it crawls (measured: D = 401, K = 10, F ~ N(0, 1), ψ ~ U(0.5, 1),
+        T = 3000: relative covariance error 0.97 plain, 0.071 expanded, 0.058 for
+        batch FA). PX-EM estimates the latent covariance as well and absorbs it into
+        :math:`F`, which sets the scale in one step; it costs one :math:`K\times K`
+        triangular inverse per M-step. ``False`` is the thesis's M-step.
     step_ramp : int, optional
         Number of observations over which :math:`a_t` grows linearly from 1 to
         ``step_scale``; default ``2 * dim``. The :math:`D\times K` statistic
@@ -132,6 +147,20 @@ class OnlineFactorAnalysis(nn.Module):
     :math:`D\times K\times K` products and a few passes over :math:`D\times K`
     memory; nothing :math:`D\times D` is formed.
 
+    Why the expanded M-step: plain EM's factor update is the regression of the
+    observations on the E-step's posterior means, :math:`F = \bar A \bar H^{-1}`. Along
+    a direction :math:`u` of the data with variance :math:`\lambda` (noise 1) and a
+    current factor :math:`s u`, the posterior mean shrinks by :math:`s/(1+s^2)` and
+    the regression returns :math:`F \approx (s + 1/s) u`: :math:`s^2` grows by about 2 per
+    EM iteration towards its fixed point :math:`\lambda - 1`, and the contraction rate
+    near it is about :math:`1 - 2/\lambda`, slowest where the signal is strongest.
+    PX-EM (Liu, Rubin & Wu 1998; Rubin & Thayer's FA is their example) lets
+    :math:`h \sim N(0, \Sigma)` during the M-step, estimates :math:`\Sigma = \bar H`, and
+    maps back with :math:`F = \bar A \bar H^{-1} L`: the covariance part becomes
+    :math:`\bar A \bar H^{-1} \bar A^\top`, which has the right scale after one step. The
+    statistics are re-expressed in the new latent coordinates so that later E-steps
+    and the running averages agree.
+
     Why not :math:`\gamma_t = 1/t`: online EM with step :math:`\gamma_t` follows the
     ODE :math:`\dot s = \bar s(\theta(s)) - s` in time :math:`\tau = \sum_t \gamma_t`
     (Cappé & Moulines 2009). With :math:`1/t`, :math:`\tau = \log t`: the
@@ -150,6 +179,8 @@ class OnlineFactorAnalysis(nn.Module):
     S. Brownlie, *Extending the Bayesian Deep Learning Method MultiSWAG*, MSc thesis
     (seed 000), Algorithms 1 and 2. O. Cappé and E. Moulines, "On-line
     expectation-maximization algorithm for latent data models", JRSS B 71(3), 2009.
+    C. Liu, D. B. Rubin and Y. N. Wu, "Parameter expansion to accelerate EM: the
+    PX-EM algorithm", Biometrika 85(4), 1998.
     D. Barber, *Bayesian Reasoning and Machine Learning*, 2012, ch. 21.
 
     Examples
@@ -173,6 +204,7 @@ class OnlineFactorAnalysis(nn.Module):
         optimizer: Optional[Union[type, Callable[..., torch.optim.Optimizer]]] = None,
         optimizer_kwargs: Optional[Dict[str, Any]] = None,
         step_scale: float = 2.0,
+        expand: bool = True,
         step_ramp: Optional[int] = None,
         lr_decay_after: Optional[int] = None,
         average: bool = True,
@@ -197,6 +229,8 @@ class OnlineFactorAnalysis(nn.Module):
             raise ValueError(f"{name}: lr must be a positive finite number, got {lr!r}.")
         if not (isinstance(step_scale, (int, float)) and math.isfinite(step_scale) and step_scale >= 1):
             raise ValueError(f"{name}: step_scale must be a finite number >= 1, got {step_scale!r}.")
+        if not isinstance(expand, bool):
+            raise TypeError(f"{name}: expand must be True or False, got {expand!r}.")
         if step_ramp is not None and (isinstance(step_ramp, bool) or not isinstance(step_ramp, int) or step_ramp < 1):
             raise ValueError(f"{name}: step_ramp must be a positive integer or None, got {step_ramp!r}.")
         if lr_decay_after is not None and (
@@ -222,6 +256,7 @@ class OnlineFactorAnalysis(nn.Module):
         self.warmup = warmup
         self.lr = float(lr)
         self.step_scale = float(step_scale)
+        self.expand = bool(expand)
         self.step_ramp = 2 * dim if step_ramp is None else step_ramp
         self.lr_decay_after = 2 * dim if lr_decay_after is None else lr_decay_after
         self.average = bool(average)
@@ -478,13 +513,21 @@ class OnlineFactorAnalysis(nn.Module):
         r"""M-step (eqs. 4.33, 4.35) fused with the next E-step's capacitance.
 
         One pass over :math:`\bar A` in row blocks small enough to stay in cache:
-        :math:`F = \bar A \bar H^{-1}`,
-        :math:`\psi = \mathrm{diag}(S) - \mathrm{rowsum}(F \odot \bar A)` (floored) and
-        :math:`I + F^\top \Psi^{-1} F`, without a D x K temporary.
+        :math:`F = \bar A \bar H^{-1}` (or, expanded, :math:`\bar A \leftarrow \bar A L^{-\top}`,
+        :math:`F = \bar A`), :math:`\psi = \mathrm{diag}(S) - \mathrm{rowsum}(F \odot \bar A)`
+        (floored) and :math:`I + F^\top \Psi^{-1} F`, without a D x K temporary.
         """
         var = self.variance
         floor = self._floor_values(var)
-        H_inv = torch.cholesky_inverse(_cholesky(self._H))
+        L = _cholesky(self._H)
+        if self.expand:
+            # PX-EM: the working latent covariance H is absorbed into the factor,
+            # F = A H^-1 L = A L^-T, and the statistics move to the new latent
+            # coordinates h' = L^-1 h: A <- A L^-T, H <- L^-1 H L^-T = I
+            M = torch.linalg.solve_triangular(L, torch.eye(self.rank, dtype=L.dtype, device=L.device), upper=False).T
+            self._H.copy_(torch.eye(self.rank, dtype=L.dtype, device=L.device))
+        else:
+            M = torch.cholesky_inverse(L)
         A, F, psi = self._A, self._F, self._psi
         cap = self._cap
         cap.zero_()
@@ -493,7 +536,9 @@ class OnlineFactorAnalysis(nn.Module):
         for lo in range(0, self.dim, rows):
             hi = min(lo + rows, self.dim)
             A_c, F_c, w = A[lo:hi], F[lo:hi], work[: hi - lo]
-            torch.mm(A_c, H_inv, out=F_c)
+            torch.mm(A_c, M, out=F_c)
+            if self.expand:
+                A_c.copy_(F_c)
             psi_c = psi[lo:hi]
             torch.sub(var[lo:hi], torch.mul(F_c, A_c, out=w).sum(-1), out=psi_c)
             torch.maximum(psi_c, floor[lo:hi], out=psi_c)
