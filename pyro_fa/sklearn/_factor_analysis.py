@@ -53,8 +53,9 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
       converge when some noise variances are small. :meth:`partial_fit`
       merges the statistics of each batch exactly and refits, so it gives
       the same model as :meth:`fit` on the concatenated batches.
-    - ``algorithm="online_em"`` / ``"sga"``: online EM (seed 000, Alg. 2) or
-      online stochastic gradient ascent (Alg. 1) through
+    - ``algorithm="online_em"`` / ``"sga"``: online EM (seed 000, Alg. 2, with
+      the parameter-expanded M-step) or online stochastic gradient ascent
+      (Alg. 1) through
       :class:`pyro_fa.OnlineFactorAnalysis`, in :math:`O(DK)` memory, one
       pass over the rows in order, ``batch_size`` rows per update.
       :meth:`partial_fit` continues the same stream.
