@@ -119,6 +119,13 @@ class SWAG(nn.Module):
         at least ``rank`` for EM.
     lr, step_scale, init_scale, min_variance, optimizer
         Passed to :class:`~pyro_fa.OnlineFactorAnalysis` (``lr``: SGA learning rate).
+        ``step_scale`` defaults to 1 here (2 in ``OnlineFactorAnalysis``): SWAG's
+        posterior is the equally weighted moments of the collected iterates, its mean
+        and diagonal are equally weighted, and so are EM's statistics with
+        ``step_scale=1``. Weighting late iterates more (``2``) describes a different,
+        wider distribution when the trajectory drifts: measured on 3000 SGD iterates
+        of a 1×50 network on yacht (D = 401, K = 10), relative distance to the
+        iterates' covariance 0.017 with 1 and 0.456 with 2 (batch FA: 0.013).
     on_nonfinite : {"raise", "skip"}, default "raise"
         What a NaN / inf parameter vector does: raise ``ValueError``, or be
         skipped with a ``RuntimeWarning``; the state is unchanged either way.
@@ -176,7 +183,7 @@ class SWAG(nn.Module):
         window: int = 1,
         warmup: int = 100,
         lr: float = 1e-3,
-        step_scale: float = 2.0,
+        step_scale: float = 1.0,
         init_scale: float = 1.0,
         min_variance: float = 1e-4,
         optimizer=None,
