@@ -264,9 +264,8 @@ class OnlineFactorAnalysis(nn.Module):
         self._since_m_step = 0
         self._sga_steps = 0
         # EM: the statistic A-bar is held as _A_coef * F + _A; an expanded M-step makes it
-        # F itself (coefficient 1, _A stale) instead of writing F into _A
+        # F itself (coefficient exactly 1, _A stale) instead of writing F into _A
         self._A_coef = 0.0
-        self._A_stale = False
         self.init_scale = float(init_scale)
         self.min_variance = float(min_variance)
         self.seed = seed
@@ -318,14 +317,13 @@ class OnlineFactorAnalysis(nn.Module):
 
     def get_extra_state(self):
         return {"n_updates": self._n, "since_m_step": self._since_m_step, "sga_steps": self._sga_steps,
-                "A_coef": self._A_coef, "A_stale": self._A_stale}
+                "A_coef": self._A_coef}
 
     def set_extra_state(self, state):
         self._n = int(state["n_updates"])
         self._since_m_step = int(state.get("since_m_step", 0))
         self._sga_steps = int(state.get("sga_steps", 0))
         self._A_coef = float(state.get("A_coef", 0.0))
-        self._A_stale = bool(state.get("A_stale", False))
 
     @property
     def variance(self) -> Tensor:
@@ -507,10 +505,10 @@ class OnlineFactorAnalysis(nn.Module):
         # statistics (eqs. 4.32, 4.36) with step gamma, A updated in place (one pass)
         a = 1.0 + (self.step_scale - 1.0) * min(1.0, n / self.step_ramp)
         gamma = min(1.0, a * B / (n + (a - 1) * B))
-        # the statistic is A = _A_coef * F + _A (see _m_step); after an expanded M-step
-        # _A is stale and the update writes it without reading it (beta = 0)
-        self._A.addmm_(d.T, m.T, beta=0.0 if self._A_stale else 1 - gamma, alpha=gamma / B)
-        self._A_stale = False
+        # the statistic is A = _A_coef * F + _A (see _m_step). The coefficient is exactly 1
+        # only right after an expanded M-step (every update past the warm-up scales it by
+        # 1 - gamma < 1): _A is stale then, and the update writes it without reading it
+        self._A.addmm_(d.T, m.T, beta=0.0 if self._A_coef == 1.0 else 1 - gamma, alpha=gamma / B)
         self._A_coef *= 1 - gamma
         self._H.mul_(1 - gamma).add_(sigma_h + m @ m.T / B, alpha=gamma)
         if n <= self.warmup:
@@ -535,24 +533,23 @@ class OnlineFactorAnalysis(nn.Module):
             # PX-EM: the working latent covariance H is absorbed into the factor,
             # F = A H^-1 L = A L^-T, and the statistics move to the new latent
             # coordinates h' = L^-1 h: A <- A L^-T, H <- L^-1 H L^-T = I
-            M = torch.linalg.solve_triangular(L, torch.eye(self.rank, dtype=L.dtype, device=L.device), upper=False).T
-            self._H.copy_(torch.eye(self.rank, dtype=L.dtype, device=L.device))
+            eye = torch.eye(self.rank, dtype=L.dtype, device=L.device)
+            M = torch.linalg.solve_triangular(L, eye, upper=False).T
+            self._H.copy_(eye)
         else:
             M = torch.cholesky_inverse(L)
         A, F, psi = self._A, self._F, self._psi
         cap = self._cap
         cap.zero_()
         rows = self._block_rows()
-        work = self._workspace(rows)
+        work, work_a = self._workspace(rows)
         coef = self._A_coef
-        if coef != 0.0:
-            w2 = self._workspace2(rows)
         for lo in range(0, self.dim, rows):
             hi = min(lo + rows, self.dim)
             A_c, F_c, w = A[lo:hi], F[lo:hi], work[: hi - lo]
             if coef != 0.0:
                 # the statistic's rows, A = coef * F + _A, formed in cache
-                A_c = torch.add(A_c, F_c, alpha=coef, out=w2[: hi - lo])
+                A_c = torch.add(A_c, F_c, alpha=coef, out=work_a[: hi - lo])
             torch.mm(A_c, M, out=F_c)
             psi_c = psi[lo:hi]
             # diag(A H^-1 A^T): rowsum(F * A) for F = A H^-1, rowsum(F * F) for F = A L^-T
@@ -561,29 +558,20 @@ class OnlineFactorAnalysis(nn.Module):
             torch.div(F_c, psi_c.unsqueeze(-1), out=w)
             cap.addmm_(w.T, F_c)
         cap.diagonal().add_(1.0)
-        if self.expand:
-            # the statistic in the new coordinates, A L^-T, is F itself: rather than writing
-            # it into _A (one more pass over D x K memory) keep it as 1 * F + (stale _A = 0)
-            self._A_coef, self._A_stale = 1.0, True
-        else:
-            self._A_coef = 0.0
-
-    def _workspace2(self, rows: int) -> Tensor:
-        w = getattr(self, "_work2", None)
-        F = self._F
-        if w is None or w.shape[0] < rows or w.dtype != F.dtype or w.device != F.device:
-            w = self._work2 = F.new_empty(rows, self.rank)
-        return w
+        # expanded: the statistic in the new coordinates, A L^-T, is F itself; rather than
+        # writing it into _A (one more pass over D x K memory) hold it as 1 * F + stale _A
+        self._A_coef = 1.0 if self.expand else 0.0
 
     def _block_rows(self) -> int:
         # about 1 MB of rows per block
         return max(1, min(self.dim, (1 << 20) // (self.rank * self._A.element_size())))
 
     def _workspace(self, rows: int) -> Tensor:
+        # two (rows, K) blocks: products of the M-step, and the statistic's rows
         w = getattr(self, "_work", None)
         F = self._F
-        if w is None or w.shape[0] < rows or w.dtype != F.dtype or w.device != F.device:
-            w = self._work = F.new_empty(rows, self.rank)
+        if w is None or w.shape[1] < rows or w.dtype != F.dtype or w.device != F.device:
+            w = self._work = F.new_empty(2, rows, self.rank)
         return w
 
     def _rescale_to_data(self) -> None:
