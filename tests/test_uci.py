@@ -137,9 +137,16 @@ def test_replica_loss_and_gradients_equal_pyro(family, prior, make_guide, elbo_c
     grads = {n: p.grad for n, p in pyro.get_param_store().named_parameters()}
     p = vi.params()
     torch.testing.assert_close(p["log_noise"].grad[0], grads["noise"])  # unconstrained noise = log sigma
-    loc_name = {"fa": "loc", "ppca": "loc", "lowrank": "loc", "normal": "locs.w", "delta": "AutoDelta.w"}[family]
-    key = next(k for k in grads if k.endswith(loc_name))
-    torch.testing.assert_close(p["loc"].grad[0], grads[key], rtol=1e-8, atol=1e-8)
+    # every variational parameter, in the guide's unconstrained coordinates (log or inverse-softplus scale)
+    names = {"fa": {"loc": ".loc", "factor": ".factor", "log_scale": ".scale"},
+             "ppca": {"loc": ".loc", "factor": ".factor", "log_scale": ".scale"},
+             "lowrank": {"loc": ".loc", "cov_factor": ".cov_factor", "scale_u": ".scale"},
+             "normal": {"loc": "locs.w", "scale_u": "scales.w"},
+             "delta": {"loc": "AutoDelta.w"}}[family]
+    assert set(names) | {"log_noise"} == set(p)
+    for ours_name, suffix in names.items():
+        key = next(k for k in grads if k.endswith(suffix))
+        torch.testing.assert_close(p[ours_name].grad[0].reshape(grads[key].shape), grads[key], rtol=1e-8, atol=1e-8)
 
 
 def test_replicas_are_independent_and_lrs_make_param_groups():
