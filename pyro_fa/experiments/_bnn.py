@@ -328,8 +328,9 @@ class ReplicaVI:
         half_logdet = L.diagonal(dim1=-2, dim2=-1).log().sum(-1) + s.log().sum(-1) * (D / s.shape[-1])
         if self.estimator == "trace":  # Trace_ELBO: log p(y, theta) - log q(theta) at the draw
             z = (theta - loc) / s  # the whitened residual, differentiable in theta as torch's log_prob is
-            Gz = torch.linalg.solve_triangular(L, torch.einsum("rdk,srd->rsk", G, z).unsqueeze(-1), upper=False)
-            maha = z.pow(2).sum(-1) - Gz.squeeze(-1).pow(2).sum(-1).transpose(0, 1)  # (S, R)
+            Gz = torch.einsum("rdk,srd->srk", G, z).unsqueeze(-1)  # (S, R, K, 1)
+            Gz = torch.linalg.solve_triangular(L.expand(Gz.shape[0], -1, -1, -1), Gz, upper=False)
+            maha = z.pow(2).sum(-1) - Gz.squeeze(-1).pow(2).sum(-1)  # (S, R)
             log_q = -0.5 * (maha + D * math.log(2 * math.pi)) - half_logdet
             return -(loglik + self._prior_log_prob(theta) - log_q).mean(0)
         var = s.pow(2) * (1 + G.pow(2).sum(-1))  # diag(S (GG^T + I) S)
