@@ -1,7 +1,8 @@
 """Cost of one training step of one UCI fit: the vectorised trainer of ``pyro-fa uci`` vs Pyro's SVI loop.
 
-The same model (1×50 ReLU network, Gaussian prior, learned noise, full batch of
-a Boston split, float32, one thread) trained by
+The same model (1×50 ReLU network by default, ``--hidden 50,50`` for 2×50;
+Gaussian prior, learned noise, full batch of a Boston split, float32, one
+thread) trained by
 
 * ``pyro.infer.SVI`` with ``AutoLowRankFactorGuide`` + ``FactorELBO`` (and with
   Pyro's ``AutoLowRankMultivariateNormal`` / ``AutoNormal`` + ``Trace_ELBO``), one
@@ -10,7 +11,7 @@ a Boston split, float32, one thread) trained by
 
 Prints milliseconds per fit-step and the ratio, measured in one run::
 
-    python benchmarks/bench_uci_trainer.py [--replicas 16] [--steps 200]
+    python benchmarks/bench_uci_trainer.py [--replicas 16] [--steps 200] [--hidden 50,50]
 """
 from __future__ import annotations
 
@@ -67,12 +68,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=16, help="fits per batch (the search's 8 configs x 2 splits)")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--hidden", default="50", help="hidden widths, comma-separated: 50 (1x50) or 50,50 (2x50)")
     args = parser.parse_args()
+    try:
+        hidden = tuple(int(h) for h in args.hidden.split(","))
+    except ValueError:
+        parser.error(f"--hidden must be comma-separated positive integers such as 50,50, got {args.hidden!r}")
+    if not hidden or min(hidden) < 1:
+        parser.error(f"--hidden must be comma-separated positive integers such as 50,50, got {args.hidden!r}")
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float32)
     os.environ.setdefault("PYRO_FA_DATA", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "uci"))
     d = load_uci("boston", 0, dtype=torch.float32)
-    spec = MLPSpec(d.x_train.shape[1], (50,))
+    spec = MLPSpec(d.x_train.shape[1], hidden)
     print(f"Boston split 0: N = {d.x_train.shape[0]}, {spec}, full batch, one thread, R = {args.replicas}")
     print(f"{'guide':<34} {'Pyro SVI ms/step':>17} {'replicas ms/fit-step':>21} {'speed-up':>9}")
     cases = [
