@@ -297,6 +297,8 @@ def test_uci_command_writes_complete_results(tmp_path, capsys):
     assert (out / "ll.png").stat().st_size > 0 and (out / "rmse.png").stat().st_size > 0
     assert (out / "units" / "yacht__vifa-gaussian-1x50.json").exists() and not list(out.rglob("*.part"))
     assert json.loads((out / "units" / "yacht__swag-family.json").read_text())["cpu_seconds"] > 0
+    # CPU cells add up their process time; CUDA cells (none here) their wall time, apart
+    assert res["datasets"]["yacht"]["cpu_seconds"] > 0 and res["datasets"]["yacht"]["cuda_wall_seconds"] == 0
     printed = capsys.readouterr().out
     assert "test LL" in printed and "CPU-hours" in printed
     # a second run reuses the units of the same budget, and the report is the same
