@@ -1,5 +1,6 @@
 """The UCI benchmark: the vectorised trainer against Pyro's own classes, the protocol, the command."""
 import json
+import os
 import math
 
 import numpy as np
@@ -343,3 +344,51 @@ def test_ppca_replicas_mix_fixed_and_learned_sigma():
     assert g[0].abs().sum() > 0 and g[1].abs().sum() == 0
     with pytest.raises(ValueError, match="noise_scale must be positive or NaN"):
         ReplicaVI(spec, "ppca", "gaussian", torch.ones(1), torch.ones(1), noise_scale=torch.tensor([-1.0]))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the process table from /proc")
+def test_parallel_workers_exit_when_the_command_is_killed(tmp_path):
+    """`pyro-fa uci --jobs 2` killed outright: its pool's workers stop too, instead of training on unseen."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("from pyro_fa import cli; cli.main(['uci', '--quick', '--datasets', 'yacht', '--methods', "
+            "'vifa-gaussian-1x50', 'autonormal-1x50', '--steps', '1000000', '--jobs', '2', '--no-progress', "
+            f"'--output-dir', {str(tmp_path)!r}])")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def workers():
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    stat = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if stat[0] != "Z" and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+                found.append((int(pid), int(stat[1])))
+        return found
+
+    try:
+        deadline = time.time() + 120
+        while len([w for w, ppid in workers() if ppid == parent.pid]) < 2:
+            assert parent.poll() is None and time.time() < deadline, "the workers never started"
+            time.sleep(0.5)
+        pids = [w for w, ppid in workers() if ppid == parent.pid]
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.time() + 30
+        while any(w in pids for w, _ in workers()) and time.time() < deadline:
+            time.sleep(0.5)
+        alive = [w for w, _ in workers() if w in pids]
+        for w in alive:
+            os.kill(w, signal.SIGKILL)
+        assert not alive, "pool workers outlived the killed command"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    assert not list(tmp_path.glob("units/*.json"))  # nothing half-way, and no late unit from an orphan

@@ -583,6 +583,24 @@ def _worker(kwargs):
     return kwargs["dataset"], kwargs["unit"]
 
 
+def _exit_with_parent(parent_pid: int, every: float = 1.0) -> None:
+    """Pool initializer: the worker exits as soon as the ``pyro-fa uci`` process that started it is gone.
+
+    A pool's workers outlive a parent that is killed (``kill``, an out-of-memory kill, a
+    closed session) and would go on training, and writing unit files, for hours.
+    """
+    import os
+    import threading
+
+    def watch():
+        while True:
+            time.sleep(every)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def report(out_dir: str, budget: Budget, names: Sequence[str]) -> dict:
     """Aggregate the per-dataset files of this budget: results.json, table.md, ll.png, rmse.png."""
     import json
@@ -686,7 +704,10 @@ def run(args) -> int:
 
             from tqdm.auto import tqdm
 
-            with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
+            import os
+
+            with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"), initializer=_exit_with_parent,
+                                     initargs=(os.getpid(),)) as pool:
                 futures = [pool.submit(_worker, kw) for kw in todo]
                 for f in tqdm(as_completed(futures), total=len(futures), desc="units", disable=args.no_progress):
                     f.result()
