@@ -64,23 +64,28 @@ def replica_step_ms(spec, x, y, family, replicas, steps):
     return (time.perf_counter() - t) / steps / replicas * 1e3
 
 
+def _widths(text: str):
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        widths = ()
+    if not widths or min(widths) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers such as 50,50, got {text!r}")
+    return widths
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=16, help="fits per batch (the search's 8 configs x 2 splits)")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--hidden", default="50", help="hidden widths, comma-separated: 50 (1x50) or 50,50 (2x50)")
+    parser.add_argument("--hidden", type=_widths, default=(50,),
+                        help="hidden widths, comma-separated: 50 (1x50) or 50,50 (2x50)")
     args = parser.parse_args()
-    try:
-        hidden = tuple(int(h) for h in args.hidden.split(","))
-    except ValueError:
-        parser.error(f"--hidden must be comma-separated positive integers such as 50,50, got {args.hidden!r}")
-    if not hidden or min(hidden) < 1:
-        parser.error(f"--hidden must be comma-separated positive integers such as 50,50, got {args.hidden!r}")
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float32)
     os.environ.setdefault("PYRO_FA_DATA", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "uci"))
     d = load_uci("boston", 0, dtype=torch.float32)
-    spec = MLPSpec(d.x_train.shape[1], hidden)
+    spec = MLPSpec(d.x_train.shape[1], args.hidden)
     print(f"Boston split 0: N = {d.x_train.shape[0]}, {spec}, full batch, one thread, R = {args.replicas}")
     print(f"{'guide':<34} {'Pyro SVI ms/step':>17} {'replicas ms/fit-step':>21} {'speed-up':>9}")
     cases = [

@@ -258,10 +258,10 @@ class ReplicaVI:
         b = self.prior_scale
         return (-(2 * b).log() - theta.abs() / b).sum(-1)
 
-    def _expected_prior(self, q) -> Tensor:
-        loc, var = q.mean, q.variance
+    def _expected_prior(self, loc: Tensor, variance: Tensor) -> Tensor:
+        """Closed-form E_q[log p(theta)] of a Gaussian q with these means and marginal variances, shape (R,)."""
         fn = normal_expected_log_prob if self.prior == "gaussian" else laplace_expected_log_prob
-        return fn(loc, var, 0.0, self.prior_scale).sum(-1)
+        return fn(loc, variance, 0.0, self.prior_scale).sum(-1)
 
     def loss(self, x: Tensor, y: Tensor, dataset_size: int, particles: int = 1) -> Tensor:
         r"""Negative ELBO of every replica, shape (R,) (sum it to train).
@@ -286,7 +286,7 @@ class ReplicaVI:
         elif self.estimator == "trace":
             elbo = (loglik + self._prior_log_prob(theta) - q.log_prob(theta)).mean(0)
         else:
-            elbo = loglik.mean(0) + self._expected_prior(q) + q.entropy()
+            elbo = loglik.mean(0) + self._expected_prior(q.mean, q.variance) + q.entropy()
         return -elbo
 
     def _loglik(self, p, theta: Tensor, x: Tensor, y: Tensor, dataset_size: int) -> Tensor:
@@ -337,8 +337,7 @@ class ReplicaVI:
             return -(loglik + self._prior_log_prob(theta) - log_q).mean(0)
         var = s.pow(2) * (1 + G.pow(2).sum(-1))  # diag(S (GG^T + I) S)
         entropy = 0.5 * D * (1 + math.log(2 * math.pi)) + half_logdet
-        fn = normal_expected_log_prob if self.prior == "gaussian" else laplace_expected_log_prob
-        return -(loglik.mean(0) + fn(loc, var, 0.0, self.prior_scale).sum(-1) + entropy)
+        return -(loglik.mean(0) + self._expected_prior(loc, var) + entropy)
 
     # ------------------------------------------------------------ prediction
     @torch.no_grad()

@@ -49,6 +49,7 @@ noise variance, which stays at its MAP value).
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -589,7 +590,6 @@ def _exit_with_parent(parent_pid: int, every: float = 1.0) -> None:
     A pool's workers outlive a parent that is killed (``kill``, an out-of-memory kill, a
     closed session) and would go on training, and writing unit files, for hours.
     """
-    import os
     import threading
 
     def watch():
@@ -703,8 +703,6 @@ def run(args) -> int:
             from concurrent.futures import ProcessPoolExecutor, as_completed
 
             from tqdm.auto import tqdm
-
-            import os
 
             with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"), initializer=_exit_with_parent,
                                      initargs=(os.getpid(),)) as pool:
