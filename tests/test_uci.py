@@ -239,6 +239,23 @@ def test_validation_split_is_inside_the_training_part():
     assert y_std == pytest.approx(float(d.y_train[perm[n_val:]].std(unbiased=False)) * d.y_std)
 
 
+@pytest.mark.parametrize("n_train, expected", [(277, 5), (455, 4), (691, 3), (927, 2), (1439, 2), (7373, 1),
+                                               (41157, 1)])
+def test_search_uses_enough_splits_for_300_validation_points(n_train, expected):
+    """Yacht, Boston, Energy, Concrete, Wine, Kin8nm, Protein training parts: ceil(300 / (0.2 n)), at most 5."""
+    assert uci.n_tune_splits(n_train, uci.Budget()) == expected
+    assert uci.n_tune_splits(n_train, uci.Budget(tune_splits=2)) == 2
+
+
+def test_tuning_data_stacks_the_first_splits_validation_parts():
+    splits = [load_uci("yacht", s, dtype=torch.float32) for s in range(6)]
+    tune = uci.tuning_data(splits, uci.Budget())
+    assert tune.y.shape == (5, 277 - 55) and tune.y_eval.shape == (5, 55)
+    for s in range(5):  # replica s is split s's own validation cut
+        torch.testing.assert_close(tune.y_eval[s], uci._validation_split(splits[s], 0.2, s)[3])
+    assert uci.tuning_data(splits[:2], uci.Budget()).y.shape[0] == 2  # never more splits than were loaded
+
+
 def test_heldout_ll_equals_metrics_per_replica():
     g = torch.Generator().manual_seed(0)
     means = torch.randn(7, 3, 5, generator=g, dtype=torch.float64)
