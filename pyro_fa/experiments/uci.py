@@ -129,6 +129,7 @@ class Budget:
     max_tune_splits: int = 5
     val_fraction: float = 0.2
     checkpoints: int = 20
+    lr_schedule: str = "cosine"  # "cosine": Adam's rate follows a half cosine to 0 over ``steps``; "constant"
     batch_limit: int = 1000  # full batch up to this many training points
     batch_size: int = 500
     rank: int = 10
@@ -290,6 +291,10 @@ def train(model: ReplicaVI, data: SplitData, steps: int, budget: Budget, generat
     if they beat a long-standing best.
     """
     opt = model.optimizer()
+    # the schedule is a function of the step number alone, over the budget's steps: a final fit that stops at
+    # the chosen step has followed the same rates as the search's fit up to that step
+    sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=budget.steps)
+             if budget.lr_schedule == "cosine" else None)
     N = data.y.shape[1]
     batch = _batch_size(data, budget)
     every = max(1, steps // checkpoints) if checkpoints else None
@@ -299,6 +304,8 @@ def train(model: ReplicaVI, data: SplitData, steps: int, budget: Budget, generat
         opt.zero_grad(set_to_none=True)
         model.loss(xb, yb, N, budget.particles).sum().backward()
         opt.step()
+        if sched is not None:
+            sched.step()
         if progress is not None:
             progress(1)
         if every and step % every == 0:
