@@ -256,6 +256,31 @@ def test_tuning_data_stacks_the_first_splits_validation_parts():
     assert uci.tuning_data(splits[:2], uci.Budget()).y.shape[0] == 2  # never more splits than were loaded
 
 
+@pytest.mark.parametrize("schedule", ["cosine", "constant"])
+def test_train_follows_the_rate_schedule_of_the_budgets_steps(monkeypatch, schedule):
+    """The rate at step t is lr (1 + cos(pi t / T)) / 2 over the budget's T steps, also in a fit stopped at t < T:
+    a final fit that stops at the chosen step has seen the search's rates."""
+    x, y = _toy()
+    data = uci.SplitData(x.expand(2, -1, -1), y.expand(2, -1), x.expand(2, -1, -1), y.expand(2, -1), torch.ones(2))
+    seen = []
+    make = ReplicaVI.optimizer
+
+    def recording(self, **kw):
+        opt = make(self, **kw)
+        opt.register_step_pre_hook(lambda o, *_: seen.append(sorted(g["lr"] for g in o.param_groups)))
+        return opt
+
+    monkeypatch.setattr(ReplicaVI, "optimizer", recording)
+    vi = ReplicaVI(MLPSpec(3, (6,)), "fa", "gaussian", torch.ones(2), torch.tensor([3e-3, 1e-2]), rank=2,
+                   generator=torch.Generator().manual_seed(0))
+    budget = uci.Budget(steps=40, lr_schedule=schedule)
+    uci.train(vi, data, 25, budget, torch.Generator().manual_seed(0))
+    assert len(seen) == 25
+    for t, rates in enumerate(seen):
+        f = (1 + math.cos(math.pi * t / 40)) / 2 if schedule == "cosine" else 1.0
+        assert rates == pytest.approx([3e-3 * f, 1e-2 * f], rel=1e-12)
+
+
 def test_heldout_ll_equals_metrics_per_replica():
     g = torch.Generator().manual_seed(0)
     means = torch.randn(7, 3, 5, generator=g, dtype=torch.float64)

@@ -34,7 +34,8 @@ no split's own test part is ever seen before its one evaluation. Every
 configuration of the grid — prior precision α ∈ {0.01, 0.1, 1, 10}, Adam learning
 rate ∈ {0.003, 0.01}; for VIPPCA, whose isotropic σ is a hyperparameter in seed
 003, learning rate 0.003 and σ ∈ {learned, 0.01, 0.03} instead — is trained on
-every tuning split, and the
+every tuning split, with Adam's learning rate following a half cosine from
+its initial value to zero over the 10 000 steps, and the
 validation log-likelihood (32 posterior draws) is recorded every
 ``steps / 20`` steps (the search stops early once its best checkpoint lies in
 the first third of the steps run, after at least a quarter of them); the
@@ -42,7 +43,10 @@ configuration and step count with the best mean validation log-likelihood are
 chosen (for SWAG: the MAP fit's, then the SGD
 learning rate of the collection phase ∈ {0.001, 0.003, 0.01} by SWAG-EM's validation
 log-likelihood). Then every split is trained on its whole training part with the
-chosen values and evaluated once on its test part (100 posterior draws). The
+chosen values, for the chosen number of steps on the same rate schedule (the
+schedule depends on the step alone, so a fit stopped at the chosen step has
+followed the rates the search saw), and evaluated once on its test part (100
+posterior draws). The
 noise scale is learned in every method. Full-batch training for datasets of up
 to 1 000 training points, batches of 500 above (the likelihood scaled by N / 500).
 SWAG's collection phase: about one collection per epoch, 100 in all, of SGD with
