@@ -180,7 +180,9 @@ def test_exact_posterior_at_full_rank(linreg, guide_cls):
     assert torch.linalg.norm(cov - linreg.S) / torch.linalg.norm(linreg.S) < 0.01
     assert torch.linalg.norm(q.loc.detach() - linreg.m) / torch.linalg.norm(linreg.m) < 0.01
     elbo = linreg.analytic_elbo(q.loc.detach(), cov)
-    assert elbo <= linreg.log_evidence
+    # at the exact posterior the bound is tight: ELBO = log evidence up to float64 rounding
+    # (the fit reaches S to ~1e-14, and the sign of the last digits depends on the BLAS)
+    assert elbo <= linreg.log_evidence + 1e-9
     assert linreg.log_evidence - elbo < 1e-3
 
 
