@@ -32,8 +32,10 @@ test points of the later splits lie in the tuning splits' training parts (the
 reuse of a few splits' search that keeps the run within two hours on 2 cores);
 no split's own test part is ever seen before its one evaluation. Every
 configuration of the grid — prior precision α ∈ {0.01, 0.1, 1, 10}, Adam learning
-rate ∈ {0.003, 0.01}; for VIPPCA, whose isotropic σ is a hyperparameter in seed
-003, learning rate 0.003 and σ ∈ {learned, 0.01, 0.03} instead — is trained on
+rate ∈ {0.003, 0.01} for one hidden layer and 0.003 for two; for VIPPCA, whose
+isotropic σ is a hyperparameter in seed 003, learning rate 0.003 and σ ∈ {0.01,
+0.03} instead (``Budget(ppca_scales=(None, 0.01, 0.03))`` adds a learned σ) — is
+trained on
 every tuning split, with Adam's learning rate following a half cosine from
 its initial value to zero over the 10 000 steps, and the
 validation log-likelihood (32 posterior draws) is recorded every
@@ -121,8 +123,9 @@ class Budget:
     steps: int = 10000
     precisions: Tuple[float, ...] = (0.01, 0.1, 1.0, 10.0)
     lrs: Tuple[float, ...] = (3e-3, 1e-2)
+    deep_lrs: Tuple[float, ...] = (3e-3,)  # the 2x50 networks' Adam rates
     ppca_lr: float = 3e-3
-    ppca_scales: Tuple[Optional[float], ...] = (None, 0.01, 0.03)
+    ppca_scales: Tuple[Optional[float], ...] = (0.01, 0.03)  # None: learned
     swag_lrs: Tuple[float, ...] = (1e-3, 3e-3, 1e-2)
     swag_steps: int = 2000
     swag_collections: int = 100
@@ -144,7 +147,8 @@ class Budget:
 
     @classmethod
     def quick(cls) -> "Budget":
-        return cls(steps=1500, precisions=(0.1, 1.0, 10.0), lrs=(1e-2,), ppca_lr=1e-2, ppca_scales=(None, 0.03),
+        return cls(steps=1500, precisions=(0.1, 1.0, 10.0), lrs=(1e-2,), deep_lrs=(1e-2,), ppca_lr=1e-2,
+                   ppca_scales=(None, 0.03),
                    swag_lrs=(3e-3,), swag_steps=500,
                    swag_collections=50,
                    tune_splits=1, checkpoints=10, test_samples=50, ensemble=3)
@@ -340,11 +344,13 @@ def _choose(curves, configs, n_tune: int):
 
 
 def _configs(method: Method, budget: Budget) -> List[dict]:
-    """The search grid: prior precision x learning rate; for VIPPCA, precision x sigma (learned or fixed)."""
+    """The search grid: prior precision x learning rate (``budget.lrs`` for one hidden layer, ``budget.deep_lrs``
+    for two); for VIPPCA, precision x sigma (fixed, or learned where ``budget.ppca_scales`` holds None)."""
     if method.family == "ppca":
         return [{"precision": a, "lr": budget.ppca_lr, "sigma": s} for a in budget.precisions
                 for s in budget.ppca_scales]
-    return [{"precision": a, "lr": lr} for a in budget.precisions for lr in budget.lrs]
+    lrs = budget.lrs if method.depth == 1 else budget.deep_lrs
+    return [{"precision": a, "lr": lr} for a in budget.precisions for lr in lrs]
 
 
 def _vi_model(method: Method, spec: MLPSpec, configs, budget: Budget, generator, like: Tensor, repeat: int):
@@ -717,7 +723,7 @@ def run(args) -> int:
              f"the first splits that hold {budget.val_points} validation points (at most {budget.max_tune_splits})")
     print(f"pyro-fa uci: {len(names)} dataset(s) x {len(methods)} method(s); {'quick' if args.quick else 'full'} "
           f"budget: up to {budget.steps} steps, search on {where}, "
-          f"precision {list(budget.precisions)}, lr {list(budget.lrs)} (VIPPCA: sigma "
+          f"precision {list(budget.precisions)}, lr {list(budget.lrs)} (2x50: {list(budget.deep_lrs)}; VIPPCA: sigma "
           f"{['learned' if v is None else v for v in budget.ppca_scales]} at lr {budget.ppca_lr})")
     if not args.report_only:
         todo = []
