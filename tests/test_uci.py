@@ -247,6 +247,23 @@ def test_search_uses_enough_splits_for_300_validation_points(n_train, expected):
     assert uci.n_tune_splits(n_train, uci.Budget(tune_splits=2)) == 2
 
 
+def test_search_grid_per_architecture_and_family():
+    """One hidden layer: precision x ``lrs``; two: precision x ``deep_lrs``; VIPPCA: precision x sigma at ``ppca_lr``."""
+    b = uci.Budget(precisions=(0.1, 1.0), lrs=(3e-3, 1e-2), deep_lrs=(5e-3,), ppca_lr=2e-3, ppca_scales=(None, 0.01))
+    for name in ("vifa-gaussian-1x50", "autonormal-1x50", "lowrank-1x50"):
+        assert uci._configs(uci.METHODS[name], b) == [{"precision": a, "lr": lr} for a in (0.1, 1.0)
+                                                       for lr in (3e-3, 1e-2)]
+    for name in ("vifa-laplace-2x50", "lowrank-2x50"):
+        assert uci._configs(uci.METHODS[name], b) == [{"precision": 0.1, "lr": 5e-3}, {"precision": 1.0, "lr": 5e-3}]
+    for name in ("vippca-gaussian-1x50", "vippca-laplace-2x50"):
+        assert uci._configs(uci.METHODS[name], b) == [{"precision": a, "lr": 2e-3, "sigma": s} for a in (0.1, 1.0)
+                                                       for s in (None, 0.01)]
+    full = uci.Budget()  # the default grid: 8 points for the 1x50 VI guides, 4 for 2x50 VIFA, 8 for VIPPCA
+    assert [len(uci._configs(uci.METHODS[n], full)) for n in ("vifa-gaussian-1x50", "vifa-gaussian-2x50",
+                                                             "vippca-gaussian-2x50")] == [8, 4, 8]
+    assert None not in full.ppca_scales
+
+
 def test_tuning_data_stacks_the_first_splits_validation_parts():
     splits = [load_uci("yacht", s, dtype=torch.float32) for s in range(6)]
     tune = uci.tuning_data(splits, uci.Budget())
