@@ -35,10 +35,9 @@ configuration of the grid — prior precision α ∈ {0.01, 0.1, 1, 10}, Adam le
 rate ∈ {0.003, 0.01} for one hidden layer and 0.003 for two; for VIPPCA, whose
 isotropic σ is a hyperparameter in seed 003, learning rate 0.003 and σ ∈ {0.01,
 0.03} instead (``Budget(ppca_scales=(None, 0.01, 0.03))`` adds a learned σ) — is
-trained on
-every tuning split, with Adam's learning rate following a half cosine from
-its initial value to zero over the 10 000 steps, and the
-validation log-likelihood (32 posterior draws) is recorded every
+trained on every tuning split, with Adam's learning rate following a half cosine
+from its initial value to zero over the 10 000 steps, and the validation
+log-likelihood (32 posterior draws) is recorded every
 ``steps / 20`` steps (the search stops early once its best checkpoint lies in
 the first third of the steps run, after at least a quarter of them); the
 configuration and step count with the best mean validation log-likelihood are
