@@ -180,6 +180,14 @@ def test_whitened_loss_equals_torch_lowrank_mvn_for_many_replicas(family, estima
         ref = -(loglik.mean(0) + vi._expected_prior(q.mean, q.variance) + q.entropy())
     assert ours.shape == (R,)
     torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-9)
+    # and every gradient (the factor's through the fused backward of the FactorELBO path)
+    leaves = [t for t in p.values() if t.requires_grad]
+    for a, b in zip(torch.autograd.grad(ours.sum(), leaves, retain_graph=True, allow_unused=True),
+                    torch.autograd.grad(ref.sum(), leaves, allow_unused=True)):
+        a = torch.zeros_like(b) if a is None and b is not None else a
+        b = torch.zeros_like(a) if b is None and a is not None else b
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
 def test_replicas_are_independent_and_lrs_make_param_groups():

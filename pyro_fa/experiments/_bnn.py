@@ -327,9 +327,13 @@ class ReplicaVI:
         R, D, K = G.shape
         eps_k = torch.randn((particles, R, K), dtype=loc.dtype, device=loc.device)
         eps_d = torch.randn((particles, R, D), dtype=loc.dtype, device=loc.device)
-        theta = loc + s * (torch.einsum("rdk,srk->srd", G, eps_k) + eps_d)  # (S, R, D)
+        if self.estimator == "trace":
+            G_eps, gram, row_sq = torch.einsum("rdk,srk->srd", G, eps_k), G.transpose(-1, -2) @ G, None
+        else:
+            G_eps, gram, row_sq = _FactorTerms.apply(G, eps_k)
+        theta = loc + s * (G_eps + eps_d)  # (S, R, D)
         loglik = self._loglik(p, theta, x, y, dataset_size)
-        cap = torch.eye(K, dtype=G.dtype, device=G.device) + G.transpose(-1, -2) @ G
+        cap = torch.eye(K, dtype=G.dtype, device=G.device) + gram
         L = torch.linalg.cholesky(cap)
         half_logdet = L.diagonal(dim1=-2, dim2=-1).log().sum(-1) + s.log().sum(-1) * (D / s.shape[-1])
         if self.estimator == "trace":  # Trace_ELBO: log p(y, theta) - log q(theta) at the draw
@@ -339,7 +343,7 @@ class ReplicaVI:
             maha = z.pow(2).sum(-1) - Gz.squeeze(-1).pow(2).sum(-1)  # (S, R)
             log_q = -0.5 * (maha + D * math.log(2 * math.pi)) - half_logdet
             return -(loglik + self._prior_log_prob(theta) - log_q).mean(0)
-        var = s.pow(2) * (1 + G.pow(2).sum(-1))  # diag(S (GG^T + I) S)
+        var = s.pow(2) * (1 + row_sq)  # diag(S (GG^T + I) S)
         entropy = 0.5 * D * (1 + math.log(2 * math.pi)) + half_logdet
         return -(loglik.mean(0) + self._expected_prior(loc, var) + entropy)
 
@@ -371,6 +375,38 @@ class ReplicaVI:
     def state(self) -> Dict[str, Tensor]:
         """Detached copies of the parameters in replica order."""
         return {k: v.detach().clone() for k, v in self.params().items()}
+
+
+class _FactorTerms(torch.autograd.Function):
+    r"""What the FactorELBO of :math:`q = N(c, S(GG^\top + I)S)` needs of the factor, with one fused backward.
+
+    ``G`` (R, D, K) and the draw's noise ``eps`` (S, R, K) give :math:`G\varepsilon` (S, R, D), the Gram
+    matrix :math:`G^\top G` (R, K, K) and the row sums of squares :math:`\sum_k G_{dk}^2` (R, D). Autograd
+    would build the gradient of ``G`` from five passes over the D × K factor and three temporaries (one
+    product per side of the Gram matrix, the outer product of the draw, the square's derivative, their
+    sums); here it is one multiply-add and one ``baddbmm``:
+    :math:`\bar G = \sum_s \bar g_s \varepsilon_s^\top + 2\,\bar r \odot G + G(\bar A + \bar A^\top)`.
+    """
+
+    @staticmethod
+    def forward(ctx, G: Tensor, eps: Tensor):
+        ctx.save_for_backward(G, eps)
+        return torch.einsum("rdk,srk->srd", G, eps), G.transpose(-1, -2) @ G, G.square().sum(-1)
+
+    @staticmethod
+    def backward(ctx, g_eps: Tensor, g_gram: Tensor, g_row: Tensor):
+        G, eps = ctx.saved_tensors
+        grad_G = grad_eps = None
+        if ctx.needs_input_grad[0]:
+            if eps.shape[0] == 1:  # one particle: the outer product as a broadcast multiply (no batched k=1 bmm)
+                grad_G = g_eps[0].unsqueeze(-1) * eps[0].unsqueeze(-2)
+            else:
+                grad_G = torch.einsum("srd,srk->rdk", g_eps, eps)
+            grad_G.addcmul_(G, g_row.unsqueeze(-1), value=2)
+            grad_G = torch.baddbmm(grad_G, G, g_gram + g_gram.transpose(-1, -2))
+        if ctx.needs_input_grad[1]:
+            grad_eps = torch.einsum("rdk,srd->srk", G, g_eps)
+        return grad_G, grad_eps
 
 
 def _rsample_with(q, num_samples: int, generator: torch.Generator) -> Tensor:
