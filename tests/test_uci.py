@@ -368,12 +368,19 @@ def test_uci_command_writes_complete_results(tmp_path, capsys):
     # CPU cells add up their process time; CUDA cells (none here) their wall time, apart
     assert res["datasets"]["yacht"]["cpu_seconds"] > 0 and res["datasets"]["yacht"]["cuda_wall_seconds"] == 0
     printed = capsys.readouterr().out
-    assert "test LL" in printed and "CPU-hours" in printed
+    assert "test LL" in printed
+    # the compute line adds up the units' process time; a run this short prints it in seconds
+    assert f"compute: {res['datasets']['yacht']['cpu_seconds']:.0f} CPU-seconds in the cells" in printed
     # a second run reuses the units of the same budget, and the report is the same
     cli.main(["uci", "--quick", "--datasets", "yacht", "--methods", "vifa-gaussian-1x50", "swag-em-1x50",
               "multiswag-1x50", "--steps", "40", "--output-dir", str(out), "--no-progress"])
     assert "done before" in capsys.readouterr().out
     assert json.loads((out / "results.json").read_text())["results"] == res["results"]
+
+
+def test_report_amounts_read_at_every_scale():
+    assert uci._amount(6732.3, "CPU-") == "1.87 CPU-hours" and uci._amount(3366.2) == "0.94 h"
+    assert uci._amount(14.6, "CPU-") == "15 CPU-seconds" and uci._amount(359.4) == "359 s"
 
 
 def test_uci_command_bad_input(tmp_path, capsys):
