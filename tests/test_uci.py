@@ -379,8 +379,8 @@ def test_uci_command_writes_complete_results(tmp_path, capsys):
 
 
 def test_report_amounts_read_at_every_scale():
-    assert uci._amount(6732.3, "CPU-") == "1.87 CPU-hours" and uci._amount(3366.2) == "0.94 h"
-    assert uci._amount(14.6, "CPU-") == "15 CPU-seconds" and uci._amount(359.4) == "359 s"
+    assert uci._amount(6732.3, "CPU-") == "1.87 CPU-hours" and uci._amount(3366.2) == "0.94 hours"
+    assert uci._amount(14.6, "CPU-") == "15 CPU-seconds" and uci._amount(359.4) == "359 seconds"
 
 
 def test_uci_command_bad_input(tmp_path, capsys):

@@ -665,10 +665,8 @@ def _exit_with_parent(parent_pid: int, every: float = 1.0) -> None:
 
 def _amount(seconds: float, prefix: str = "") -> str:
     """A duration as the report prints it: hours to two decimals from six minutes on, whole seconds below
-    (a quick run's 0.004 hours would print as 0.00)."""
-    if seconds >= 360:
-        return f"{seconds / 3600:.2f} {prefix}hours" if prefix else f"{seconds / 3600:.2f} h"
-    return f"{seconds:.0f} {prefix}seconds" if prefix else f"{seconds:.0f} s"
+    (a quick run's 0.004 hours would print as 0.00); ``prefix`` names the kind, e.g. "CPU-"."""
+    return f"{seconds / 3600:.2f} {prefix}hours" if seconds >= 360 else f"{seconds:.0f} {prefix}seconds"
 
 
 def report(out_dir: str, budget: Budget, names: Sequence[str]) -> dict:
