@@ -91,6 +91,17 @@ def _check_finite(x: Tensor, owner: str, name: str = "x") -> None:
         raise ValueError(f"{owner}: {name} must be finite (no NaN or inf), got a tensor with non-finite entries.")
 
 
+def _merged(n_a: int, mean_a, scatter_a, n_b: int, mean_b: Tensor, scatter_b: Tensor):
+    """Count, mean and scatter of two merged samples (Chan, Golub & LeVeque 1983), out of place."""
+    if n_a == 0:
+        return n_b, mean_b, scatter_b
+    n = n_a + n_b
+    delta = mean_b - mean_a
+    mean = torch.add(mean_a, delta, alpha=n_b / n)
+    scatter = torch.add(scatter_a, scatter_b).addr_(delta, delta, alpha=n_a * n_b / n)
+    return n, mean, scatter
+
+
 def _noise_floor(covariance: Tensor) -> Tensor:
     """Smallest noise variance allowed: sqrt(eps) times the largest data variance."""
     scale = covariance.diagonal().max() if covariance.numel() else covariance.new_ones(())
@@ -206,10 +217,22 @@ class ScatterStatistics(nn.Module):
             statistics are then left unchanged.
         """
         x = self._validate(x)
+        # the batch's own statistics, merged chunk by chunk, then merged into the state out of place
+        # and checked: a finite x whose squares overflow the dtype must not leave inf behind
+        n_b, mean_b, scatter_b = 0, None, None
         for chunk in torch.split(x, self.chunk_size):
-            mean_b = chunk.mean(0)
-            centred = chunk - mean_b
-            self._merge(chunk.shape[0], mean_b, centred.T @ centred)
+            m = chunk.mean(0)
+            centred = chunk - m
+            n_b, mean_b, scatter_b = _merged(n_b, mean_b, scatter_b, chunk.shape[0], m, centred.T @ centred)
+        n, mean, scatter = _merged(int(self.n_samples), self.mean, self.scatter, n_b, mean_b, scatter_b)
+        if not bool(torch.isfinite(scatter).all() and torch.isfinite(mean).all()):
+            raise ValueError(
+                f"{type(self).__name__}: x must have squared deviations that fit {scatter.dtype}, got values up to "
+                f"{float(x.abs().max()):.3g} whose scatter overflows; the statistics are left unchanged."
+            )
+        self.mean.copy_(mean)
+        self.scatter.copy_(scatter)
+        self.n_samples.fill_(n)
         return self
 
     def merge(self, other: "ScatterStatistics") -> "ScatterStatistics":

@@ -15,6 +15,8 @@ from torch import Tensor, nn
 from torch.distributions import LowRankMultivariateNormal
 
 from pyro_fa import linalg
+from pyro_fa._state import check_count, check_optimizer_state, check_state_dict
+from pyro_fa.fa.moments import RunningMoments
 
 __all__ = ["OnlineFactorAnalysis"]
 
@@ -280,9 +282,10 @@ class OnlineFactorAnalysis(nn.Module):
         def z(*shape):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        # exact running moments (Welford / Chan): mean and sum of squared deviations
-        self.register_buffer("loc", z(dim))
-        self.register_buffer("_sq_dev", z(dim))
+        # exact running moments (Chan et al.), accumulated in float64 whatever the state's dtype:
+        # late SGD iterates move by 1e-4 around weights of 1, below float32's resolution of the sum
+        self._moments = RunningMoments(dim, device)
+        self.register_buffer("loc", z(dim))  # the mean rounded once to the state's dtype
         self._n = 0  # observations seen (saved through get_extra_state)
         if method == "em":
             self.register_buffer("_F", F0)
@@ -327,8 +330,8 @@ class OnlineFactorAnalysis(nn.Module):
 
     @property
     def variance(self) -> Tensor:
-        """Running (maximum-likelihood) variance of each coordinate, shape (D,)."""
-        return self._sq_dev / max(self._n, 1)
+        """Running (maximum-likelihood) variance of each coordinate, shape (D,), in the state's dtype."""
+        return self._moments.variance(self._n).to(self.loc.dtype)
 
     def _floor(self, psi: Tensor, var: Tensor) -> Tensor:
         return torch.maximum(psi, self._floor_values(var))
@@ -417,7 +420,33 @@ class OnlineFactorAnalysis(nn.Module):
             sd[prefix + "_optimizer_state"] = self._optimizer.state_dict()
         return sd
 
+    def _check_extra_state(self, state) -> None:
+        cls = type(self).__name__
+        if not isinstance(state, dict) or "n_updates" not in state:
+            raise ValueError(f"{cls}: the saved state's extra state must be a dict with 'n_updates', got {state!r}; "
+                             "nothing was loaded.")
+        for key in ("n_updates", "since_m_step", "sga_steps"):
+            check_count(cls, state, key, 0)
+        coef = state.get("A_coef", 0.0)
+        if not (isinstance(coef, (int, float)) and math.isfinite(coef)):
+            raise ValueError(f"{cls}: the saved state's 'A_coef' must be a finite number, got {coef!r}; "
+                             "nothing was loaded.")
+
+    def _check_optimizer_state(self, state) -> None:
+        if self.method == "sga" and getattr(self, "_optimizer", None) is not None:
+            check_optimizer_state(type(self).__name__, self._optimizer, state)
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a state saved by :meth:`state_dict`, checked whole first: on error nothing is loaded.
+
+        Raises
+        ------
+        ValueError, TypeError
+            If an entry is missing or unexpected (``strict``), has another shape
+            (another ``dim`` or ``rank``), holds NaN / inf, or the extra or optimizer
+            state does not fit; the model is then unchanged.
+        """
+        check_state_dict(self, state_dict, strict=strict)
         state_dict = dict(state_dict)
         opt_state = state_dict.pop("_optimizer_state", None)
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
@@ -478,20 +507,55 @@ class OnlineFactorAnalysis(nn.Module):
         B = x.shape[0]
         n_old = self._n
         n = n_old + B
-        # exact running mean and squared deviations (Chan et al. merge)
-        batch_mean = x.mean(0)
-        delta = batch_mean - self.loc
-        self.loc.add_(delta, alpha=B / n)
-        self._sq_dev.add_((x - batch_mean).pow(2).sum(0)).add_(delta.pow(2), alpha=n_old * B / n)
+        # exact running mean and squared deviations (Chan et al. merge), out of place until checked
+        mean, sq_dev, xw = self._moments.propose(x, n_old)
+        # centred with the new mean (Alg. 2, line 6), formed in float64 and rounded once
+        d = (xw - mean).to(self.loc.dtype)
+        self._check_range(d, sq_dev, n)
+        self._moments.commit(mean, sq_dev)
+        self.loc.copy_(mean)
         self._n = n
         self._cache = None
-        d = x - self.loc  # centred with the current mean (Alg. 2, line 6)
         if self.method == "em":
             self._em_step(d, n, B)
         elif n > self.warmup:
             if n_old <= self.warmup:
                 self._rescale_to_data()
             self._sga_step(d)
+
+    def _noise_now(self) -> Tensor:
+        # the noise variances the next step divides by (psi = 1 until the first M-step / warm-up end)
+        if self.method == "em":
+            return self._psi
+        return self._log_psi.detach().exp() * self._scale.pow(2)
+
+    def _check_range(self, d: Tensor, sq_dev: Tensor, n: int) -> None:
+        r"""Refuse a batch whose update would overflow the state's dtype, before anything changes.
+
+        The step's largest products are bounded by the squared deviation in units of the
+        current noise variances, :math:`q = \max_b \sum_d (\theta_{bd} - c_d)^2/\psi_d`: the
+        E-step's latent mean has :math:`\|m\|^2 \le q/4` (the map
+        :math:`(I + W^\top W)^{-1}W^\top`, :math:`W = \Psi^{-1/2}F`, has norm at most 1/2), the
+        statistics' entries are at most :math:`|d|_\infty \sqrt q` and :math:`q`, the variances
+        :math:`M_n/n`; the ascent's squared gradients (Adam's second moment) grow like
+        :math:`q^2/\psi_{\min}`. A margin of 64 is left for sums over the batch.
+        """
+        finfo = torch.finfo(d.dtype)
+        limit = finfo.max / 64
+        q = (d.square() / self._noise_now()).sum(-1).max()
+        dmax = d.abs().max()
+        vmax = sq_dev.max() / n
+        big = torch.stack([q.to(sq_dev.dtype), (dmax * q.sqrt()).to(sq_dev.dtype), vmax])
+        if self.method == "sga":
+            big = torch.cat([big, (q.to(sq_dev.dtype).square() / self.min_variance).unsqueeze(0)])
+        worst = float(big.max())
+        if not math.isfinite(worst) or worst > limit:
+            raise ValueError(
+                f"{type(self).__name__}: x must stay within the range whose update fits {d.dtype}, got a deviation of "
+                f"{float(dmax):.3g} from the running mean ({float(q):.3g} in units of the noise variances, variance up "
+                f"to {float(vmax):.3g}): the statistics would overflow. The update was refused and the model is "
+                "unchanged."
+            )
 
     def _em_step(self, d: Tensor, n: int, B: int) -> None:
         K = self.rank

@@ -17,12 +17,15 @@ import torch
 from torch import Tensor, nn
 from torch.distributions import LowRankMultivariateNormal
 
+from pyro_fa._state import check_count, check_state_dict
+from pyro_fa.fa.moments import RunningMoments
 from pyro_fa.fa.online import OnlineFactorAnalysis
 
 __all__ = ["SWAG", "FactorPosteriorGuide"]
 
 _METHODS = ("em", "sga", "swag")
 _ON_NONFINITE = ("raise", "skip")
+_GUARD_AFTER = 10  # collected vectors before the divergence guard trusts the spread
 
 
 def _positive_int(cls: str, arg: str, value, minimum: int = 1) -> int:
@@ -127,8 +130,18 @@ class SWAG(nn.Module):
         of a 1×50 network on yacht (D = 401, K = 10), relative distance to the
         iterates' covariance 0.017 with 1 and 0.456 with 2 (batch FA: 0.013).
     on_nonfinite : {"raise", "skip"}, default "raise"
-        What a NaN / inf parameter vector does: raise ``ValueError``, or be
-        skipped with a ``RuntimeWarning``; the state is unchanged either way.
+        What a parameter vector that cannot be collected does (NaN / inf, an update
+        that would overflow the dtype, or a diverged run, see ``max_deviation``):
+        raise ``ValueError``, or be skipped with a ``RuntimeWarning``; the posterior
+        is unchanged either way.
+    max_deviation : float or None, default 10.0
+        Divergence guard: once 10 vectors have been collected, a vector further from
+        the running mean than ``max_deviation`` times the root of the summed running
+        variances, :math:`\|\theta - c\| > r\sqrt{\mathrm{tr}\,S}`, is taken for a diverged
+        run and not collected. Iterates of a run that is sampling, drifting or
+        random-walking sit at 1 to 3 such units (a Gaussian's expected value is about
+        1); a run blowing up leaves by orders of magnitude at once, and the posterior
+        collected before it is kept. ``None`` disables the guard.
     seed : int, optional
         Seed of the initial factor of EM / SGA.
     **fa_kwargs
@@ -188,6 +201,7 @@ class SWAG(nn.Module):
         min_variance: float = 1e-4,
         optimizer=None,
         on_nonfinite: str = "raise",
+        max_deviation: Optional[float] = 10.0,
         seed: Optional[int] = None,
         _source: Optional[_ParamSource] = None,
         **fa_kwargs,
@@ -211,6 +225,13 @@ class SWAG(nn.Module):
             )
         self.method = method
         self.on_nonfinite = on_nonfinite
+        if max_deviation is not None and not (
+            isinstance(max_deviation, (int, float)) and not isinstance(max_deviation, bool)
+            and math.isfinite(max_deviation) and max_deviation > 1
+        ):
+            raise ValueError(f"{cls}: max_deviation must be a finite number > 1 or None, got {max_deviation!r}.")
+        self.max_deviation = None if max_deviation is None else float(max_deviation)
+        self._n_refused = 0
         self._fa_kwargs = dict(lr=lr, step_scale=step_scale, init_scale=init_scale, min_variance=min_variance,
                                optimizer=optimizer, seed=seed, **fa_kwargs)
         self.min_variance = float(min_variance)
@@ -304,8 +325,9 @@ class SWAG(nn.Module):
         self._shapes = [p.shape for p in tensors]
         self._names = [n for n, _ in named]
         if self.method == "swag":
+            # exact moments in float64 (see pyro_fa.fa.moments); _mean is the mean rounded to the state's dtype
+            self._moments = RunningMoments(D, device)
             self.register_buffer("_mean", torch.zeros(D, dtype=dtype, device=device))
-            self.register_buffer("_sq_dev", torch.zeros(D, dtype=dtype, device=device))
             self.register_buffer("_dev", torch.zeros(self.rank, D, dtype=dtype, device=device))
         else:
             self.fa = OnlineFactorAnalysis(D, self.rank, self.method, self.warmup, dtype=dtype, device=device,
@@ -369,37 +391,63 @@ class SWAG(nn.Module):
             ``on_nonfinite="raise"``); the state is unchanged.
         """
         theta = self._vector()
-        if not bool(torch.isfinite(theta).all()):
-            bad = int((~torch.isfinite(theta)).sum())
-            msg = (f"{type(self).__name__}: the parameter vector must be finite, got NaN or inf in {bad} entries; "
-                   "it was not collected and the posterior is unchanged.")
+        reason = self._refusal(theta)
+        if reason is None and self.window > 1:
+            if self._n_window + 1 < self.window:
+                self._window_sum.add_(theta)
+                self._n_window += 1
+                return False
+            theta = (self._window_sum + theta) / self.window
+        if reason is None:
+            try:
+                self._update(theta)
+            except ValueError as err:  # the online fit refused an update that would overflow its dtype
+                reason = str(err).split(": ", 1)[-1]
+        if reason is not None:
+            self._n_refused += 1
+            msg = (f"{type(self).__name__}: {reason} It was not collected and the posterior is unchanged "
+                   f"({self._n} vectors collected).")
             if self.on_nonfinite == "skip":
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
                 return False
             raise ValueError(msg + " Pass on_nonfinite='skip' to skip such vectors with a warning.")
         if self.window > 1:
-            self._window_sum.add_(theta)
-            self._n_window += 1
-            if self._n_window < self.window:
-                return False
-            theta = self._window_sum / self.window
             self._window_sum.zero_()
             self._n_window = 0
-        self._update(theta)
         return True
+
+    def _refusal(self, theta: Tensor) -> Optional[str]:
+        """Why ``theta`` must not be collected (non-finite, or a diverged run), or None."""
+        if not bool(torch.isfinite(theta).all()):
+            bad = int((~torch.isfinite(theta)).sum())
+            return f"the parameter vector must be finite, got NaN or inf in {bad} entries."
+        if self.max_deviation is None or self._n < _GUARD_AFTER:
+            return None
+        moments = self._moments if self.method == "swag" else self.fa._moments
+        dist2 = float((theta.to(moments.mean.dtype) - moments.mean).square_().sum())
+        spread2 = float(moments.sq_dev.sum()) / self._n
+        if math.isfinite(dist2) and dist2 <= self.max_deviation ** 2 * spread2:
+            return None
+        return (f"the parameter vector must lie within max_deviation={self.max_deviation:g} times the collected "
+                f"spread of the running mean, got a distance of {math.sqrt(dist2):.3g} against a spread of "
+                f"{math.sqrt(spread2):.3g} (the run looks diverged).")
 
     def _update(self, theta: Tensor) -> None:
         if self.method != "swag":
             self.fa.update(theta)
             self._n = self.fa.n_updates
             return
-        # Welford running mean / squared deviations, then the deviation from the new mean (Maddox et al. Alg. 1)
-        n = self._n + 1
-        delta = theta - self._mean
-        self._mean.add_(delta, alpha=1.0 / n)
-        self._sq_dev.addcmul_(delta, theta - self._mean)
-        torch.sub(theta, self._mean, out=self._dev[self._n % self.rank])
-        self._n = n
+        # running mean / squared deviations, then the deviation from the new mean (Maddox et al. Alg. 1),
+        # formed in float64 and rounded once
+        mean, sq_dev, xw = self._moments.propose(theta.unsqueeze(0), self._n)
+        dev = (xw[0] - mean).to(self._dev.dtype)
+        if not bool(torch.isfinite(sq_dev).all()) or float(sq_dev.max()) / (self._n + 1) > torch.finfo(dev.dtype).max:
+            raise ValueError(f"{type(self).__name__}: the parameter vector must keep the running variances within "
+                             f"{dev.dtype}, got one whose update would overflow them.")
+        self._moments.commit(mean, sq_dev)
+        self._mean.copy_(mean)
+        self._dev[self._n % self.rank].copy_(dev)
+        self._n += 1
 
     def step(self) -> bool:
         """Count one optimizer step and collect if the schedule says so.
@@ -447,6 +495,11 @@ class SWAG(nn.Module):
     def n_steps(self) -> int:
         return self._n_steps
 
+    @property
+    def n_refused(self) -> int:
+        """Vectors not collected: non-finite, overflowing, or from a diverged run (see ``max_deviation``)."""
+        return self._n_refused
+
     def _check_ready(self, what: str) -> None:
         cls = type(self).__name__
         if self._n == 0:
@@ -478,7 +531,7 @@ class SWAG(nn.Module):
         r""":math:`\psi`, shape (D,) (for ``"swag"``: half the running variances, floored)."""
         if self.method != "swag":
             return self.fa.cov_diag
-        var = self._sq_dev / max(self._n, 1)
+        var = self._moments.variance(self._n).to(self._mean.dtype)
         floor = self.min_variance * var.mean().clamp_min(torch.finfo(var.dtype).tiny)
         return 0.5 * var.clamp_min(floor)
 
@@ -620,21 +673,44 @@ class SWAG(nn.Module):
 
     # ------------------------------------------------------------------ state
     def get_extra_state(self):
-        return {"n_steps": self._n_steps, "n": self._n, "n_window": self._n_window,
+        return {"n_steps": self._n_steps, "n": self._n, "n_window": self._n_window, "n_refused": self._n_refused,
                 "shapes": [tuple(s) for s in self._shapes] if self._shapes is not None else None}
 
-    def set_extra_state(self, state):
+    def _check_extra_state(self, state) -> None:
+        cls = type(self).__name__
+        if not isinstance(state, dict) or not {"n_steps", "n", "n_window", "shapes"} <= set(state):
+            raise ValueError(f"{cls}: the saved state's extra state must be a dict with 'n_steps', 'n', 'n_window' "
+                             f"and 'shapes', got {state!r:.200}; nothing was loaded.")
+        for key in ("n_steps", "n", "n_window", "n_refused"):
+            check_count(cls, state, key, 0)
         shapes = [torch.Size(s) for s in state["shapes"]] if state["shapes"] is not None else None
         if self._shapes is not None and shapes != self._shapes:
             raise ValueError(
-                f"{type(self).__name__}: state_dict must come from parameters of shapes "
-                f"{[tuple(s) for s in self._shapes]!r}, got {state['shapes']!r}."
+                f"{cls}: state_dict must come from parameters of shapes "
+                f"{[tuple(s) for s in self._shapes]!r}, got {state['shapes']!r}; nothing was loaded."
             )
+        if state["n_window"] >= self.window:
+            raise ValueError(f"{cls}: the saved state's 'n_window' must be < window={self.window}, got "
+                             f"{state['n_window']!r}; nothing was loaded.")
+
+    def set_extra_state(self, state):
+        self._check_extra_state(state)
         self._n_steps, self._n, self._n_window = int(state["n_steps"]), int(state["n"]), int(state["n_window"])
+        self._n_refused = int(state.get("n_refused", 0))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a state saved by :meth:`state_dict`, checked whole first: on error nothing is loaded.
+
+        Raises
+        ------
+        ValueError, TypeError
+            If an entry is missing or unexpected (``strict``), has another shape
+            (other parameters, ``rank`` or ``window``), holds NaN / inf, or the
+            extra or optimizer state does not fit; the posterior is then unchanged.
+        """
         if self.dim is None:  # param-store source not yet resolved: resolve now to build the buffers
             self._named()
+        check_state_dict(self, state_dict, strict=strict)
         state_dict = dict(state_dict)
         opt_state = state_dict.pop("fa._optimizer_state", None)  # SGA's Adam moments (OnlineFactorAnalysis)
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)

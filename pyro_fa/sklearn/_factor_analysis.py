@@ -1,6 +1,7 @@
 """A drop-in replacement for :class:`sklearn.decomposition.FactorAnalysis`."""
 from __future__ import annotations
 
+import copy
 import warnings
 from numbers import Integral, Real
 
@@ -353,10 +354,21 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
                     ConvergenceWarning,
                 )
         else:
+            # the batch is one transaction: an update refused part-way (one that would overflow the
+            # state's dtype) restores the state from before the batch
+            saved = None if fresh else copy.deepcopy(model.state_dict())
             n_steps = 0
-            for chunk in torch.split(x, self.batch_size):
-                model.update(chunk)
-                n_steps += 1
+            try:
+                for chunk in torch.split(x, self.batch_size):
+                    model.update(chunk)
+                    n_steps += 1
+            except ValueError as err:
+                if saved is not None:
+                    model.load_state_dict(saved)
+                raise ValueError(
+                    f"{type(self).__name__}: X must fit the model's dtype, got row {n_steps * self.batch_size} or "
+                    f"after refused ({str(err).split(': ', 1)[-1]}) The model is left as it was before this call."
+                ) from None
             ll = float(model.log_prob(x).sum())
             self.n_iter_ = n_steps if fresh else self.n_iter_ + n_steps
             self.loglike_ = [ll] if fresh else self.loglike_ + [ll]

@@ -1,0 +1,93 @@
+r"""Exact running means and variances of a stream of vectors, in any dtype.
+
+The streams this library follows are parameter vectors of a network late in
+training: their spread is tiny against their size (a weight of 1 that moves by
+1e-4). Accumulated in float32 the mean stops moving one ulp away from the truth,
+the deviations inherit that constant error and the variance a bias that does
+not shrink. The moments are therefore accumulated in float64 whatever the dtype
+of the vectors (two length-D vectors; a float32 state of D x K tensors stays
+float32), and the deviations are formed there before being rounded once.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["RunningMoments", "wide_dtype"]
+
+
+def wide_dtype(device: torch.device) -> torch.dtype:
+    """The accumulation dtype: float64, except where the device has none (Apple's MPS)."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
+class RunningMoments(nn.Module):
+    r"""Running mean and sum of squared deviations of vectors, merged exactly (Chan, Golub & LeVeque 1983).
+
+    .. math::
+
+        \bar x_n = \bar x_{n_0} + \tfrac{B}{n}(\bar x_B - \bar x_{n_0}), \qquad
+        M_n = M_{n_0} + \textstyle\sum_{b}(x_b - \bar x_B)^2 + \tfrac{n_0 B}{n}(\bar x_B - \bar x_{n_0})^2,
+
+    for a batch of :math:`B` vectors with mean :math:`\bar x_B` after :math:`n_0` earlier ones,
+    :math:`n = n_0 + B`. The buffers ``mean`` and ``sq_dev`` (shape (D,)) stay in
+    :func:`wide_dtype` through ``.to(dtype)``; only their device follows the owner.
+
+    The update is split in two so that an owner can refuse a batch before anything
+    changes: :meth:`propose` computes the merged moments out of place, :meth:`commit`
+    writes them. The count :math:`n_0` is the owner's (it has one already).
+
+    Parameters
+    ----------
+    dim : int
+        :math:`D`.
+    device : torch.device or str, optional
+    """
+
+    def __init__(self, dim: int, device=None):
+        super().__init__()
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        wide = wide_dtype(device)
+        self.register_buffer("mean", torch.zeros(dim, dtype=wide, device=device))
+        self.register_buffer("sq_dev", torch.zeros(dim, dtype=wide, device=device))
+
+    def propose(self, x: Tensor, n_old: int) -> Tuple[Tensor, Tensor, Tensor]:
+        """The moments after ``x`` (shape (B, D)) and ``x`` in the wide dtype, out of place.
+
+        Returns
+        -------
+        mean, sq_dev : Tensors of shape (D,)
+        x_wide : Tensor of shape (B, D)
+        """
+        xw = x.to(self.mean.dtype)
+        B = xw.shape[0]
+        n = n_old + B
+        batch_mean = xw.mean(0)
+        delta = batch_mean - self.mean
+        mean = torch.add(self.mean, delta, alpha=B / n)
+        if B == 1:
+            sq_dev = torch.addcmul(self.sq_dev, delta, delta, value=n_old / n)
+        else:
+            sq_dev = (xw - batch_mean).pow_(2).sum(0).add_(self.sq_dev).addcmul_(delta, delta, value=n_old * B / n)
+        return mean, sq_dev, xw
+
+    def commit(self, mean: Tensor, sq_dev: Tensor) -> None:
+        """Write moments returned by :meth:`propose`."""
+        self.mean.copy_(mean)
+        self.sq_dev.copy_(sq_dev)
+
+    def variance(self, n: int) -> Tensor:
+        """The maximum-likelihood variances after ``n`` vectors, in the wide dtype."""
+        return self.sq_dev / max(n, 1)
+
+    def _apply(self, fn, recurse=True):
+        keep = (self.mean, self.sq_dev)
+        out = super()._apply(fn, recurse)
+        device = self.mean.device
+        wide = wide_dtype(device)
+        # the owner's dtype may change; the accumulators keep their width (and their bits)
+        self.mean = keep[0].to(device=device, dtype=wide)
+        self.sq_dev = keep[1].to(device=device, dtype=wide)
+        return out

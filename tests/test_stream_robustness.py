@@ -1,0 +1,275 @@
+"""The online fits on the streams users give them: float32 iterates with a tiny spread,
+vectors whose update would overflow, diverging training runs, and states that do not fit."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from pyro_fa import SWAG, OnlineFactorAnalysis
+from pyro_fa.fa.batch import ScatterStatistics
+from pyro_fa.fa.moments import RunningMoments
+from pyro_fa.sklearn import FactorAnalysis
+
+
+def _late_sgd_like(T, D=20, K=2, offset=1e3, seed=0):
+    """Vectors with variance ~1e-8 around entries of ~1e3 (late SGD iterates), rounded to float32."""
+    g = torch.Generator().manual_seed(seed)
+    F = torch.randn(D, K, generator=g, dtype=torch.float64) * 1e-4
+    psi = torch.rand(D, generator=g, dtype=torch.float64) * 1e-8 + 1e-9
+    mu = offset + torch.randn(D, generator=g, dtype=torch.float64)
+    X = mu + torch.randn(T, K, generator=g, dtype=torch.float64) @ F.T
+    X = X + torch.randn(T, D, generator=g, dtype=torch.float64) * psi.sqrt()
+    return X.float()  # the data as a float32 user has it
+
+
+def _state(module):
+    return {k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v)) for k, v in module.state_dict().items()}
+
+
+def _same_state(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if torch.is_tensor(a[k]):
+            assert torch.equal(a[k], b[k]), k
+        elif k.endswith("_optimizer_state"):
+            for pid, st in a[k]["state"].items():
+                for name, v in st.items():
+                    assert torch.equal(torch.as_tensor(v), torch.as_tensor(b[k]["state"][pid][name])), (k, name)
+        else:
+            assert a[k] == b[k], k
+
+
+def test_running_moments_float32_stream_exact_at_any_offset():
+    X = _late_sgd_like(3000)
+    m = RunningMoments(X.shape[1])
+    n = 0
+    for i in range(0, 3000, 7):  # uneven batches, merged exactly
+        mean, sq_dev, _ = m.propose(X[i:i + 7], n)
+        m.commit(mean, sq_dev)
+        n += X[i:i + 7].shape[0]
+    ref = X.double()
+    torch.testing.assert_close(m.mean, ref.mean(0), rtol=1e-15, atol=0)
+    torch.testing.assert_close(m.variance(n), ref.var(0, correction=0), rtol=1e-9, atol=0)
+    assert m.mean.dtype == torch.float64
+    m.float()  # the owner's dtype changes; the accumulators keep their width and bits
+    assert m.mean.dtype == torch.float64
+    torch.testing.assert_close(m.mean, ref.mean(0), rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("method", ["em", "sga"])
+def test_float32_fit_matches_float64_on_late_iterates(method):
+    # 3000 single updates: float32 state used to freeze its mean 1 ulp from the truth and
+    # to bias every variance by the stale mean's squared error
+    X = _late_sgd_like(3000)
+    fits = {}
+    for dtype in (torch.float32, torch.float64):
+        fa = OnlineFactorAnalysis(20, 2, method=method, warmup=100, seed=0, dtype=dtype)
+        for x in X.to(dtype):
+            fa.update(x)
+        fits[dtype] = fa
+    f32, f64 = fits[torch.float32], fits[torch.float64]
+    mean = X.double().mean(0)
+    assert torch.equal(f32.loc, mean.float())  # the exact mean, rounded once
+    torch.testing.assert_close(f32.variance.double(), X.double().var(0, correction=0), rtol=1e-5, atol=0)
+    S = torch.cov(X.double().T, correction=0)
+    err = {dt: float((fa.covariance().double() - S).norm() / S.norm()) for dt, fa in fits.items()}
+    assert err[torch.float32] <= 1.05 * err[torch.float64] + 1e-3, err
+    if method == "em":
+        assert err[torch.float64] < 0.1
+
+
+def test_classic_swag_float32_moments_exact():
+    X = _late_sgd_like(500)
+    p = torch.zeros(20, dtype=torch.float32)
+    swag = SWAG([p], rank=3, method="swag")
+    for x in X:
+        p.data.copy_(x)
+        swag.collect()
+    ref = X.double()
+    assert torch.equal(swag.loc, ref.mean(0).float())
+    torch.testing.assert_close(swag.cov_diag.double(), 0.5 * ref.var(0, correction=0), rtol=1e-5, atol=0)
+    # the last deviations, from the running mean after each vector, rounded once
+    devs = torch.stack([X[i].double() - ref[: i + 1].mean(0) for i in range(497, 500)]).float()
+    kept = swag._dev[torch.tensor([497 % 3, 498 % 3, 499 % 3])]
+    torch.testing.assert_close(kept, devs, rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["em", "sga"])
+@pytest.mark.parametrize("dtype, big", [(torch.float32, 1e20), (torch.float64, 1e200)])
+def test_vector_whose_update_would_overflow_is_refused(method, dtype, big):
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(300, 8, generator=g, dtype=dtype)
+    fa = OnlineFactorAnalysis(8, 2, method=method, warmup=50, seed=0, dtype=dtype)
+    fa.update(X[:200])
+    before = _state(fa)
+    bad = X[200:203].clone()
+    bad[1] = big  # finite, but its square overflows the dtype
+    with pytest.raises(ValueError, match=r"OnlineFactorAnalysis: x must stay within the range whose update fits"):
+        fa.update(bad)
+    with pytest.raises(ValueError, match="The update was refused and the model is unchanged"):
+        fa.update(bad[1])
+    _same_state(before, _state(fa))
+    for x in X[200:]:  # the model goes on as if the bad vectors had never come
+        fa.update(x)
+    assert fa.n_updates == 300
+    assert torch.isfinite(fa.cov_factor).all() and torch.isfinite(fa.cov_diag).all()
+    assert torch.isfinite(fa.sample(4)).all()
+
+
+def test_first_vector_huge_then_normal_refused():
+    fa = OnlineFactorAnalysis(4, 1, warmup=5, seed=0, dtype=torch.float32)
+    fa.update(torch.full((4,), 1e20, dtype=torch.float32))  # alone it is a mean, nothing overflows
+    with pytest.raises(ValueError, match="would overflow"):
+        fa.update(torch.zeros(4, dtype=torch.float32))  # its variance with the first would be 2.5e39
+    assert fa.n_updates == 1
+
+
+def _diverging_run(method, on_nonfinite, dtype=torch.float32):
+    torch.manual_seed(0)
+    X = torch.randn(256, 5, dtype=dtype)
+    y = X @ torch.randn(5, 1, dtype=dtype) + 0.1 * torch.randn(256, 1, dtype=dtype)
+    net = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 1)).to(dtype)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    swag = SWAG(net, rank=4, method=method, warmup=50, seed=0, on_nonfinite=on_nonfinite)
+    swag.attach(opt)
+
+    def steps(n):
+        for _ in range(n):
+            idx = torch.randint(0, 256, (32,))
+            opt.zero_grad()
+            nn.functional.mse_loss(net(X[idx]), y[idx]).backward()
+            opt.step()
+
+    return net, opt, swag, steps
+
+
+@pytest.mark.parametrize("method", ["em", "sga", "swag"])
+def test_diverging_run_keeps_the_posterior_collected_before(method):
+    net, opt, swag, steps = _diverging_run(method, "skip")
+    steps(200)
+    before = _state(swag)
+    cov_diag = swag.cov_diag.clone()
+    assert float(cov_diag.max()) < 1.0
+    for group in opt.param_groups:
+        group["lr"] = 50.0
+    with pytest.warns(RuntimeWarning, match=r"SWAG: the parameter vector must (lie within max_deviation|be finite)"):
+        steps(40)
+    params = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    assert not torch.isfinite(params).all() or float(params.abs().max()) > 1e3  # the run did diverge
+    assert swag.n_collected == 200 and swag.n_refused == 40
+    after = _state(swag)
+    for k in before:
+        if torch.is_tensor(before[k]):
+            assert torch.equal(before[k], after[k]), k
+    torch.testing.assert_close(swag.cov_diag, cov_diag, rtol=0, atol=0)
+    assert torch.isfinite(swag.sample_parameters(8)).all()
+
+
+def test_diverging_run_raise_mode_message_is_true():
+    net, opt, swag, steps = _diverging_run("em", "raise")
+    steps(100)
+    before = _state(swag)
+    for group in opt.param_groups:
+        group["lr"] = 50.0
+    with pytest.raises(ValueError, match=r"the run looks diverged\). It was not collected and the posterior is "
+                                         r"unchanged \(100 vectors collected\)"):
+        steps(20)
+    after = _state(swag)
+    for k in before:
+        if torch.is_tensor(before[k]):
+            assert torch.equal(before[k], after[k]), k
+    assert torch.isfinite(swag.cov_diag).all()
+
+
+def test_divergence_guard_leaves_ordinary_runs_alone():
+    # a random walk and a Gaussian stream: every vector is collected
+    g = torch.Generator().manual_seed(0)
+    p = torch.zeros(30)
+    swag = SWAG([p], rank=3, method="swag")
+    walk = torch.randn(2000, 30, generator=g).cumsum(0)
+    for x in walk:
+        p.data.copy_(x)
+        swag.collect()
+    assert swag.n_refused == 0 and swag.n_collected == 2000
+    with pytest.raises(ValueError, match=r"SWAG: max_deviation must be a finite number > 1 or None, got 0.5"):
+        SWAG([p], rank=3, max_deviation=0.5)
+
+
+@pytest.mark.parametrize("method", ["em", "sga"])
+def test_failed_load_state_dict_changes_nothing(method):
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(300, 10, generator=g)
+    fa = OnlineFactorAnalysis(10, 3, method=method, warmup=50, seed=0)
+    fa.update(X)
+    other = OnlineFactorAnalysis(10, 2, method=method, warmup=50, seed=1)
+    other.update(X[:100] * 5)
+    before = _state(fa)
+    with pytest.raises(ValueError, match=r"OnlineFactorAnalysis: state_dict\['_F'\] must have shape \(10, 3\)"):
+        fa.load_state_dict(other.state_dict())
+    _same_state(before, _state(fa))
+    bad = _state(fa)
+    bad["loc"][0] = float("nan")
+    with pytest.raises(ValueError, match=r"state_dict\['loc'\] must be finite"):
+        fa.load_state_dict(bad)
+    bad = _state(fa)
+    bad["_extra_state"]["n_updates"] = -3
+    with pytest.raises(ValueError, match=r"'n_updates' must be a non-negative integer, got -3"):
+        fa.load_state_dict(bad)
+    bad = _state(fa)
+    del bad["_moments.mean"]
+    with pytest.raises(ValueError, match=r"missing keys \['_moments.mean'\]"):
+        fa.load_state_dict(bad)
+    _same_state(before, _state(fa))
+    fa.update(X[:5])  # and it goes on
+    assert fa.n_updates == 305
+
+
+def test_failed_swag_load_changes_nothing():
+    net = nn.Linear(4, 2)
+    swag = SWAG(net, rank=3, method="em", warmup=10)
+    for _ in range(30):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        swag.collect()
+    before = _state(swag)
+    other = SWAG(net, rank=2, method="em", warmup=10)
+    other.collect()
+    with pytest.raises(ValueError, match=r"SWAG: state_dict\['fa._F'\] must have shape \(10, 3\)"):
+        swag.load_state_dict(other.state_dict())
+    after = _state(swag)
+    for k in before:
+        if torch.is_tensor(before[k]):
+            assert torch.equal(before[k], after[k]), k
+    assert swag.n_collected == 30
+
+
+@pytest.mark.parametrize("algorithm", ["online_em", "sga", "em", "svd"])
+def test_sklearn_partial_fit_refuses_overflowing_rows(algorithm):
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(400, 6))
+    fa = FactorAnalysis(n_components=2, algorithm=algorithm, warmup=50, random_state=0)
+    fa.partial_fit(X[:200])
+    attrs = {k: copy.deepcopy(v) for k, v in vars(fa).items() if k != "_model"}
+    model_state = _state(fa._model)
+    bad = X[200:300].copy()
+    bad[40] = 1e200
+    with pytest.raises(ValueError, match=r"(overflow|fit the model's dtype)"):
+        fa.partial_fit(bad)
+    _same_state(model_state, _state(fa._model))
+    for k, v in attrs.items():
+        if isinstance(v, np.ndarray):
+            np.testing.assert_array_equal(v, getattr(fa, k))
+    fa.partial_fit(X[200:])
+    assert np.isfinite(fa.components_).all() and np.isfinite(fa.score(X))
+
+
+def test_scatter_statistics_refuse_overflow():
+    stats = ScatterStatistics(3)
+    stats.update(torch.randn(10, 3))
+    before = _state(stats)
+    with pytest.raises(ValueError, match=r"ScatterStatistics: x must have squared deviations that fit"):
+        stats.update(torch.tensor([[1e200, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+    _same_state(before, _state(stats))
