@@ -418,15 +418,19 @@ class SWAG(nn.Module):
 
     def _refusal(self, theta: Tensor) -> Optional[str]:
         """Why ``theta`` must not be collected (non-finite, or a diverged run), or None."""
+        guard = self.max_deviation is not None and self._n >= _GUARD_AFTER
+        if guard:
+            # the distance in the state's dtype (the mean rounded once is close enough for a guard);
+            # a non-finite distance sends us to the finiteness check below
+            dist2 = float(torch.linalg.vector_norm(theta - self.loc)) ** 2
+            moments = self._moments if self.method == "swag" else self.fa._moments
+            spread2 = float(moments.sq_dev.sum()) / self._n
+            if math.isfinite(dist2) and dist2 <= self.max_deviation ** 2 * spread2:
+                return None
         if not bool(torch.isfinite(theta).all()):
             bad = int((~torch.isfinite(theta)).sum())
             return f"the parameter vector must be finite, got NaN or inf in {bad} entries."
-        if self.max_deviation is None or self._n < _GUARD_AFTER:
-            return None
-        moments = self._moments if self.method == "swag" else self.fa._moments
-        dist2 = float((theta.to(moments.mean.dtype) - moments.mean).square_().sum())
-        spread2 = float(moments.sq_dev.sum()) / self._n
-        if math.isfinite(dist2) and dist2 <= self.max_deviation ** 2 * spread2:
+        if not guard:
             return None
         return (f"the parameter vector must lie within max_deviation={self.max_deviation:g} times the collected "
                 f"spread of the running mean, got a distance of {math.sqrt(dist2):.3g} against a spread of "
