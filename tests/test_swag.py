@@ -233,7 +233,7 @@ def test_multiswag_mixture_predict_and_predictive():
             (net(X[idx]).squeeze(-1) - y[idx]).pow(2).mean().backward()
             opt.step()
 
-    ms = MultiSWAG.train(lambda: nn.Linear(2, 1), train, num_models=3, rank=2, method="swag", start_after=20)
+    ms = MultiSWAG.from_training(lambda: nn.Linear(2, 1), train, num_models=3, rank=2, method="swag", start_after=20)
     assert len(ms) == 3
     locs = torch.stack([m.loc for m in ms.members])
     assert not torch.allclose(locs[0], locs[1])
@@ -333,7 +333,7 @@ def test_multiswag_errors():
     with pytest.raises(ValueError, match=r"MultiSWAG: members must share \(dim, rank\)"):
         MultiSWAG([SWAG(nn.Linear(2, 1), rank=1), SWAG(nn.Linear(3, 1), rank=1)])
     with pytest.raises(ValueError, match=r"MultiSWAG: num_models must be an integer >= 1"):
-        MultiSWAG.train(lambda: nn.Linear(2, 1), lambda n, s: None, num_models=0)
+        MultiSWAG.from_training(lambda: nn.Linear(2, 1), lambda n, s: None, num_models=0)
 
 
 def test_to_guide_site_mismatch():

@@ -37,7 +37,7 @@ class MultiSWAG(nn.Module):
     ...     opt = torch.optim.SGD(net.parameters(), lr=0.1); swag.attach(opt)
     ...     for _ in range(4):
     ...         opt.zero_grad(); net(torch.randn(8, 3)).pow(2).mean().backward(); opt.step()
-    >>> ms = MultiSWAG.train(lambda: torch.nn.Linear(3, 1), train, num_models=3, rank=2, method="swag")
+    >>> ms = MultiSWAG.from_training(lambda: torch.nn.Linear(3, 1), train, num_models=3, rank=2, method="swag")
     >>> ms.predict(torch.randn(5, 3), num_samples=6).shape
     torch.Size([5, 1])
 
@@ -59,10 +59,14 @@ class MultiSWAG(nn.Module):
         dims = {(m.dim, m.rank) for m in members}
         if len(dims) > 1:
             raise ValueError(f"{cls}: members must share (dim, rank), got {sorted(dims, key=str)!r}.")
+        kinds = {(m.loc.dtype, m.loc.device) for m in members if m.dim is not None}
+        if len(kinds) > 1:
+            raise ValueError(f"{cls}: members must share one dtype and device, got "
+                             f"{sorted(map(str, kinds))!r}. Move them with member.to(...) first.")
         self.members = nn.ModuleList(members)
 
     @classmethod
-    def train(cls, make_module: Callable[[], nn.Module], train_fn: Callable[[nn.Module, SWAG], None],
+    def from_training(cls, make_module: Callable[[], nn.Module], train_fn: Callable[[nn.Module, SWAG], None],
               num_models: int = 5, seed: int = 0, **swag_kwargs) -> "MultiSWAG":
         """Train ``num_models`` runs and collect a SWAG posterior from each.
 
@@ -92,6 +96,31 @@ class MultiSWAG(nn.Module):
 
     def __len__(self) -> int:
         return len(self.members)
+
+    @property
+    def scale(self) -> float:
+        """The members' common posterior scale (see :attr:`SWAG.scale`); setting it sets every member's."""
+        scales = {m.scale for m in self.members}
+        if len(scales) > 1:
+            raise RuntimeError(f"{type(self).__name__}: scale is per member here, got {sorted(scales)!r}; set "
+                               "ms.scale = value to share one.")
+        return scales.pop()
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        for m in self.members:
+            m.scale = value
+
+    def tune_scale(self, inputs, targets, likelihood="categorical", *, scales=None, num_samples: int = 30,
+                   noise_std=None, seed: int = 0):
+        """Choose one scale for all members by the validation log-likelihood of the mixture's model average.
+
+        See :func:`pyro_fa.infer.scale.tune_scale`; the draws are split evenly over the members.
+        """
+        from pyro_fa.infer.scale import tune_scale
+
+        return tune_scale(self, inputs, targets, likelihood, scales=scales, num_samples=num_samples,
+                          noise_std=noise_std, seed=seed)
 
     def distribution(self) -> MixtureSameFamily:
         """The mixture over the flattened parameters, a ``MixtureSameFamily`` of LowRankMultivariateNormals."""
@@ -123,6 +152,24 @@ class MultiSWAG(nn.Module):
         """Average of the members' :meth:`SWAG.predict`, ``num_samples`` draws from each member."""
         outs = [m.predict(*args, num_samples=num_samples, fn=fn, loader=loader, **kwargs) for m in self.members]
         return torch.stack(outs).mean(0)
+
+    @torch.no_grad()
+    def predictive_samples(self, *args, num_samples: int = 30, fn=None, **kwargs) -> Tensor:
+        """Outputs under ``num_samples`` draws from each member, stacked: shape (M * S, ...)."""
+        return torch.cat([m.predictive_samples(*args, num_samples=num_samples, fn=fn, **kwargs)
+                          for m in self.members])
+
+    def predict_proba(self, *args, num_samples: int = 30, **kwargs) -> Tensor:
+        """Class probabilities of the mixture's model average for modules that return logits (..., C)."""
+        return self.predict(*args, num_samples=num_samples, fn=lambda z: z.softmax(-1), **kwargs)
+
+    def log_likelihood(self, inputs, targets, likelihood="categorical", *, num_samples: int = 30,
+                       noise_std=None, seed: int = 0) -> float:
+        """Test log-likelihood per point of the mixture's model average (draws split evenly over the members)."""
+        from pyro_fa.infer.scale import bma_log_likelihood
+
+        return bma_log_likelihood(self, inputs, targets, likelihood, num_samples=num_samples,
+                                  noise_std=noise_std, seed=seed)
 
     def to_guide(self, model: Callable) -> FactorPosteriorGuide:
         """A Pyro guide drawing the model's latent sites from the mixture (a member per call)."""
