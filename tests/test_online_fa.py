@@ -26,6 +26,8 @@ def _reference_online_em(X, K, warmup, F0, a, m_step_every=1, ramp=24, expand=Tr
     current mean instead of an average of squared deviations from stale means.
     With ``expand`` the M-step is PX-EM's: with H = L L^T (Cholesky), F = A H^-1 L,
     and the statistics are rewritten in the latent coordinates h' = L^-1 h.
+    During the warm-up, at t = 2, 4, 8, ..., the rows of F are rescaled to squared norm
+    var_d / 2 and psi = var / 2 (the initial model in the units of the data).
     """
     T, D = X.shape
     F, psi = F0.clone(), torch.ones(D)
@@ -33,6 +35,10 @@ def _reference_online_em(X, K, warmup, F0, a, m_step_every=1, ramp=24, expand=Tr
     for t in range(1, T + 1):
         mean = X[:t].mean(0)
         d = X[t - 1] - mean
+        if 2 <= t <= warmup and t & (t - 1) == 0:
+            var = X[:t].var(0, unbiased=False)
+            F = F * (0.5 * var / F.pow(2).sum(1)).sqrt()[:, None]
+            psi = 0.5 * var
         C = (F / psi[:, None]).T
         Sigma = torch.linalg.inv(torch.eye(K) + C @ F)
         m = Sigma @ C @ d

@@ -1,0 +1,67 @@
+"""Online SGA (method="sga") of OnlineFactorAnalysis: the fused Adam pass and the running scale."""
+import pytest
+import torch
+
+from pyro_fa import OnlineFactorAnalysis
+
+
+def _stream(D=40, K=3, T=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    F = torch.randn(D, K, generator=g, dtype=torch.float64)
+    return 5.0 + torch.randn(T, K, generator=g, dtype=torch.float64) @ F.T + torch.randn(T, D, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_adam_matches_torch_adam(batch):
+    # the default (fused, row-blocked) path against torch.optim.Adam on the same gradients
+    X = _stream()
+    kw = dict(method="sga", warmup=20, seed=0, dtype=torch.float64, lr=1e-2, lr_decay_after=30)
+    fused = OnlineFactorAnalysis(40, 3, **kw)
+    fused._sga_rows = lambda: 7  # several blocks, the last one partial
+    ref = OnlineFactorAnalysis(40, 3, optimizer=torch.optim.Adam, **kw)
+    assert fused._sga_fused and not ref._sga_fused
+    for chunk in X.split(batch):
+        fused.update(chunk)
+        ref.update(chunk)
+    assert torch.allclose(fused.cov_factor, ref.cov_factor, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(fused.cov_diag, ref.cov_diag, rtol=1e-10, atol=1e-12)
+    sf, sr = fused._optimizer.state[fused._F], ref._optimizer.state[ref._F]
+    assert float(sf["step"]) == float(sr["step"]) == len(X.split(batch)) - 20 // batch
+    assert torch.allclose(sf["exp_avg_sq"], sr["exp_avg_sq"], rtol=1e-10, atol=1e-14)
+
+
+def test_cached_capacitance_is_that_of_the_current_iterate():
+    X = _stream()
+    fa = OnlineFactorAnalysis(40, 3, method="sga", warmup=20, seed=0, dtype=torch.float64, lr=1e-2)
+    fa._sga_rows = lambda: 9
+    fa.update(X)
+    for x in X[:30]:
+        fa.update(x)
+    F, psi = fa._F.detach(), fa._log_psi.detach().exp()
+    dense = torch.eye(3, dtype=torch.float64) + F.T @ torch.diag(1 / psi) @ F
+    assert torch.allclose(fa._sga_capacitance(), dense)
+    # a change from outside (here load_state_dict) is noticed, not served from the cache
+    other = OnlineFactorAnalysis(40, 3, method="sga", warmup=20, seed=5, dtype=torch.float64, lr=1e-2)
+    other.update(X[:60])
+    other.load_state_dict(fa.state_dict())
+    assert torch.allclose(other._sga_capacitance(), dense)
+
+
+def test_standardising_scale_follows_running_variance():
+    # a stream whose spread grows (like drifting SGD iterates): the scale is that of all data seen
+    X = _stream(T=400) * torch.linspace(1, 5, 400, dtype=torch.float64).unsqueeze(-1)
+    fa = OnlineFactorAnalysis(40, 3, method="sga", warmup=50, seed=0, dtype=torch.float64)
+    for x in X:
+        fa.update(x)
+    ref = X.var(0, unbiased=False)
+    assert torch.allclose(fa._scale.pow(2), ref, rtol=1e-10)  # set at the last step, from all vectors
+    total = fa.cov_diag + fa.cov_factor.pow(2).sum(-1)
+    assert float((total / ref - 1).abs().max()) < 0.5  # the fitted diagonal is at the data's scale
+
+
+def test_swag_sga_warns():
+    from pyro_fa import SWAG
+
+    net = torch.nn.Linear(3, 1)
+    with pytest.warns(UserWarning, match="method 'sga'"):
+        SWAG(net, rank=2, method="sga")
