@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -261,7 +262,9 @@ def feed(stream: Stream, method: str, **kwargs) -> SWAG:
     """
     buf = torch.zeros(stream.dim, dtype=stream.dtype)
     kwargs.setdefault("seed", 0)
-    swag = SWAG([buf], rank=stream.rank, method=method, **kwargs)
+    with warnings.catch_warnings():  # SWAG(method="sga") warns that it is far from batch FA: this table shows it
+        warnings.simplefilter("ignore", UserWarning)
+        swag = SWAG([buf], rank=stream.rank, method=method, **kwargs)
     with torch.no_grad():
         for row in stream.iterates:
             buf.copy_(torch.from_numpy(row))

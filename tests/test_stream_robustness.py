@@ -273,3 +273,43 @@ def test_scatter_statistics_refuse_overflow():
     with pytest.raises(ValueError, match=r"ScatterStatistics: x must have squared deviations that fit"):
         stats.update(torch.tensor([[1e200, 0.0, 0.0], [0.0, 0.0, 0.0]]))
     _same_state(before, _state(stats))
+
+
+def test_once_per_epoch_run_shorter_than_the_warmup_ends_it():
+    # 40 epochs, one collection per epoch, with the default warmup=100: distribution() used to refuse
+    torch.manual_seed(0)
+    X = torch.randn(64, 3)
+    y = X.sum(-1, keepdim=True) + 0.1 * torch.randn(64, 1)
+    net = nn.Linear(3, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    swag = SWAG(net, rank=2, method="em", collect_every=8, seed=0)
+    swag.attach(opt)
+    record = []
+    for epoch in range(40):
+        for i in range(8):
+            opt.zero_grad()
+            nn.functional.mse_loss(net(X[8 * i:8 * i + 8]), y[8 * i:8 * i + 8]).backward()
+            opt.step()
+        record.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone())
+    assert swag.n_collected == 40
+    with pytest.warns(UserWarning, match=r"SWAG: 40 vectors collected, not more than warmup=100: the warm-up ends"):
+        q = swag.distribution()
+    # the same as a fit whose warm-up was planned to end there
+    ref = OnlineFactorAnalysis(4, 2, warmup=39, seed=0, step_scale=1.0)
+    for v in record:
+        ref.update(v)
+    torch.testing.assert_close(q.cov_factor, ref.cov_factor)
+    torch.testing.assert_close(q.cov_diag, ref.cov_diag)
+    assert swag.warmup == 39
+    swag.sample_parameters(3)  # no second warning: the warm-up is over
+    state = swag.state_dict()
+    again = SWAG(net, rank=2, method="em", collect_every=8, seed=0)
+    again.load_state_dict(state)
+    again.sample_parameters(2)
+    assert again.warmup == 39
+    short = SWAG(net, rank=2, method="em", seed=0)
+    short.collect()
+    short.collect()
+    with pytest.raises(RuntimeError, match=r"needs more than warmup=100 collected vectors for method='em', got 2 "
+                                           r"\(more than rank=2 to end the warm-up early\)"):
+        short.distribution()

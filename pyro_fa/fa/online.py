@@ -346,13 +346,43 @@ class OnlineFactorAnalysis(nn.Module):
 
     def get_extra_state(self):
         return {"n_updates": self._n, "since_m_step": self._since_m_step, "sga_steps": self._sga_steps,
-                "A_coef": self._A_coef}
+                "A_coef": self._A_coef, "warmup": self.warmup}
 
     def set_extra_state(self, state):
+        self.warmup = int(state.get("warmup", self.warmup))
         self._n = int(state["n_updates"])
         self._since_m_step = int(state.get("since_m_step", 0))
         self._sga_steps = int(state.get("sga_steps", 0))
         self._A_coef = float(state.get("A_coef", 0.0))
+
+    @torch.no_grad()
+    def finish_warmup(self) -> None:
+        r"""End the warm-up now, at the vectors seen so far (EM: an M-step on the statistics gathered).
+
+        For streams shorter than planned, e.g. one collection per epoch for fewer
+        epochs than ``warmup``: :attr:`warmup` becomes ``n_updates - 1``, EM fits
+        :math:`F, \psi` to its statistics at once and later updates go on as after any
+        warm-up. Needs more observations than ``rank`` (an M-step from fewer vectors than
+        factors is degenerate). Does nothing once the warm-up is over.
+
+        Raises
+        ------
+        RuntimeError
+            With ``n_updates <= rank``, or for ``method="sga"``, whose ascent has not
+            started during the warm-up (there is nothing to end it with).
+        """
+        if self._n > self.warmup:
+            return
+        cls = type(self).__name__
+        if self.method != "em":
+            raise RuntimeError(f"{cls}: finish_warmup() needs method 'em', got {self.method!r}: the ascent only starts "
+                               f"after warmup={self.warmup} observations. Pass a smaller warmup.")
+        if self._n <= self.rank:
+            raise RuntimeError(f"{cls}: finish_warmup() needs more than rank={self.rank} observations, got {self._n}.")
+        self.warmup = self._n - 1  # as if planned: the first M-step follows update warmup + 1
+        self._m_step()
+        self._since_m_step = 0
+        self._cache = None
 
     @property
     def variance(self) -> Tensor:
@@ -454,6 +484,7 @@ class OnlineFactorAnalysis(nn.Module):
                              "nothing was loaded.")
         for key in ("n_updates", "since_m_step", "sga_steps"):
             check_count(cls, state, key, 0)
+        check_count(cls, state, "warmup", self.warmup)
         coef = state.get("A_coef", 0.0)
         if not (isinstance(coef, (int, float)) and math.isfinite(coef)):
             raise ValueError(f"{cls}: the saved state's 'A_coef' must be a finite number, got {coef!r}; "

@@ -528,15 +528,29 @@ class SWAG(nn.Module):
 
     def _check_ready(self, what: str) -> None:
         cls = type(self).__name__
+        if self.method != "swag" and self.dim is not None:
+            self.warmup = self.fa.warmup  # a loaded state may have ended its warm-up early
         if self._n == 0:
             raise RuntimeError(
                 f"{cls}: {what} needs at least one collected parameter vector, got none. "
                 "Call attach(optimizer) and train, or collect()."
             )
+        if self.method == "em" and self.rank < self._n <= self.warmup:
+            # a shorter run than the warm-up planned for (e.g. one collection per epoch): end it here
+            warnings.warn(
+                f"{cls}: {self._n} vectors collected, not more than warmup={self.warmup}: the warm-up ends here and "
+                f"the factor is fitted to them (pass warmup < {self._n} to choose this).",
+                UserWarning,
+                stacklevel=3,
+            )
+            self.fa.finish_warmup()
+            self.warmup = self.fa.warmup
         if self.method != "swag" and self._n <= self.warmup:
             raise RuntimeError(
                 f"{cls}: {what} needs more than warmup={self.warmup} collected vectors for method="
-                f"{self.method!r}, got {self._n}. Collect more, or pass a smaller warmup."
+                f"{self.method!r}, got {self._n}"
+                + (f" (more than rank={self.rank} to end the warm-up early)" if self.method == "em" else "")
+                + ". Collect more, or pass a smaller warmup."
             )
 
     @property
