@@ -173,8 +173,8 @@ def test_diverging_run_raise_mode_message_is_true():
     before = _state(swag)
     for group in opt.param_groups:
         group["lr"] = 50.0
-    with pytest.raises(ValueError, match=r"the run looks diverged\). It was not collected and the posterior is "
-                                         r"unchanged \(100 vectors collected\)"):
+    with pytest.raises(ValueError, match=r"the run looks diverged; .*\). It was not collected and the posterior "
+                                         r"is unchanged \(100 vectors collected\)"):
         steps(20)
     after = _state(swag)
     for k in before:
@@ -313,3 +313,38 @@ def test_once_per_epoch_run_shorter_than_the_warmup_ends_it():
     with pytest.raises(RuntimeError, match=r"needs more than warmup=100 collected vectors for method='em', got 2 "
                                            r"\(more than rank=2 to end the warm-up early\)"):
         short.distribution()
+
+
+def test_divergence_guard_lets_a_run_that_changed_regime_back_in():
+    g = torch.Generator().manual_seed(0)
+    p = torch.zeros(50)
+    swag = SWAG([p], rank=3, method="em", warmup=10, seed=0, on_nonfinite="skip")
+    x = torch.zeros(50)
+    for _ in range(60):  # a slow random walk
+        x = x + 0.01 * torch.randn(50, generator=g)
+        p.data.copy_(x)
+        swag.collect()
+    direction = torch.randn(50, generator=g)
+    refused = 0
+    with pytest.warns(RuntimeWarning) as record:
+        for _ in range(60):  # a new regime: a steady drift 40x faster, which leaves the spread
+            x = x + 3.0 * direction / direction.norm() + 0.01 * torch.randn(50, generator=g)
+            p.data.copy_(x)
+            refused += not swag.collect()
+    assert 1 <= refused <= 20 and swag.n_collected == 120 - refused
+    assert any("collecting again" in str(w.message) for w in record)
+    # an exploding run is never let back in
+    swag2 = SWAG([p], rank=3, method="em", warmup=10, seed=0, on_nonfinite="skip")
+    x = torch.zeros(50)
+    for _ in range(60):
+        x = x + 0.01 * torch.randn(50, generator=g)
+        p.data.copy_(x)
+        swag2.collect()
+    first_refusal = None
+    with pytest.warns(RuntimeWarning, match="looks diverged"):
+        for k in range(60):
+            p.data.copy_(x + 0.1 * 1.5 ** k * direction)
+            if not swag2.collect() and first_refusal is None:
+                first_refusal = swag2.n_collected
+    assert first_refusal is not None and swag2.n_collected == first_refusal
+    assert torch.isfinite(swag2.cov_diag).all()

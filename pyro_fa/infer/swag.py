@@ -26,6 +26,7 @@ __all__ = ["SWAG", "FactorPosteriorGuide"]
 _METHODS = ("em", "sga", "swag")
 _ON_NONFINITE = ("raise", "skip")
 _GUARD_AFTER = 10  # collected vectors before the divergence guard trusts the spread
+_GUARD_PATIENCE = 20  # refusals in a row after which a run that stopped moving away is collected again
 
 
 def _positive_int(cls: str, arg: str, value, minimum: int = 1) -> int:
@@ -153,7 +154,10 @@ class SWAG(nn.Module):
         run and not collected. Iterates of a run that is sampling, drifting or
         random-walking sit at 1 to 3 such units (a Gaussian's expected value is about
         1); a run blowing up leaves by orders of magnitude at once, and the posterior
-        collected before it is kept. ``None`` disables the guard.
+        collected before it is kept. A run that changed regime (a higher learning rate,
+        a larger ``collect_every``) may leave the spread too; after 20 refusals in a row
+        whose distances stopped growing (at most twice over the last 10), it is
+        collected again, with a warning. ``None`` disables the guard.
     seed : int, optional
         Seed of the initial factor of EM / SGA.
     **fa_kwargs
@@ -253,6 +257,7 @@ class SWAG(nn.Module):
             raise ValueError(f"{cls}: max_deviation must be a finite number > 1 or None, got {max_deviation!r}.")
         self.max_deviation = None if max_deviation is None else float(max_deviation)
         self._n_refused = 0
+        self._streak: List[float] = []  # distances of the guard's refusals in a row
         self._scale = 1.0
         self._fa_kwargs = dict(lr=lr, step_scale=step_scale, init_scale=init_scale, min_variance=min_variance,
                                optimizer=optimizer, seed=seed, **fa_kwargs)
@@ -414,6 +419,15 @@ class SWAG(nn.Module):
         """
         theta = self._vector()
         reason = self._refusal(theta)
+        if reason is not None and self._relocated():
+            warnings.warn(
+                f"{type(self).__name__}: the last {len(self._streak)} vectors lay beyond max_deviation="
+                f"{self.max_deviation:g} times the collected spread without moving further away (a run that "
+                "changed regime, e.g. a new learning rate or collect_every, not one that diverged): collecting "
+                "again.", RuntimeWarning, stacklevel=3)
+            reason = None
+        if reason is None:
+            self._streak.clear()
         if reason is None and self.window > 1:
             if self._n_window + 1 < self.window:
                 self._window_sum.add_(theta)
@@ -438,6 +452,14 @@ class SWAG(nn.Module):
             self._n_window = 0
         return True
 
+    def _relocated(self) -> bool:
+        # the guard's escape: _GUARD_PATIENCE refusals in a row whose distances stopped growing
+        # (at most x2 over the last half: a diverging run grows geometrically and goes on growing)
+        if len(self._streak) < _GUARD_PATIENCE:
+            return False
+        last = self._streak[-(_GUARD_PATIENCE // 2):]
+        return max(last) <= 2.0 * min(last)
+
     def _refusal(self, theta: Tensor) -> Optional[str]:
         """Why ``theta`` must not be collected (non-finite, or a diverged run), or None."""
         guard = self.max_deviation is not None and self._n >= _GUARD_AFTER
@@ -450,13 +472,16 @@ class SWAG(nn.Module):
             if math.isfinite(dist2) and dist2 <= self.max_deviation ** 2 * spread2:
                 return None
         if not bool(torch.isfinite(theta).all()):
+            self._streak.clear()
             bad = int((~torch.isfinite(theta)).sum())
             return f"the parameter vector must be finite, got NaN or inf in {bad} entries."
         if not guard:
             return None
+        self._streak.append(math.sqrt(dist2))
         return (f"the parameter vector must lie within max_deviation={self.max_deviation:g} times the collected "
                 f"spread of the running mean, got a distance of {math.sqrt(dist2):.3g} against a spread of "
-                f"{math.sqrt(spread2):.3g} (the run looks diverged).")
+                f"{math.sqrt(spread2):.3g} (the run looks diverged; if it only changed regime, pass a larger "
+                "max_deviation, or None).")
 
     def _update(self, theta: Tensor) -> None:
         if self.method != "swag":
