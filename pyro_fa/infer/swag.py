@@ -490,15 +490,22 @@ class SWAG(nn.Module):
             return
         # running mean / squared deviations, then the deviation from the new mean (Maddox et al. Alg. 1),
         # formed in float64 and rounded once
-        mean, sq_dev, xw = self._moments.propose(theta.unsqueeze(0), self._n)
-        dev = (xw[0] - mean).to(self._dev.dtype)
-        if not bool(torch.isfinite(sq_dev).all()) or float(sq_dev.max()) / (self._n + 1) > torch.finfo(dev.dtype).max:
+        moments = self._moments
+        scratch = getattr(self, "_t", None)
+        if scratch is None or scratch.dtype != moments.mean.dtype or scratch.device != moments.mean.device:
+            scratch = self._t = torch.empty_like(moments.mean)
+        t = torch.sub(theta, moments.mean, out=scratch)  # in place, no temporaries: O(D) per collection
+        tmax = max(float(t.amax()), -float(t.amin())) if self._n else 0.0
+        if not tmax * tmax <= torch.finfo(self._dev.dtype).max / 8:
             raise ValueError(f"{type(self).__name__}: the parameter vector must keep the running variances within "
-                             f"{dev.dtype}, got one whose update would overflow them.")
-        self._moments.commit(mean, sq_dev)
-        self._mean.copy_(mean)
-        self._dev[self._n % self.rank].copy_(dev)
-        self._n += 1
+                             f"{self._dev.dtype}, got one at {tmax:.3g} from the mean whose update would overflow them.")
+        n_old, n = self._n, self._n + 1
+        moments.mean.add_(t, alpha=1.0 / n)
+        if n_old:
+            moments.sq_dev.addcmul_(t, t, value=n_old / n)
+        torch.mul(t, n_old / n, out=self._dev[n_old % self.rank])  # theta - mean_new, rounded once
+        self._mean.copy_(moments.mean)
+        self._n = n
 
     def step(self) -> bool:
         """Count one optimizer step and collect if the schedule says so.
@@ -878,6 +885,7 @@ class SWAG(nn.Module):
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         self._flat = None
+        self._t = None
         return out
 
     def extra_repr(self) -> str:
