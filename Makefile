@@ -15,12 +15,19 @@ endif
 
 .PHONY: setup demo test test-fast bench clean
 
+# The peers of `pyro-fa classify` (extra `peers`) install with torch pinned to the build
+# $(TORCH) gave. These three declare torchvision, which they do not import for what we use
+# and whose PyPI wheel breaks beside a CPU torch, so they go in without dependencies.
+PEERS_NODEPS := laplace-torch==0.3 backpack-for-pytorch==1.7.1 curvlinops-for-pytorch==3.0.1
+
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e ".[dev,tutorials]"
+	$(BIN)/python -c "from importlib.metadata import version; print('torch==' + version('torch').split('+')[0])" > $(VENV)/torch-constraint.txt
+	$(BIN)/python -m pip install --quiet -c $(VENV)/torch-constraint.txt -e ".[dev,tutorials,peers]"
+	$(BIN)/python -m pip install --quiet --no-deps $(PEERS_NODEPS)
 	touch $@
 
 demo: setup

@@ -1,10 +1,15 @@
+import math
+
 import pyro
 import pytest
 import torch
+from pyro.infer import SVI
 from pyro.optim import Adam
 
-from pyro_fa import GaussianPrior, LaplacePrior
+from pyro_fa import FactorELBO, GaussianPrior, LaplacePrior, metrics
 from pyro_fa.nn import BayesianNetwork
+
+from conftest import DEVICES
 
 
 def _loader(x, y, batch=50):
@@ -86,9 +91,215 @@ def test_bad_arguments(kwargs, exc, match):
 
 def test_use_errors():
     bnn = BayesianNetwork(torch.nn.Linear(2, 1), GaussianPrior(), noise_scale=0.5)
-    with pytest.raises(RuntimeError, match=r"BayesianNetwork\.predict: the network must be fitted first"):
+    with pytest.raises(RuntimeError, match=r"BayesianNetwork\.predict: the guide must be trained first, got one "
+                       r"with no parameters .*'BayesianNetwork(_\d+)?\.guide\.\*'.*Call fit\(\)"):
         bnn.predict(torch.randn(3, 2))
     with pytest.raises(ValueError, match=r"BayesianNetwork\.predict: num_samples must be a positive int, got 0\."):
         bnn.predict(torch.randn(3, 2), num_samples=0)
     with pytest.raises(ValueError, match=r"BayesianNetwork\.fit: epochs must be a positive int, got 0\."):
         bnn.fit([], Adam({"lr": 0.1}), epochs=0)
+
+
+# ------------------------------------------------------------------ prediction helpers and bad targets
+def _trained(likelihood, n=40, steps=30, seed=0, device="cpu", **kwargs):
+    """A small network trained by a user's own SVI loop (not fit()); returns (bnn, x, y)."""
+    torch.manual_seed(seed)
+    x = torch.randn(n, 3, device=device)
+    if likelihood == "gaussian":
+        y, out = x.sum(-1) + 0.1 * torch.randn(n, device=device), 1
+    elif likelihood == "bernoulli":
+        y, out = (x[:, 0] > 0).float(), 1
+    else:
+        y, out = (x[:, 0] > 0).long() + (x[:, 1] > 0).long(), 3
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, out)).to(device)
+    bnn = BayesianNetwork(net, GaussianPrior(1.0), likelihood, rank=2, **kwargs)
+    svi = SVI(bnn.model, bnn.guide, Adam({"lr": 0.05}), FactorELBO())
+    for _ in range(steps):
+        svi.step(x, y)
+    return bnn, x, y
+
+
+def test_predict_accepts_a_network_trained_by_the_users_own_svi_loop():
+    bnn, x, y = _trained("gaussian", noise_scale=0.1)
+    assert not bnn._fitted and bnn.guide.prototype_trace is not None
+    torch.manual_seed(1)
+    out = bnn.predict(x, num_samples=5)
+    assert out.shape == (5, 40, 1)
+    # the same draws as the guide's own: predict conditions the module on them
+    torch.manual_seed(1)
+    w = bnn.guide()
+    assert torch.allclose(out[0], pyro.poutine.condition(bnn.module, data=w)(x))
+    assert bnn.evaluate(x, y, num_samples=20)["rmse"] < 0.5 * float(y.std())
+
+
+def test_predict_builds_the_guide_from_parameters_in_the_param_store(tmp_path):
+    """A fresh network whose guide's parameters were loaded into Pyro's param store predicts with them."""
+    bnn, x, y = _trained("categorical", name="digits")
+    path = tmp_path / "params.pt"
+    pyro.get_param_store().save(path)
+    torch.manual_seed(2)
+    expected = bnn.predict_proba(x, num_samples=6)
+    pyro.clear_param_store()
+    fresh = BayesianNetwork(torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)),
+                            GaussianPrior(1.0), "categorical", rank=2, name="digits")
+    with pytest.raises(RuntimeError, match=r"BayesianNetwork\.predict_proba: the guide must be trained first.*"
+                                           r"'digits\.guide\.\*'"):
+        fresh.predict_proba(x)
+    pyro.get_param_store().load(path)
+    torch.manual_seed(2)
+    got = fresh.predict_proba(x, num_samples=6)
+    assert torch.allclose(got, expected)
+    assert torch.equal(pyro.param("digits.guide.loc").detach(), bnn.guide.loc.detach())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_categorical_samples_and_probabilities(device):
+    bnn, x, y = _trained("categorical", device=device)
+    torch.manual_seed(3)
+    logits = bnn.predict(x, num_samples=7)
+    torch.manual_seed(3)
+    samples = bnn.predictive_samples(x, num_samples=7)
+    torch.manual_seed(3)
+    proba = bnn.predict_proba(x, num_samples=7)
+    assert samples.shape == (7, 40, 3) and proba.shape == (40, 3) and samples.device == x.device
+    assert torch.allclose(samples, logits.softmax(-1))
+    assert torch.allclose(samples.sum(-1), torch.ones(7, 40, device=device))
+    assert torch.allclose(proba, samples.mean(0))
+    # a loader's batches go through the same draws, and are moved to the guide's device
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.cpu(), y.cpu()), batch_size=7)
+    torch.manual_seed(3)
+    assert torch.allclose(bnn.predictive_samples(loader, num_samples=7), samples, atol=1e-6)
+    torch.manual_seed(3)
+    res = bnn.evaluate(loader, num_samples=7)
+    # oracle: the log of the averaged probabilities, in float64, by hand
+    p = logits.double().softmax(-1).mean(0).cpu()
+    ll = p[torch.arange(40), y.cpu()].log().mean()
+    assert res["log_likelihood"] == pytest.approx(float(ll), abs=1e-5)
+    assert res["log_likelihood"] == pytest.approx(-float(metrics.negative_log_likelihood(samples, y)), abs=1e-5)
+    assert res["accuracy"] == pytest.approx(float((p.argmax(-1) == y.cpu()).double().mean()))
+    assert res["brier"] == pytest.approx(float((p - torch.nn.functional.one_hot(y.cpu(), 3)).pow(2).sum(-1).mean()),
+                                         abs=1e-5)
+    assert res["ece"] == pytest.approx(float(metrics.expected_calibration_error(samples, y)), abs=1e-5)
+
+
+def test_bernoulli_samples_and_probabilities():
+    bnn, x, y = _trained("bernoulli")
+    torch.manual_seed(4)
+    logits = bnn.predict(x, num_samples=5).squeeze(-1)
+    torch.manual_seed(4)
+    samples = bnn.predictive_samples(x, num_samples=5)
+    assert samples.shape == (5, 40, 2)
+    assert torch.allclose(samples[..., 1], logits.sigmoid()) and torch.allclose(samples.sum(-1), torch.ones(5, 40))
+    torch.manual_seed(4)
+    assert torch.allclose(bnn.predict_proba(x, num_samples=5), samples.mean(0))
+    torch.manual_seed(4)
+    res = bnn.evaluate(x, y, num_samples=5)
+    p1 = logits.double().sigmoid().mean(0)
+    ll = torch.where(y.bool(), p1, 1 - p1).log().mean()
+    assert res["log_likelihood"] == pytest.approx(float(ll), abs=1e-5)
+    assert res["accuracy"] == pytest.approx(float(((p1 > 0.5).double() == y).double().mean()))
+
+
+@pytest.mark.parametrize("learned_noise", [False, True])
+def test_gaussian_log_likelihood_is_that_of_the_model_average(learned_noise):
+    """evaluate's log-likelihood is log (1/S) sum_s N(y; f_s(x), sigma^2), not the average of per-draw ones."""
+    bnn, x, y = _trained("gaussian", **({} if learned_noise else {"noise_scale": 0.3}))
+    sigma = bnn.learned_noise_scale.item() if learned_noise else 0.3
+    torch.manual_seed(5)
+    means = bnn.predictive_samples(x, num_samples=9)
+    torch.manual_seed(5)
+    res = bnn.evaluate(x, y, num_samples=9)
+    assert means.shape == (9, 40)
+    oracle = metrics.gaussian_log_likelihood(means.double(), sigma ** 2, y.double())
+    assert res["log_likelihood"] == pytest.approx(float(oracle), abs=1e-5)
+    per_draw = torch.distributions.Normal(means.double(), sigma).log_prob(y.double()).mean()
+    assert res["log_likelihood"] >= float(per_draw)  # Jensen: the mixture is at least the average
+    assert res["rmse"] == pytest.approx(float(metrics.rmse(means, y)), rel=1e-5)
+
+
+def test_evaluate_refuses_a_column_target_instead_of_broadcasting():
+    """The new-user trial of issue 17: a (N, 1) target gave RMSE 2.75 by broadcasting where 0.135 was right."""
+    bnn, x, y = _trained("gaussian", noise_scale=0.1, steps=60)
+    with pytest.raises(ValueError, match=r"BayesianNetwork\.evaluate: y must have shape \(40,\), one target per "
+                                         r"input like the prediction of shape \(40,\), got \(40, 1\)\. Flatten it"):
+        bnn.evaluate(x, y.unsqueeze(-1))
+    torch.manual_seed(0)
+    right = bnn.evaluate(x, y, num_samples=10)["rmse"]
+    torch.manual_seed(0)
+    broadcast = (bnn.predictive_samples(x, num_samples=10).mean(0) - y.unsqueeze(-1)).pow(2).mean().sqrt()
+    assert right < 0.5 * float(broadcast)
+
+
+@pytest.mark.parametrize("likelihood", ["gaussian", "bernoulli", "categorical"])
+def test_evaluate_refuses_targets_of_another_shape(likelihood):
+    bnn, x, y = _trained(likelihood, steps=1)
+    pred = r"\(40, 3\)" if likelihood == "categorical" else r"\(40,\)"
+    for bad, got in ((y.unsqueeze(-1), r"\(40, 1\)\. Flatten it"), (y[:39], r"\(39,\)\."),
+                     (y.unsqueeze(0).expand(2, -1), r"\(2, 40\)\.")):
+        with pytest.raises(ValueError, match=rf"BayesianNetwork\.evaluate: y must have shape \(40,\), one target "
+                                             rf"per input like the prediction of shape {pred}, got {got}"):
+            bnn.evaluate(x, bad, num_samples=2)
+    loader = [(x[:20], y[:20]), (x[20:], y[20:].unsqueeze(-1))]
+    with pytest.raises(ValueError, match=r"the targets of batch 1 must have shape \(20,\).*got \(20, 1\)"):
+        bnn.evaluate(loader, num_samples=2)
+    with pytest.raises(ValueError, match=r"BayesianNetwork\.model: y must have shape \(40,\), one target per row "
+                                         r"of x, got \(40, 1\)\. Flatten it"):
+        bnn.fit([(x, y.unsqueeze(-1))], Adam({"lr": 0.01}), epochs=1, progress=False)
+
+
+@pytest.mark.parametrize(
+    "likelihood, make_y, exc, match",
+    [
+        ("categorical", lambda y: y.float(), TypeError, r"y must hold integer class labels for "
+                                                        r"likelihood='categorical', got dtype torch\.float32\."),
+        ("categorical", lambda y: y + 1, ValueError, r"y must be class labels in \[0, 3\), got values from 1 to 3\."),
+        ("bernoulli", lambda y: 2 * y, ValueError, r"y must hold 0/1 labels for likelihood='bernoulli'"),
+        ("gaussian", lambda y: y.index_fill(0, torch.tensor([3]), math.nan), ValueError,
+         r"y must be finite, got NaN or inf in 1 entries\."),
+        ("gaussian", lambda y: None, ValueError, r"y must be given: targets of shape \(40,\), got None\."),
+        ("gaussian", lambda y: y.tolist(), TypeError, r"y must be a torch\.Tensor of shape \(40,\), got list\."),
+    ],
+)
+def test_evaluate_refuses_bad_targets(likelihood, make_y, exc, match):
+    bnn, x, y = _trained(likelihood, steps=1)
+    with pytest.raises(exc, match=r"BayesianNetwork\.evaluate: " + match):
+        bnn.evaluate(x, make_y(y), num_samples=2)
+
+
+def test_bad_data_and_outputs():
+    bnn, x, y = _trained("categorical", steps=1)
+    with pytest.raises(ValueError, match=r"BayesianNetwork\.evaluate: y must be None when data is a loader of "
+                                         r"\(x, y\) batches, got a Tensor\."):
+        bnn.evaluate([(x, y)], y)
+    with pytest.raises(TypeError, match=r"BayesianNetwork\.predict: data must be a Tensor of inputs or an iterable "
+                                        r"of \(x, y\) batches \(e\.g\. a DataLoader\), got float\."):
+        bnn.predict(1.0)
+    with pytest.raises(TypeError, match=r"BayesianNetwork\.predict: data's batches must be Tensors or \(x, y\) "
+                                        r"pairs of Tensors, got str\."):
+        bnn.predict(["x"])
+    with pytest.raises(ValueError, match=r"BayesianNetwork\.predictive_samples: data must hold at least one batch, "
+                                         r"got none\."):
+        bnn.predictive_samples([])
+    assert bnn.predict([x[:5], (x[5:],)], num_samples=2).shape == (2, 40, 3)  # input-only batches
+    # two outputs for two inputs: the model's plate does not notice, the prediction must
+    gauss = BayesianNetwork(torch.nn.Linear(3, 2), GaussianPrior(), noise_scale=1.0, name="two_outputs")
+    gauss.guide(x[:2])  # built by a first call, as one SVI step builds it
+    with pytest.raises(ValueError, match=r"BayesianNetwork\.evaluate: the network's output must have shape \(N, 1\) "
+                                         r"or \(N,\) for likelihood='gaussian', got \(2, 2\)\."):
+        gauss.evaluate(x[:2], y[:2].float(), num_samples=2)
+    with pytest.raises(ValueError, match=r"BayesianNetwork\.predict_proba: likelihood must be 'categorical' or "
+                                         r"'bernoulli', got 'gaussian'\. Use predictive_samples\(\)"):
+        gauss.predict_proba(x)
+    binary = BayesianNetwork(torch.nn.Linear(3, 1), GaussianPrior(), "categorical", rank=2, name="one_logit")
+    binary.guide(x, torch.zeros(40, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"BayesianNetwork\.predictive_samples: the network's output must be logits "
+                                         r"of shape \(N, C\) with C >= 2 for likelihood='categorical', got \(40, 1\)\."):
+        binary.predictive_samples(x, num_samples=2)
+
+
+def test_learned_noise_must_be_in_the_param_store():
+    bnn, x, y = _trained("gaussian", name="noisy")
+    pyro.get_param_store().__delitem__("noisy.noise_scale")
+    with pytest.raises(RuntimeError, match=r"BayesianNetwork\.evaluate: the learned noise scale must be in Pyro's "
+                                           r"param store as 'noisy\.noise_scale', got none there"):
+        bnn.evaluate(x, y, num_samples=2)

@@ -167,21 +167,33 @@ def test_diverging_run_keeps_the_posterior_collected_before(method):
     assert torch.isfinite(swag.sample_parameters(8)).all()
 
 
-def test_diverging_run_raise_mode_message_is_true():
+def test_diverging_run_raise_mode_guard_warns_then_nonfinite_raises():
+    # the guard never stops training (it skips with a warning); the non-finite vectors of the
+    # diverged run then raise, with a message that is true: the posterior is the one before
     net, opt, swag, steps = _diverging_run("em", "raise")
     steps(100)
     before = _state(swag)
     for group in opt.param_groups:
         group["lr"] = 50.0
-    with pytest.raises(ValueError, match=r"the run looks diverged; .*\). It was not collected and the posterior "
-                                         r"is unchanged \(100 vectors collected\)"):
-        steps(20)
+    with pytest.warns(RuntimeWarning, match=r"the run looks diverged; .*\). It was not collected and the posterior "
+                                            r"is unchanged \(100 vectors collected\)"):
+        with pytest.raises(ValueError, match=r"SWAG: the parameter vector must be finite, got NaN or inf .* It was "
+                                             r"not collected and the posterior is unchanged \(100 vectors collected\)"):
+            steps(200)
     after = _state(swag)
     for k in before:
         if torch.is_tensor(before[k]):
             assert torch.equal(before[k], after[k]), k
     assert torch.isfinite(swag.cov_diag).all()
 
+
+def test_guard_does_not_judge_without_spread():
+    p = torch.zeros(5)
+    swag = SWAG([p], rank=2, method="swag")
+    for _ in range(15):  # identical vectors (a schedule that ended at rate 0): no spread yet
+        swag.collect()
+    p.data.fill_(0.01)
+    assert swag.collect() is True and swag.n_refused == 0
 
 def test_divergence_guard_leaves_ordinary_runs_alone():
     # a random walk and a Gaussian stream: every vector is collected

@@ -143,15 +143,17 @@ class SWAG(nn.Module):
         of a 1×50 network on yacht (D = 401, K = 10), relative distance to the
         iterates' covariance 0.017 with 1 and 0.456 with 2 (batch FA: 0.013).
     on_nonfinite : {"raise", "skip"}, default "raise"
-        What a parameter vector that cannot be collected does (NaN / inf, an update
-        that would overflow the dtype, or a diverged run, see ``max_deviation``):
-        raise ``ValueError``, or be skipped with a ``RuntimeWarning``; the posterior
-        is unchanged either way.
+        What a parameter vector that cannot be collected does (NaN / inf, or an update
+        that would overflow the dtype): raise ``ValueError``, or be skipped with a
+        ``RuntimeWarning``; the posterior is unchanged either way. (The divergence
+        guard, ``max_deviation``, always skips with a warning.)
     max_deviation : float or None, default 10.0
         Divergence guard: once 10 vectors have been collected, a vector further from
         the running mean than ``max_deviation`` times the root of the summed running
         variances, :math:`\|\theta - c\| > r\sqrt{\mathrm{tr}\,S}`, is taken for a diverged
-        run and not collected. Iterates of a run that is sampling, drifting or
+        run and not collected: it is skipped with a ``RuntimeWarning`` whatever
+        ``on_nonfinite`` says (a heuristic never stops training; the non-finite vectors a
+        diverged run soon gives follow ``on_nonfinite``). Iterates of a run that is sampling, drifting or
         random-walking sit at 1 to 3 such units (a Gaussian's expected value is about
         1); a run blowing up leaves by orders of magnitude at once, and the posterior
         collected before it is kept. A run that changed regime (a higher learning rate,
@@ -434,6 +436,13 @@ class SWAG(nn.Module):
                 self._n_window += 1
                 return False
             theta = (self._window_sum + theta) / self.window
+        if reason is not None and self._streak:
+            # the divergence guard is a heuristic: it skips with a warning and never stops training
+            # (a diverged run soon gives non-finite vectors, which on_nonfinite="raise" raises on)
+            self._n_refused += 1
+            warnings.warn(f"{type(self).__name__}: {reason} It was not collected and the posterior is unchanged "
+                          f"({self._n} vectors collected).", RuntimeWarning, stacklevel=3)
+            return False
         if reason is None:
             try:
                 self._update(theta)
@@ -469,7 +478,8 @@ class SWAG(nn.Module):
             dist2 = float(torch.linalg.vector_norm(theta - self.loc)) ** 2
             moments = self._moments if self.method == "swag" else self.fa._moments
             spread2 = float(moments.sq_dev.sum()) / self._n
-            if math.isfinite(dist2) and dist2 <= self.max_deviation ** 2 * spread2:
+            # no spread yet (identical vectors, e.g. after a schedule that ended at rate 0): no judgement
+            if math.isfinite(dist2) and (spread2 == 0.0 or dist2 <= self.max_deviation ** 2 * spread2):
                 return None
         if not bool(torch.isfinite(theta).all()):
             self._streak.clear()

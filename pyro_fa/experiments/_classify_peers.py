@@ -1,0 +1,422 @@
+r"""The two peer methods of the ``pyro-fa classify`` benchmark, run from their own packages.
+
+* **Laplace** (Daxberger, Kristiadi, Immer, Eschenhagen, Bauer & Hennig 2021,
+  "Laplace Redux -- Effortless Bayesian Deep Learning", package ``laplace-torch``):
+  a Gaussian over the last linear layer's weights around the MAP network, with a
+  Kronecker-factored (KFAC) generalised Gauss-Newton precision, the scalar prior
+  precision fitted by the marginal likelihood, and the linearised (GLM) predictive
+  with the probit approximation of the softmax (MacKay 1992, "The evidence framework
+  applied to classification networks"), the settings the paper recommends by default:
+
+  .. math::
+
+      p(y \mid x) \approx \operatorname{softmax}\Big(
+      \frac{f_\mu(x)}{\sqrt{1 + \tfrac{\pi}{8}\operatorname{diag} J_x \Sigma J_x^\top}}\Big).
+
+* **IVON** (Shen, Daheim, Cong, Nickl, Marconi, Bazan, Yokota, Gurevych, Cremers,
+  Khan & Möllenhoff 2024, "Variational learning is effective for large deep networks",
+  package ``ivon-opt``): the network is trained from scratch by the IVON optimizer,
+  which learns a diagonal Gaussian over all weights, then predicts with weights drawn
+  from it. Settings follow the package README and the authors' small-network scripts
+  (``ivon-experiments``): ``ess`` = number of training points, ``hess_init=0.5``,
+  ``beta1=0.9``, ``beta2=0.99999``, ``weight_decay=1e-4``, one Monte Carlo sample per
+  step, a cosine-annealed learning rate; the learning rate is chosen from
+  ``(0.05, 0.1, 0.2)`` by the validation NLL of the model average unless given.
+
+Installing them beside a chosen torch build: ``pip install -c <torch==X> -e ".[peers]"``
+then ``pip install --no-deps laplace-torch==0.3 backpack-for-pytorch==1.7.1
+curvlinops-for-pytorch==3.0.1`` (what ``make setup`` does). The last three declare
+``torchvision``, which they do not import for last-layer Laplace; PyPI's torchvision
+wheel fails to import beside a CPU torch build ("operator torchvision::nms does not
+exist"), and ``torchmetrics`` (which ``laplace`` imports) then fails with it.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import warnings
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+__all__ = ["available", "unavailable_reasons", "laplace_probs", "ivon_probs"]
+
+INSTALL_HINT = (
+    'install the `peers` extra beside your torch build: `pip install -c <(echo torch==X.Y.Z) -e ".[peers]"` '
+    "then `pip install --no-deps laplace-torch==0.3 backpack-for-pytorch==1.7.1 "
+    "curvlinops-for-pytorch==3.0.1` (`make setup` does both)"
+)
+IVON_LR_GRID = (0.05, 0.1, 0.2)
+_MODULES = {"laplace": "laplace", "ivon": "ivon"}
+_EVAL_BATCH = 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _import_error(key: str) -> Optional[str]:
+    try:
+        with warnings.catch_warnings():  # asdl (a laplace-torch backend) calls torch.jit.script on import
+            warnings.simplefilter("ignore", DeprecationWarning)
+            importlib.import_module(_MODULES[key])
+    except Exception as exc:  # noqa: BLE001 -- a broken torchvision raises RuntimeError, not ImportError
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def unavailable_reasons() -> Dict[str, Optional[str]]:
+    """Why each peer cannot be imported: ``{"laplace": str | None, "ivon": str | None}`` (None when it can).
+
+    Never raises; the import is attempted once per process.
+    """
+    return {key: _import_error(key) for key in _MODULES}
+
+
+def available() -> Dict[str, bool]:
+    """Which peers import here: ``{"laplace": bool, "ivon": bool}``. Never raises.
+
+    Examples
+    --------
+    >>> sorted(available())
+    ['ivon', 'laplace']
+    """
+    return {key: reason is None for key, reason in unavailable_reasons().items()}
+
+
+def _require(key: str, caller: str):
+    reason = _import_error(key)
+    if reason is not None:
+        raise ImportError(f"{caller}: the package for {key!r} does not import ({reason}); {INSTALL_HINT}.")
+    return importlib.import_module(_MODULES[key])
+
+
+def _check_xy(caller: str, name: str, xy) -> Tuple[Tensor, Tensor]:
+    if not (isinstance(xy, (tuple, list)) and len(xy) == 2 and all(isinstance(t, Tensor) for t in xy)):
+        raise TypeError(f"{caller}: {name} must be a pair (X, y) of tensors, got {type(xy).__name__}.")
+    x, y = xy
+    if y.dim() != 1 or x.shape[0] != y.shape[0] or x.shape[0] == 0:
+        raise ValueError(
+            f"{caller}: {name} must be X of shape (N, ...) and integer labels y of shape (N,) with N > 0, "
+            f"got X {tuple(x.shape)} and y {tuple(y.shape)}."
+        )
+    if y.dtype.is_floating_point or y.dtype == torch.bool:
+        raise TypeError(f"{caller}: {name}'s labels must be an integer tensor, got {y.dtype}.")
+    return x, y.long()
+
+
+def _check_inputs(caller: str, test_inputs) -> List[Tensor]:
+    if isinstance(test_inputs, Tensor) or not all(isinstance(t, Tensor) for t in test_inputs):
+        raise TypeError(
+            f"{caller}: test_inputs must be a list of tensors (N_i, ...), got {type(test_inputs).__name__}."
+        )
+    return list(test_inputs)
+
+
+def _check_positive_int(caller: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{caller}: {name} must be a positive integer, got {value!r}.")
+    return value
+
+
+def _device_dtype(net: nn.Module) -> Tuple[torch.device, torch.dtype]:
+    p = next(net.parameters())
+    return p.device, p.dtype
+
+
+def _loader(x: Tensor, y: Tensor, batch_size: int, shuffle: bool = False, seed: int = 0) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed) if shuffle else None
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle, generator=generator)
+
+
+def laplace_probs(
+    net_map: nn.Module,
+    train_xy: Tuple[Tensor, Tensor],
+    val_xy: Optional[Tuple[Tensor, Tensor]],
+    test_inputs: Sequence[Tensor],
+    seed: int = 0,
+    *,
+    prior_precision: Optional[float] = None,
+    prior_method: str = "marglik",
+    link_approx: str = "probit",
+    n_samples: int = 100,
+    batch_size: int = 256,
+    info: Optional[dict] = None,
+) -> List[Tensor]:
+    r"""Predictive probabilities of last-layer KFAC Laplace (laplace-torch) around a MAP network.
+
+    Parameters
+    ----------
+    net_map : nn.Module
+        Trained to MAP; maps (N, ...) to logits (N, C); its last module must be an
+        ``nn.Linear`` (the layer the posterior is put on). Left unchanged (the
+        Laplace object works on a copy; its train/eval mode is restored).
+    train_xy : (Tensor of shape (N, ...), Tensor of shape (N,))
+        Training inputs and integer labels; the curvature is summed over them.
+    val_xy : (Tensor, Tensor) or None
+        Validation part, used only by ``prior_method="gridsearch"`` (NLL of the
+        predictive on it).
+    test_inputs : list of Tensor of shape (N_i, ...)
+        Inputs to predict (test part, OOD sets).
+    seed : int, default 0
+        Seeds torch's generator inside this call (only ``link_approx="mc"`` draws).
+    prior_precision : float, optional
+        Fixes the prior precision instead of fitting it (a huge value gives back
+        the MAP's probabilities).
+    prior_method : {"marglik", "gridsearch"}, default "marglik"
+        How the scalar prior precision is fitted when ``prior_precision`` is None:
+        by the Laplace marginal likelihood (100 Adam steps on its log, laplace-torch's
+        default) or by a grid of validation NLLs.
+    link_approx : {"probit", "mc"}, default "probit"
+        The GLM predictive's approximation of the softmax integral: probit
+        (deterministic) or ``n_samples`` Monte Carlo draws of the linearised logits.
+    n_samples : int, default 100
+        Draws for ``link_approx="mc"``.
+    batch_size : int, default 256
+        Batch size of the DataLoaders handed to laplace-torch and of prediction.
+    info : dict, optional
+        If given, receives ``"prior_precision"`` (the value used) and ``"link_approx"``.
+
+    Returns
+    -------
+    list of Tensor of shape (N_i, C)
+        Probabilities, one tensor per entry of ``test_inputs``, on ``net_map``'s device.
+
+    Raises
+    ------
+    ImportError
+        laplace-torch does not import here (the reason and the install command are in the message).
+    TypeError, ValueError
+        Malformed data or options.
+
+    Notes
+    -----
+    Cost: one pass over the training data for the KFAC factors (features ``A`` of
+    size (H, H) and output Hessians ``G`` of size (C, C), H the last hidden width),
+    eigendecompositions of both, then O(H² + C²) per test input.
+
+    References
+    ----------
+    Daxberger, E., Kristiadi, A., Immer, A., Eschenhagen, R., Bauer, M. & Hennig, P. (2021).
+    Laplace Redux -- Effortless Bayesian Deep Learning. NeurIPS.
+    Ritter, H., Botev, A. & Barber, D. (2018). A Scalable Laplace Approximation for Neural Networks. ICLR.
+    MacKay, D. J. C. (1992). The evidence framework applied to classification networks. Neural Computation.
+    """
+    caller = "laplace_probs"
+    laplace = _require("laplace", caller)
+    x_tr, y_tr = _check_xy(caller, "train_xy", train_xy)
+    inputs = _check_inputs(caller, test_inputs)
+    if prior_method not in ("marglik", "gridsearch"):
+        raise ValueError(f"{caller}: prior_method must be 'marglik' or 'gridsearch', got {prior_method!r}.")
+    if link_approx not in ("probit", "mc"):
+        raise ValueError(f"{caller}: link_approx must be 'probit' or 'mc', got {link_approx!r}.")
+    if prior_precision is not None and not (math.isfinite(prior_precision) and prior_precision > 0):
+        raise ValueError(f"{caller}: prior_precision must be a finite number > 0 or None, got {prior_precision!r}.")
+    _check_positive_int(caller, "n_samples", n_samples)
+    _check_positive_int(caller, "batch_size", batch_size)
+    val_loader = None
+    if prior_precision is None and prior_method == "gridsearch":
+        if val_xy is None:
+            raise ValueError(f"{caller}: val_xy is required for prior_method='gridsearch'.")
+        x_va, y_va = _check_xy(caller, "val_xy", val_xy)
+        val_loader = _loader(x_va, y_va, batch_size)
+
+    device, dtype = _device_dtype(net_map)
+    was_training = net_map.training
+    net_map.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            la = laplace.Laplace(
+                net_map,
+                "classification",
+                subset_of_weights="last_layer",
+                hessian_structure="kron",
+                prior_precision=1.0 if prior_precision is None else float(prior_precision),
+            )
+            la.fit(_loader(x_tr.to(device, dtype), y_tr.to(device), batch_size))
+            if prior_precision is None:
+                with warnings.catch_warnings():  # a reminder to pass link_approx, which we do
+                    warnings.filterwarnings("ignore", message="By default `link_approx` is `probit`")
+                    la.optimize_prior_precision(
+                        pred_type="glm",
+                        method=prior_method,
+                        val_loader=val_loader,
+                        link_approx=link_approx,
+                        n_samples=n_samples,
+                    )
+            out = []
+            for x in inputs:
+                x = x.to(device, dtype)
+                probs = [
+                    la(x[i : i + batch_size], pred_type="glm", link_approx=link_approx, n_samples=n_samples).detach()
+                    for i in range(0, x.shape[0], batch_size)
+                ]
+                out.append(torch.cat(probs) if probs else torch.empty(0, la.n_outputs, device=device, dtype=dtype))
+    finally:
+        net_map.train(was_training)
+    if info is not None:
+        info["prior_precision"] = la.prior_precision.detach().cpu().reshape(-1).tolist()
+        info["link_approx"] = link_approx
+    return out
+
+
+def _ivon_train(ivon, make_net, x, y, epochs, batch_size, lr, seed, hess_init, beta2, weight_decay):
+    """Train ``make_net()`` from scratch with IVON; returns (net, optimizer)."""
+    torch.manual_seed(seed)
+    net = make_net()
+    device, dtype = _device_dtype(net)
+    x, y = x.to(device, dtype), y.to(device)
+    opt = ivon.IVON(
+        net.parameters(), lr=lr, ess=float(x.shape[0]), hess_init=hess_init,
+        beta1=0.9, beta2=beta2, weight_decay=weight_decay, mc_samples=1,
+    )
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
+    loader = _loader(x, y, batch_size, shuffle=True, seed=seed)
+    net.train()
+    for _ in range(epochs):
+        for xb, yb in loader:
+            with opt.sampled_params(train=True):
+                opt.zero_grad()
+                F.cross_entropy(net(xb), yb).backward()
+            opt.step()
+        sched.step()
+    net.eval()
+    return net, opt
+
+
+@torch.no_grad()
+def _ivon_predict(net, opt, inputs, num_samples) -> List[Tensor]:
+    device, dtype = _device_dtype(net)
+    inputs = [x.to(device, dtype) for x in inputs]
+    draws = [[] for _ in inputs]
+    for _ in range(num_samples):
+        with opt.sampled_params():
+            for k, x in enumerate(inputs):
+                logits = torch.cat([net(x[i : i + _EVAL_BATCH]) for i in range(0, x.shape[0], _EVAL_BATCH)])
+                draws[k].append(F.softmax(logits, dim=-1))
+    return [torch.stack(d) for d in draws]
+
+
+def ivon_probs(
+    make_net: Callable[[], nn.Module],
+    train_xy: Tuple[Tensor, Tensor],
+    val_xy: Optional[Tuple[Tensor, Tensor]],
+    test_inputs: Sequence[Tensor],
+    epochs: int,
+    batch_size: int,
+    seed: int = 0,
+    num_samples: int = 30,
+    lr: Optional[float] = None,
+    *,
+    lr_grid: Sequence[float] = IVON_LR_GRID,
+    hess_init: float = 0.5,
+    beta2: float = 0.99999,
+    weight_decay: float = 1e-4,
+    info: Optional[dict] = None,
+) -> List[Tensor]:
+    r"""Predictive samples of a network trained from scratch by IVON (ivon-opt).
+
+    IVON learns a diagonal Gaussian :math:`q(\theta) = N(m, \operatorname{diag}(1 / (\lambda (h + \delta))))`
+    by natural-gradient variational learning, with :math:`\lambda` = ``ess`` the
+    number of training points, :math:`h` a running Hessian estimate (initial value
+    ``hess_init``, decay ``beta2``) and :math:`\delta` = ``weight_decay``; the
+    predictive is averaged over ``num_samples`` weight draws.
+
+    Parameters
+    ----------
+    make_net : callable
+        Returns a fresh network (N, ...) -> logits (N, C); called once per learning
+        rate tried, under ``torch.manual_seed(seed)``.
+    train_xy : (Tensor of shape (N, ...), Tensor of shape (N,))
+        Training inputs and integer labels.
+    val_xy : (Tensor, Tensor) or None
+        Validation part, used to choose ``lr`` from ``lr_grid`` when ``lr`` is None
+        (the validation NLL of the model average of ``num_samples`` draws).
+    test_inputs : list of Tensor of shape (N_i, ...)
+        Inputs to predict.
+    epochs, batch_size : int
+        Training length (a cosine-annealed learning rate over ``epochs``) and mini-batch size.
+    seed : int, default 0
+        Seeds initialisation, batch order and weight draws (torch's global state is restored after the call).
+    num_samples : int, default 30
+        Weight draws per prediction.
+    lr : float, optional
+        IVON's learning rate; None chooses it on ``val_xy`` (0.1, the README's value, if ``val_xy`` is None).
+    lr_grid : sequence of float, default (0.05, 0.1, 0.2)
+        Learning rates tried when ``lr`` is None.
+    hess_init, beta2, weight_decay : float
+        IVON's initial Hessian, Hessian decay and weight decay (the authors' small-network values).
+    info : dict, optional
+        If given, receives ``"lr"`` (the rate used) and ``"val_nll"`` ({rate: NLL} of those tried).
+
+    Returns
+    -------
+    list of Tensor of shape (num_samples, N_i, C)
+        Softmax probabilities of each weight draw, one tensor per entry of ``test_inputs``.
+
+    Raises
+    ------
+    ImportError
+        ivon-opt does not import here.
+    TypeError, ValueError
+        Malformed data or options.
+
+    Notes
+    -----
+    Cost: ``epochs`` passes over the training data per learning rate tried (a little
+    more than SGD: one extra vector of the size of the weights), then
+    ``num_samples`` forward passes per input.
+
+    References
+    ----------
+    Shen, Y., Daheim, N., Cong, B., Nickl, P., Marconi, G. M., Bazan, C., Yokota, R., Gurevych, I.,
+    Cremers, D., Khan, M. E. & Möllenhoff, T. (2024). Variational learning is effective for large
+    deep networks. ICML.
+    """
+    caller = "ivon_probs"
+    ivon = _require("ivon", caller)
+    x_tr, y_tr = _check_xy(caller, "train_xy", train_xy)
+    inputs = _check_inputs(caller, test_inputs)
+    _check_positive_int(caller, "epochs", epochs)
+    _check_positive_int(caller, "batch_size", batch_size)
+    _check_positive_int(caller, "num_samples", num_samples)
+    if lr is not None:
+        grid = [lr]
+    elif val_xy is None:
+        grid = [0.1]
+    else:
+        grid = list(lr_grid)
+    if not grid or not all(isinstance(r, (int, float)) and math.isfinite(r) and r > 0 for r in grid):
+        raise ValueError(
+            f"{caller}: lr and lr_grid must hold finite numbers > 0, got lr={lr!r}, lr_grid={lr_grid!r}."
+        )
+
+    train = functools.partial(
+        _ivon_train, ivon, make_net, x_tr, y_tr, epochs, batch_size,
+        seed=seed, hess_init=hess_init, beta2=beta2, weight_decay=weight_decay,
+    )
+    fork = [torch.device("cuda")] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=fork):
+        if len(grid) == 1:
+            net, opt = train(lr=grid[0])
+            best_lr, val_nll = grid[0], {}
+        else:
+            x_va, y_va = _check_xy(caller, "val_xy", val_xy)
+            best, val_nll = None, {}
+            for rate in grid:
+                net, opt = train(lr=rate)
+                torch.manual_seed(seed)
+                (p_val,) = _ivon_predict(net, opt, [x_va], num_samples)
+                p_bma = p_val.mean(0).gather(1, y_va.to(p_val.device)[:, None]).squeeze(1)
+                val_nll[rate] = float(-p_bma.clamp_min(torch.finfo(p_bma.dtype).tiny).log().mean())
+                if best is None or val_nll[rate] < val_nll[best[0]]:
+                    best = (rate, net, opt)
+            best_lr, net, opt = best
+        torch.manual_seed(seed + 1)
+        out = _ivon_predict(net, opt, inputs, num_samples)
+    if info is not None:
+        info["lr"] = best_lr
+        info["val_nll"] = val_nll
+    return out

@@ -1,0 +1,196 @@
+"""The peer methods of ``pyro-fa classify``: laplace-torch's last-layer KFAC Laplace and IVON.
+
+Each test needs its package (the ``peers`` extra) and skips cleanly when it does not import. The
+problem: three Gaussian blobs in 2-D (300 training points), a 2-32-3 tanh MLP trained
+to MAP by full-batch Adam in well under a second.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyro_fa.experiments import _classify_peers as peers
+
+
+def _need(key):
+    """Skip unless the peer imports: like ``pytest.importorskip``, but also for an installed package that fails
+    to import (e.g. RuntimeError from a torchvision wheel that does not match torch), which importorskip lets through."""
+    reason = peers.unavailable_reasons()[key]
+    if reason is not None:
+        pytest.skip(f"{key} does not import ({reason}); install the `peers` extra")
+
+
+def _blobs(n, generator):
+    centers = torch.tensor([[0.0, 2.0], [2.0, -1.0], [-2.0, -1.0]])
+    y = torch.randint(0, 3, (n,), generator=generator)
+    return centers[y] + 1.2 * torch.randn(n, 2, generator=generator), y
+
+
+def _make_net():
+    return nn.Sequential(nn.Linear(2, 32), nn.Tanh(), nn.Linear(32, 3))
+
+
+@pytest.fixture(scope="module")
+def problem():
+    g = torch.Generator().manual_seed(0)
+    train, val, test = _blobs(300, g), _blobs(100, g), _blobs(200, g)
+    far = 6.0 * torch.randn(50, 2, generator=g)  # mostly away from the data
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        net = _make_net()
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2, weight_decay=1e-4)
+        for _ in range(300):
+            opt.zero_grad()
+            F.cross_entropy(net(train[0]), train[1]).backward()
+            opt.step()
+    return {"train": train, "val": val, "test": test, "far": far, "net": net}
+
+
+def _assert_probs(p, shape):
+    assert p.shape == shape
+    assert torch.isfinite(p).all() and (p >= 0).all()
+    torch.testing.assert_close(p.sum(-1), torch.ones(shape[:-1], dtype=p.dtype), atol=1e-5, rtol=0)
+
+
+def test_available_reports_booleans_and_reasons():
+    flags, reasons = peers.available(), peers.unavailable_reasons()
+    assert set(flags) == set(reasons) == {"laplace", "ivon"}
+    assert all(isinstance(v, bool) for v in flags.values())
+    assert all(flags[k] == (reasons[k] is None) for k in flags)
+
+
+def test_missing_package_is_reported_not_raised(monkeypatch, problem):
+    monkeypatch.setitem(peers._MODULES, "laplace", "pyro_fa_no_such_module")
+    peers._import_error.cache_clear()
+    try:
+        assert peers.available()["laplace"] is False
+        assert "ModuleNotFoundError" in peers.unavailable_reasons()["laplace"]
+        with pytest.raises(ImportError, match="laplace_probs: the package for 'laplace' does not import.*--no-deps"):
+            peers.laplace_probs(problem["net"], problem["train"], problem["val"], [problem["test"][0]])
+    finally:
+        monkeypatch.undo()
+        peers._import_error.cache_clear()
+
+
+# --------------------------------------------------------------------------- Laplace
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_laplace_probs_shapes_widening_and_map_limit(problem, dtype):
+    _need("laplace")
+    net = copy.deepcopy(problem["net"]).to(dtype)
+    (x_te, y_te) = problem["test"]
+    params_before = [p.detach().clone() for p in net.parameters()]
+    net.train()
+    info = {}
+    p_te, p_far = peers.laplace_probs(net, problem["train"], problem["val"], [x_te, problem["far"]], info=info)
+    _assert_probs(p_te, (200, 3))
+    _assert_probs(p_far, (50, 3))
+    assert p_te.dtype == dtype
+    assert info["link_approx"] == "probit" and info["prior_precision"][0] > 0
+    # the caller's network is left as it was
+    assert net.training
+    assert all(torch.equal(a, b) for a, b in zip(params_before, net.parameters()))
+
+    with torch.no_grad():
+        p_map = F.softmax(net(x_te.to(dtype)), -1)
+    assert (p_te.argmax(1) == y_te).float().mean() > 0.7
+    # Laplace widens: its predictive is less confident than the MAP's softmax, on average
+    assert p_te.max(1).values.mean() < p_map.max(1).values.mean() - 0.01
+    # ... and a huge prior precision shrinks the posterior onto the MAP
+    (p_sharp,) = peers.laplace_probs(net, problem["train"], problem["val"], [x_te], prior_precision=1e8)
+    torch.testing.assert_close(p_sharp, p_map, atol=1e-4, rtol=0)
+
+
+def test_laplace_probs_mc_and_gridsearch(problem):
+    _need("laplace")
+    args = (problem["net"], problem["train"], problem["val"], [problem["test"][0]])
+    (p_mc,) = peers.laplace_probs(*args, link_approx="mc", n_samples=50)
+    _assert_probs(p_mc, (200, 3))
+    (p_mc2,) = peers.laplace_probs(*args, link_approx="mc", n_samples=50)
+    torch.testing.assert_close(p_mc, p_mc2)  # seeded
+    info = {}
+    (p_grid,) = peers.laplace_probs(*args, prior_method="gridsearch", info=info)
+    _assert_probs(p_grid, (200, 3))
+    assert 1e-4 <= info["prior_precision"][0] <= 1e4
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"prior_method": "cv"}, ValueError, "prior_method must be 'marglik' or 'gridsearch', got 'cv'"),
+        ({"link_approx": "bridge"}, ValueError, "link_approx must be 'probit' or 'mc', got 'bridge'"),
+        ({"prior_precision": 0.0}, ValueError, "prior_precision must be a finite number > 0 or None, got 0.0"),
+        ({"n_samples": 0}, ValueError, "n_samples must be a positive integer, got 0"),
+        ({"batch_size": 2.5}, ValueError, "batch_size must be a positive integer, got 2.5"),
+    ],
+)
+def test_laplace_probs_refuses_bad_options(problem, kwargs, error, match):
+    _need("laplace")
+    with pytest.raises(error, match=f"laplace_probs: {match}"):
+        peers.laplace_probs(problem["net"], problem["train"], problem["val"], [problem["test"][0]], **kwargs)
+
+
+def test_laplace_probs_refuses_bad_data(problem):
+    _need("laplace")
+    net, (x, y), x_te = problem["net"], problem["train"], [problem["test"][0]]
+    with pytest.raises(TypeError, match="train_xy must be a pair"):
+        peers.laplace_probs(net, x, None, x_te)
+    with pytest.raises(ValueError, match=r"train_xy must be X of shape \(N, ...\) and integer labels y of shape"):
+        peers.laplace_probs(net, (x, y[:, None]), None, x_te)
+    with pytest.raises(TypeError, match="train_xy's labels must be an integer tensor, got torch.float32"):
+        peers.laplace_probs(net, (x, y.float()), None, x_te)
+    with pytest.raises(TypeError, match="test_inputs must be a list of tensors"):
+        peers.laplace_probs(net, (x, y), None, x_te[0])
+    with pytest.raises(ValueError, match="val_xy is required for prior_method='gridsearch'"):
+        peers.laplace_probs(net, (x, y), None, x_te, prior_method="gridsearch")
+
+
+# --------------------------------------------------------------------------- IVON
+
+
+def test_ivon_probs_samples_and_accuracy(problem):
+    _need("ivon")
+    x_te, y_te = problem["test"]
+    state = torch.random.get_rng_state()
+    info = {}
+    p_te, p_far = peers.ivon_probs(
+        _make_net, problem["train"], problem["val"], [x_te, problem["far"]],
+        epochs=30, batch_size=32, num_samples=8, info=info,
+    )
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's generator is untouched
+    _assert_probs(p_te, (8, 200, 3))
+    _assert_probs(p_far, (8, 50, 3))
+    assert info["lr"] in peers.IVON_LR_GRID and set(info["val_nll"]) == set(peers.IVON_LR_GRID)
+    assert (p_te.mean(0).argmax(1) == y_te).float().mean() > 0.7  # chance is 1/3
+    assert (p_te.std(0) > 0).any()  # the draws differ
+
+
+def test_ivon_probs_fixed_lr_is_reproducible(problem):
+    _need("ivon")
+    args = (_make_net, problem["train"], None, [problem["test"][0]])
+    info = {}
+    (a,) = peers.ivon_probs(*args, epochs=5, batch_size=64, num_samples=3, lr=0.1, info=info)
+    (b,) = peers.ivon_probs(*args, epochs=5, batch_size=64, num_samples=3, lr=0.1)
+    assert info == {"lr": 0.1, "val_nll": {}}
+    torch.testing.assert_close(a, b)
+    (c,) = peers.ivon_probs(*args, epochs=5, batch_size=64, num_samples=3, lr=0.1, seed=1)
+    assert not torch.equal(a, c)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"epochs": 0}, "epochs must be a positive integer, got 0"),
+        ({"num_samples": -1}, "num_samples must be a positive integer, got -1"),
+        ({"lr": -0.1}, r"lr and lr_grid must hold finite numbers > 0, got lr=-0.1"),
+        ({"lr_grid": ()}, r"lr and lr_grid must hold finite numbers > 0, got lr=None, lr_grid=\(\)"),
+    ],
+)
+def test_ivon_probs_refuses_bad_options(problem, kwargs, match):
+    _need("ivon")
+    base = {"epochs": 1, "batch_size": 32}
+    with pytest.raises(ValueError, match=f"ivon_probs: {match}"):
+        peers.ivon_probs(_make_net, problem["train"], problem["val"], [problem["test"][0]], **{**base, **kwargs})
