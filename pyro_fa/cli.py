@@ -18,6 +18,7 @@ EXPERIMENTS = {
     "sgd-iterates": "pyro_fa.experiments.sgd_iterates",
     "linreg-ensembles": "pyro_fa.experiments.linreg_ensembles",
     "uci": "pyro_fa.experiments.uci",
+    "classify": "pyro_fa.experiments.classify",
 }
 
 _HELP = {
@@ -27,6 +28,8 @@ _HELP = {
     "sgd-iterates": "Seed 000 Table 6.1, Figs. 6.1-6.2: SGD iterates vs the exact 2-D linear-regression posterior.",
     "linreg-ensembles": "Seed 000 Table A.1: pre-trained, SWA, SGA-FA and EM-FA ensembles of linear regression on UCI.",
     "uci": "The UCI Bayesian-neural-network benchmark: VIFA / VIPPCA vs Pyro's guides and SWAG on the standard splits.",
+    "classify": "Classification on MNIST-1D and digits: calibration and OOD detection of SWAG, MultiSWAG, VIFA, "
+                "deep ensembles, MC dropout, Laplace and IVON.",
 }
 
 
