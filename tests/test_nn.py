@@ -9,7 +9,7 @@ from pyro.optim import Adam
 from pyro_fa import FactorELBO, GaussianPrior, LaplacePrior, metrics
 from pyro_fa.nn import BayesianNetwork
 
-from conftest import DEVICES
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _loader(x, y, batch=50):
