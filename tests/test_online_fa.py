@@ -290,7 +290,7 @@ def test_constructor_errors():
         OnlineFactorAnalysis(5, 2, init_scale=-1.0)
     with pytest.raises(ValueError, match=r"min_variance must be in \(0, 1\)"):
         OnlineFactorAnalysis(5, 2, min_variance=0.0)
-    with pytest.raises(TypeError, match="dtype must be a floating-point dtype"):
+    with pytest.raises(TypeError, match="dtype must be torch.float32 or torch.float64"):
         OnlineFactorAnalysis(5, 2, dtype=torch.int64)
 
 

@@ -360,3 +360,26 @@ def test_divergence_guard_lets_a_run_that_changed_regime_back_in():
                 first_refusal = swag2.n_collected
     assert first_refusal is not None and swag2.n_collected == first_refusal
     assert torch.isfinite(swag2.cov_diag).all()
+
+
+def test_attach_twice_and_half_precision_refused():
+    net = nn.Linear(3, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    swag = SWAG(net, rank=1, method="swag")
+    handle = swag.attach(opt)
+    with pytest.raises(ValueError, match=r"SWAG: optimizer must not be attached twice"):
+        swag.attach(opt)
+    for _ in range(5):
+        opt.zero_grad()
+        net(torch.randn(4, 3)).sum().backward()
+        opt.step()
+    assert swag.n_collected == 5
+    handle.remove()
+    swag.attach(opt)  # after remove() it may be attached again
+    opt.step()
+    assert swag.n_collected == 6
+    for dtype in (torch.float16, torch.bfloat16):
+        with pytest.raises(TypeError, match=r"OnlineFactorAnalysis: dtype must be torch.float32 or torch.float64"):
+            OnlineFactorAnalysis(4, 1, dtype=dtype)
+        with pytest.raises(TypeError, match=r"SWAG: parameters must be float32 or float64, got '0' of dtype"):
+            SWAG([torch.zeros(4, dtype=dtype)], rank=1)

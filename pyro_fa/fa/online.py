@@ -265,8 +265,11 @@ class OnlineFactorAnalysis(nn.Module):
         if not (isinstance(min_variance, (int, float)) and 0 < min_variance < 1):
             raise ValueError(f"{name}: min_variance must be in (0, 1), got {min_variance!r}.")
         dtype = dtype or torch.get_default_dtype()
-        if not dtype.is_floating_point:
-            raise TypeError(f"{name}: dtype must be a floating-point dtype, got {dtype!r}.")
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(
+                f"{name}: dtype must be torch.float32 or torch.float64, got {dtype!r}. Half precision cannot hold "
+                "the factor's statistics (nor factorise them on the CPU): fit a float32 copy of the vectors."
+            )
         device = torch.device(device) if device is not None else torch.device("cpu")
 
         self.dim = dim

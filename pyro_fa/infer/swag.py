@@ -338,8 +338,10 @@ class SWAG(nn.Module):
                     f"{cls}: parameters must be leaf tensors (what an optimizer updates), got a non-leaf "
                     f"tensor {name!r} produced by {type(p.grad_fn).__name__}. Pass the tensors the optimizer holds."
                 )
-            if not p.dtype.is_floating_point:
-                raise TypeError(f"{cls}: parameters must be floating point, got {name!r} of dtype {p.dtype}.")
+            if p.dtype not in (torch.float32, torch.float64):
+                raise TypeError(f"{cls}: parameters must be float32 or float64, got {name!r} of dtype {p.dtype}. "
+                                "For a half-precision model, follow float32 master weights (e.g. those of "
+                                "torch.autocast training) instead.")
         dtypes = {p.dtype for p in tensors}
         devices = {p.device for p in tensors}
         if len(dtypes) > 1:
@@ -552,7 +554,16 @@ class SWAG(nn.Module):
                 f"{type(self).__name__}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}. "
                 "With pyro.optim, call swag.step() after each svi.step(...)."
             )
-        return optimizer.register_step_post_hook(lambda opt, args, kwargs: self.step())
+        attached = self.__dict__.setdefault("_attached", {})
+        live = attached.get(id(optimizer))
+        if live is not None and live[1].id in getattr(optimizer, "_optimizer_step_post_hooks", {}):
+            raise ValueError(
+                f"{type(self).__name__}: optimizer must not be attached twice (every step would be collected twice), "
+                "got one that is attached already. Call handle.remove() on the first handle to attach again."
+            )
+        handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: self.step())
+        attached[id(optimizer)] = (optimizer, handle)
+        return handle
 
     # ---------------------------------------------------------------- posterior
     @property
