@@ -104,8 +104,11 @@ class BayesianNetwork:
                 raise ValueError(
                     f"BayesianNetwork: noise_scale must be None for likelihood={likelihood!r}, got {noise_scale!r}."
                 )
-            if isinstance(noise_scale, bool) or not isinstance(noise_scale, numbers.Real) or not noise_scale > 0:
-                raise ValueError(f"BayesianNetwork: noise_scale must be a positive float, got {noise_scale!r}.")
+            if (isinstance(noise_scale, bool) or not isinstance(noise_scale, numbers.Real)
+                    or not (math.isfinite(noise_scale) and noise_scale > 0)):
+                raise ValueError(f"BayesianNetwork: noise_scale must be a positive finite float, got {noise_scale!r}.")
+        if isinstance(num_particles, bool) or not isinstance(num_particles, numbers.Integral) or num_particles < 1:
+            raise ValueError(f"BayesianNetwork: num_particles must be an integer >= 1, got {num_particles!r}.")
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"BayesianNetwork: name must be a non-empty str, got {name!r}.")
         if name is None:
@@ -193,7 +196,10 @@ class BayesianNetwork:
                     x, y = x.to(device), y.to(device)
                 total += svi.step(x, y, dataset_size=dataset_size)
                 batches += 1
-            history.append(total / max(batches, 1))
+            if batches == 0:
+                raise ValueError("BayesianNetwork.fit: loader must yield at least one (x, y) batch, got none; "
+                                 "nothing was trained.")
+            history.append(total / batches)
             bar.set_postfix(loss=f"{history[-1]:.4g}")
         self._fitted = True
         return history

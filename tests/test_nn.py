@@ -78,7 +78,9 @@ def test_classification_bernoulli_and_categorical():
         ({"net": 3}, TypeError, r"BayesianNetwork: net must be a torch\.nn\.Module, got 3\."),
         ({"prior": 1.0}, TypeError, r"BayesianNetwork: prior must be a GaussianPrior or LaplacePrior, got 1\.0\."),
         ({"likelihood": "poisson"}, ValueError, r"BayesianNetwork: likelihood must be one of .*, got 'poisson'\."),
-        ({"noise_scale": -1.0}, ValueError, r"BayesianNetwork: noise_scale must be a positive float, got -1\.0\."),
+        ({"noise_scale": -1.0}, ValueError, r"BayesianNetwork: noise_scale must be a positive finite float, got -1\.0\."),
+        ({"noise_scale": float("inf")}, ValueError, r"BayesianNetwork: noise_scale must be a positive finite float, got inf\."),
+        ({"num_particles": 0}, ValueError, r"BayesianNetwork: num_particles must be an integer >= 1, got 0\."),
         ({"likelihood": "bernoulli", "noise_scale": 1.0}, ValueError, r"BayesianNetwork: noise_scale must be None for likelihood='bernoulli', got 1\.0\."),
     ],
 )
@@ -303,3 +305,12 @@ def test_learned_noise_must_be_in_the_param_store():
     with pytest.raises(RuntimeError, match=r"BayesianNetwork\.evaluate: the learned noise scale must be in Pyro's "
                                            r"param store as 'noisy\.noise_scale', got none there"):
         bnn.evaluate(x, y, num_samples=2)
+
+
+def test_fit_on_an_empty_loader_and_zero_particles_refused():
+    net = torch.nn.Linear(2, 1)
+    bnn = BayesianNetwork(net, GaussianPrior(1.0), noise_scale=0.1, name="empty_loader")
+    with pytest.raises(ValueError, match=r"BayesianNetwork.fit: loader must yield at least one \(x, y\) batch"):
+        bnn.fit([], Adam({"lr": 0.01}), epochs=1, progress=False)
+    with pytest.raises(ValueError, match=r"FactorELBO: num_particles must be an integer >= 1, got 0"):
+        FactorELBO(num_particles=0)

@@ -287,6 +287,8 @@ class FactorELBO(ELBO):
     ):
         if sampling not in _SAMPLING:
             raise ValueError(f"FactorELBO: sampling must be one of {_SAMPLING}, got {sampling!r}.")
+        if isinstance(num_particles, bool) or not isinstance(num_particles, int) or num_particles < 1:
+            raise ValueError(f"FactorELBO: num_particles must be an integer >= 1, got {num_particles!r}.")
         if sampling == "spherical-radial" and not (vectorize_particles and num_particles > 1):
             raise ValueError(
                 "FactorELBO: sampling='spherical-radial' couples the particles of one vectorised draw, "
