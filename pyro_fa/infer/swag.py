@@ -183,6 +183,27 @@ class SWAG(nn.Module):
     vector of length :math:`D` for flattening (and one for the window). Time
     per collection: :math:`O(DK^2)` for EM / SGA, :math:`O(D)` for classic SWAG.
     No :math:`D\times D` matrix is formed, and sampling works on any device.
+    The running moments are kept in float64 (two more vectors of length
+    :math:`D`), so float32 weights are collected exactly.
+
+    A collection recipe that gives a spread worth sampling (Maddox et al. 2019,
+    Algorithm 1; the one ``pyro-fa classify`` and the calibration tutorial use):
+    train to a good point, then hold the learning rate at a constant, fairly high
+    value with ``torch.optim.swa_utils.SWALR`` and collect once per epoch
+    (``start_after`` = pre-training steps, ``collect_every`` = steps per epoch); a run
+    with fewer collections than ``warmup`` ends its warm-up when the posterior is
+    first used. Then choose :attr:`scale` with :meth:`tune_scale` on validation data,
+    and the collection rate too where it is cheap::
+
+        swag = SWAG(net, rank=10, start_after=75 * steps_per_epoch, collect_every=steps_per_epoch)
+        swag.attach(opt)
+        swa_sched = SWALR(opt, swa_lr=3e-3, anneal_epochs=1)   # from epoch 75 on, step it per batch
+        ...                                                     # train
+        swag.tune_scale(x_val, y_val)                           # logits; "gaussian" for regression
+
+    Measured with ``pyro-fa classify`` (README): the tuned SWAG-EM halves or better
+    SWA's NLL and ECE on MNIST-1D, and gives SWA back on digits, where the
+    validation log-likelihood is flat in the scale.
 
     References
     ----------
