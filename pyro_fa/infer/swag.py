@@ -201,9 +201,9 @@ class SWAG(nn.Module):
         ...                                                     # train
         swag.tune_scale(x_val, y_val)                           # logits; "gaussian" for regression
 
-    Measured with ``pyro-fa classify`` (README): the tuned SWAG-EM halves or better
-    SWA's NLL and ECE on MNIST-1D, and gives SWA back on digits, where the
-    validation log-likelihood is flat in the scale.
+    Measured with ``pyro-fa classify`` (README): the tuned SWAG-EM lowers SWA's NLL
+    by 16–25 % and its ECE 2.4–4 times on MNIST-1D, and gives SWA back on digits,
+    where the validation log-likelihood is flat in the scale.
 
     References
     ----------
