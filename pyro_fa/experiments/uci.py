@@ -538,7 +538,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--report-only", action="store_true",
                         help="only rebuild the table and figures from the result files of earlier runs")
     parser.add_argument("--fresh", action="store_true",
-                        help="recompute units whose result file exists (default: reuse those of the same budget)")
+                        help="recompute units whose result file exists (default: reuse those of the same budget, "
+                             "seed, splits and, for the SWAG family, methods; unreadable ones are trained again)")
 
 
 def _budget(args) -> Budget:
@@ -573,21 +574,94 @@ def _units(names: Sequence[str], method_names: Sequence[str]) -> List[Tuple[str,
     return [(d, u) for d in dict.fromkeys(names) for u in units]
 
 
-def _unit_path(out_dir, dataset: str, unit: str) -> Path:
-    return Path(out_dir) / "units" / f"{dataset}__{unit}.json"
+#: bumped whenever a change to the protocol changes what a unit computes: older unit files are then not reused.
+#: 1: the protocol of the unit files without a ``key`` (named ``<dataset>__<unit>.json``), still read.
+UNIT_PROTOCOL = 1
+#: what every unit file holds (a file without them is not a unit, and is ignored with a warning); files
+#: written since units are keyed also hold ``key`` (see :func:`_unit_key`)
+_UNIT_FIELDS = {"dataset": str, "unit": str, "n_splits": int, "budget": dict, "seed": int, "device": str,
+                "wall_seconds": (int, float), "cpu_seconds": (int, float), "methods": dict}
 
 
-def _same_run(record: dict, budget: Budget, n_splits: Optional[int], seed: int) -> bool:
+def _run_key(budget: Budget, splits_n: Optional[int], seed: int) -> dict:
+    """What determines a unit's results besides its dataset and methods (JSON-normalised)."""
     import json
     from dataclasses import asdict
 
-    return (record.get("budget") == json.loads(json.dumps(asdict(budget))) and record.get("seed") == seed
-            and (n_splits is None or record.get("n_splits") == n_splits))
+    return json.loads(json.dumps({"protocol": UNIT_PROTOCOL, "budget": asdict(budget), "seed": seed,
+                                  "splits": splits_n}))
+
+
+def _unit_key(run_key: dict, dataset: str, unit: str, method_names: Sequence[str]) -> dict:
+    """Everything a unit's results depend on: the run's key, the dataset and the unit's methods (the SWAG
+    family's columns share their fits, so its set of methods is part of its key)."""
+    methods = sorted(m for m in method_names if METHODS[m].swag is not None) if unit == "swag-family" else [unit]
+    return {**run_key, "dataset": dataset, "unit": unit, "methods": methods}
+
+
+def _unit_path(out_dir, key: dict) -> Path:
+    """``<out_dir>/units/<dataset>__<unit>__<hash of the key>.json``: runs of other budgets, seeds, splits or
+    SWAG method sets keep their own files in the same folder."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(out_dir) / "units" / f"{key['dataset']}__{key['unit']}__{digest}.json"
+
+
+def _legacy_path(out_dir, dataset: str, unit: str) -> Path:
+    """Where unit files were written before their names carried their key."""
+    return Path(out_dir) / "units" / f"{dataset}__{unit}.json"
+
+
+def _legacy_key(record: dict, data_dir=None) -> dict:
+    """The key of a unit file written before units were keyed (protocol 1): its splits are "all" (None) when
+    it holds every standard split of its dataset, or when that count cannot be read here."""
+    import json
+
+    splits: Optional[int] = record["n_splits"]
+    try:
+        if uci_n_splits(record["dataset"], data_dir) == splits:
+            splits = None
+    except (OSError, ValueError, KeyError):
+        splits = None
+    methods = sorted(record["methods"]) if record["unit"] == "swag-family" else [record["unit"]]
+    return json.loads(json.dumps({"protocol": 1, "budget": record["budget"], "seed": record["seed"],
+                                  "splits": splits, "dataset": record["dataset"], "unit": record["unit"],
+                                  "methods": methods}))
+
+
+def read_unit(path, data_dir=None) -> Optional[dict]:
+    """The record of a unit file, or None (with a warning naming the file) when it is not a readable unit
+    file: empty, truncated, not JSON, not UTF-8, or a JSON file of another kind. A file written before
+    units were keyed gets its key from its content (:func:`_legacy_key`)."""
+    import json
+    import warnings
+
+    try:
+        record = json.loads(Path(path).read_bytes().decode("utf-8"))
+        if not isinstance(record, dict):
+            raise ValueError(f"a JSON {type(record).__name__}, not an object")
+        missing = [k for k, t in _UNIT_FIELDS.items() if not isinstance(record.get(k), t)]
+        if missing or not isinstance(record.get("key", {}), dict):
+            raise ValueError(f"no valid {', '.join(missing or ['key'])}")
+        if "key" not in record:
+            record["key"] = _legacy_key(record, data_dir)
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        warnings.warn(f"pyro-fa uci: ignoring {path}, which is not a readable unit file ({err}); its unit, "
+                      "if this run asks for it, is trained again.", stacklevel=2)
+        return None
+    return record
+
+
+def _same_run(record: Optional[dict], key: dict) -> bool:
+    return record is not None and record.get("key") == key
 
 
 def run_unit(dataset: str, unit: str, method_names: Sequence[str], budget: Budget, splits_n: Optional[int], data_dir,
              device: str, seed: int, threads: int, out_dir: str, progress: bool = True) -> dict:
-    """One VI method, or the SWAG family, on one dataset; writes ``<out_dir>/units/<dataset>__<unit>.json``."""
+    """One VI method, or the SWAG family, on one dataset; writes ``<out_dir>/units/<dataset>__<unit>__<key>.json``
+    (see :func:`_unit_path`)."""
     from dataclasses import asdict
 
     from tqdm.auto import tqdm
@@ -613,10 +687,11 @@ def run_unit(dataset: str, unit: str, method_names: Sequence[str], budget: Budge
     ll, rmse = mean_se(first["ll"]), mean_se(first["rmse"])
     tqdm.write(f"{dataset:>9} {unit:<22} test LL {ll[0]:7.3f} ± {ll[1]:.3f}   RMSE {rmse[0]:7.3f} ± {rmse[1]:.3f}"
                f"   {wall:6.0f} s")
-    record = {"dataset": dataset, "unit": unit, "n_splits": len(splits), "budget": asdict(budget), "seed": seed,
-              "device": str(device), "threads": threads, "wall_seconds": wall, "cpu_seconds": cpu,
+    key = _unit_key(_run_key(budget, splits_n, seed), dataset, unit, method_names)
+    record = {"dataset": dataset, "unit": unit, "key": key, "n_splits": len(splits), "budget": asdict(budget),
+              "seed": seed, "device": str(device), "threads": threads, "wall_seconds": wall, "cpu_seconds": cpu,
               "methods": results}
-    atomic_write_json(_unit_path(out_dir, dataset, unit), record)
+    atomic_write_json(_unit_path(out_dir, key), record)
     return record
 
 
@@ -669,21 +744,36 @@ def _amount(seconds: float, prefix: str = "") -> str:
     return f"{seconds / 3600:.2f} {prefix}hours" if seconds >= 360 else f"{seconds:.0f} {prefix}seconds"
 
 
-def report(out_dir: str, budget: Budget, names: Sequence[str]) -> dict:
-    """Aggregate the per-dataset files of this budget: results.json, table.md, ll.png, rmse.png."""
-    import json
+def report(out_dir: str, budget: Budget, names: Sequence[str], methods: Optional[Sequence[str]] = None,
+           splits_n: Optional[int] = None, seed: int = 0, data_dir=None) -> dict:
+    """Aggregate the unit files of this budget, seed and splits: results.json, table.md, ll.png, rmse.png.
+
+    Unreadable or stray ``*.json`` files in ``units/`` are ignored with a warning. Where several SWAG-family
+    files of the run match (runs with other ``--methods``), the one of ``methods`` wins.
+    """
     from dataclasses import asdict
 
     from pyro_fa.experiments import _uci_report as rep
     from pyro_fa.experiments._io import atomic_savefig, atomic_write_text
 
     out = Path(out_dir)
-    results, meta = {}, {}
+    run_key = _run_key(budget, splits_n, seed)
+    wanted = [_unit_key(run_key, d, u, methods) for d, u in _units(names, methods or [])]
+    records = []
     for path in sorted((out / "units").glob("*.json")):
-        record = json.loads(path.read_text())
-        if record.get("budget") != json.loads(json.dumps(asdict(budget))) or record["dataset"] not in names:
+        record = read_unit(path, data_dir)
+        if record is None or record["dataset"] not in names:
             continue
-        results.setdefault(record["dataset"], {}).update(record["methods"])
+        if {k: record["key"].get(k) for k in run_key} != run_key:
+            continue
+        records.append((record["key"] in wanted, path.name, record))
+    results, meta = {}, {}
+    for is_wanted, _, record in sorted(records, key=lambda r: (not r[0], r[1])):
+        got = results.setdefault(record["dataset"], {})
+        new = {k: v for k, v in record["methods"].items() if is_wanted or k not in got}
+        if not new:
+            continue
+        got.update(new)
         m = meta.setdefault(record["dataset"], {"n_splits": record["n_splits"], "cpu_seconds": 0.0,
                                                 "cuda_wall_seconds": 0.0, "devices": []})
         # a cell trained on a GPU spends its process time mostly waiting for kernels: count its wall time apart
@@ -696,8 +786,8 @@ def report(out_dir: str, budget: Budget, names: Sequence[str]) -> dict:
     order = {n: i for i, n in enumerate(METHODS)}
     results = {ds: dict(sorted(r.items(), key=lambda kv: order.get(kv[0], 99))) for ds, r in results.items()}
     if not results:
-        raise SystemExit(f"pyro-fa uci: no results of this budget in {out / 'units'}; run without "
-                         "--report-only first.")
+        raise SystemExit(f"pyro-fa uci: no results of this budget in {out / 'units'} (the same --quick, "
+                         "--steps, --tune-splits, --splits and --seed); run without --report-only first.")
     labels = {n: m.label for n, m in METHODS.items()}
     checks = rep.bar_checks(results)
     text = ["# UCI regression benchmark", "", __doc__.split("\n\n", 1)[1].strip(), "",
@@ -737,6 +827,89 @@ def report(out_dir: str, budget: Budget, names: Sequence[str]) -> dict:
     return {"results": results, "bar": checks}
 
 
+def _check_device(device: str) -> None:
+    """Refuse a device that is no torch device, or one that holds no data (``meta``) or is not there."""
+    hint = "e.g. cpu, cuda or cuda:0"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise SystemExit(f"pyro-fa uci: --device must be a torch device, {hint}, got {device!r}.") from None
+    if dev.type == "meta":
+        raise SystemExit(f"pyro-fa uci: --device must be a device that holds data, {hint}, got {device!r} "
+                         "(meta tensors have shapes only).")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"pyro-fa uci: --device {device!r} needs CUDA, which this torch does not see.")
+    try:
+        torch.zeros(1, device=dev).cpu()
+    except (RuntimeError, AssertionError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SystemExit(f"pyro-fa uci: --device must be a device this torch can use, {hint}, got {device!r} "
+                         f"({first}).") from None
+
+
+class _FolderLock:
+    """An exclusive, non-blocking ``flock`` on ``<folder>/.lock``, held while a run uses the folder.
+
+    The lock is the kernel's: it goes with the process, so a killed run leaves no stale lock (the file
+    stays, unlocked). A no-op where ``fcntl`` is missing (Windows).
+    """
+
+    def __init__(self, folder: Path):
+        self.path = folder / ".lock"
+        self.fd: Optional[int] = None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows
+            return self
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            except OSError:
+                holder = ""
+            os.close(fd)
+            raise SystemExit(f"pyro-fa uci: --output-dir {str(self.path.parent)!r} is in use by another "
+                             f"pyro-fa uci run{f' (process {holder})' if holder else ''}, which holds "
+                             f"{str(self.path)!r}; wait for it to end, or choose another --output-dir.") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock
+            self.fd = None
+        return False
+
+
+def _prepare_output(out: Path) -> None:
+    """Create ``out/units`` and check that files can be written there, before any training."""
+    import tempfile
+
+    try:
+        (out / "units").mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out / "units"):
+            pass
+    except OSError as err:
+        raise SystemExit(f"pyro-fa uci: --output-dir must be a folder this process can write to, got "
+                         f"{str(out)!r} ({err.strerror or err}).") from None
+
+
+def _remove_stale_parts(out: Path) -> None:
+    """Remove the ``.part`` temporary files a killed run left (the caller holds the folder's lock)."""
+    for folder in (out, out / "units"):
+        for part in folder.glob(".*.part"):
+            try:
+                part.unlink()
+            except OSError:
+                pass
+
+
 def run(args) -> int:
     budget = _budget(args)
     names = args.datasets or (["yacht"] if args.quick else list(DATASET_ORDER))
@@ -744,8 +917,18 @@ def run(args) -> int:
     splits = args.splits if args.splits is not None else (2 if args.quick else None)
     if args.jobs < 1 or args.threads < 1:
         raise SystemExit(f"pyro-fa uci: --jobs and --threads must be >= 1, got {args.jobs} and {args.threads}.")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"pyro-fa uci: --device {args.device!r} needs CUDA, which this torch does not see.")
+    _check_device(args.device)
+    out = Path(args.output_dir)
+    if args.report_only and not (out / "units").is_dir():
+        raise SystemExit(f"pyro-fa uci: no results of this budget in {out / 'units'}; run without "
+                         "--report-only first.")
+    _prepare_output(out)
+    with _FolderLock(out):
+        _remove_stale_parts(out)
+        return _run_locked(args, budget, names, methods, splits)
+
+
+def _run_locked(args, budget: Budget, names: List[str], methods: List[str], splits: Optional[int]) -> int:
     where = (f"{budget.tune_splits} split(s)" if budget.tune_splits else
              f"the first splits that hold {budget.val_points} validation points (at most {budget.max_tune_splits})")
     print(f"pyro-fa uci: {len(names)} dataset(s) x {len(methods)} method(s); {'quick' if args.quick else 'full'} "
@@ -754,14 +937,14 @@ def run(args) -> int:
           f"{['learned' if v is None else v for v in budget.ppca_scales]} at lr {budget.ppca_lr})")
     if not args.report_only:
         todo = []
+        run_key = _run_key(budget, splits, args.seed)
         for dataset, unit in _units(names, methods):
-            path = _unit_path(args.output_dir, dataset, unit)
-            if not args.fresh and path.is_file():
-                import json
-
-                if _same_run(json.loads(path.read_text()), budget, splits, args.seed):
-                    print(f"{dataset:>9} {unit:<22} done before: {path}")
-                    continue
+            key = _unit_key(run_key, dataset, unit, methods)
+            done = [p for p in (_unit_path(args.output_dir, key), _legacy_path(args.output_dir, dataset, unit))
+                    if not args.fresh and p.is_file() and _same_run(read_unit(p, args.data_dir), key)]
+            if done:
+                print(f"{dataset:>9} {unit:<22} done before: {done[0]}")
+                continue
             todo.append(dict(dataset=dataset, unit=unit, method_names=methods, budget=budget, splits_n=splits,
                              data_dir=args.data_dir, device=args.device, seed=args.seed, threads=args.threads,
                              out_dir=args.output_dir, progress=not args.no_progress and args.jobs == 1))
@@ -779,7 +962,7 @@ def run(args) -> int:
                 futures = [pool.submit(_worker, kw) for kw in todo]
                 for f in tqdm(as_completed(futures), total=len(futures), desc="units", disable=args.no_progress):
                     f.result()
-    report(args.output_dir, budget, names)
+    report(args.output_dir, budget, names, methods, splits, args.seed, args.data_dir)
     return 0
 
 
