@@ -65,3 +65,34 @@ def test_swag_sga_warns():
     net = torch.nn.Linear(3, 1)
     with pytest.warns(UserWarning, match="method 'sga'"):
         SWAG(net, rank=2, method="sga")
+
+
+@pytest.mark.parametrize("future_flag", ["overwrite", "swap"])
+@pytest.mark.parametrize("optimizer", [None, torch.optim.Adam], ids=["fused", "torch-adam"])
+def test_sga_keeps_learning_after_to_replaces_parameters(future_flag, optimizer):
+    """.to() that replaces the Parameter objects re-points the optimizer: the factor keeps moving,
+    exactly as after a .to() that keeps them (torch's default)."""
+    X = _stream().float()
+    kw = dict(method="sga", warmup=20, seed=0, lr=1e-2, optimizer=optimizer, dtype=torch.float32)
+    setter = getattr(torch.__future__, f"set_{future_flag}_module_params_on_conversion")
+    getter = getattr(torch.__future__, f"get_{future_flag}_module_params_on_conversion")
+    moved, reference = OnlineFactorAnalysis(40, 3, **kw), OnlineFactorAnalysis(40, 3, **kw)
+    for fa in (moved, reference):
+        fa.update(X[:60])
+    before = getter()
+    setter(True)
+    try:
+        moved.to(torch.float64)
+    finally:
+        setter(before)
+    reference.to(torch.float64)
+    assert moved.cov_factor.dtype == torch.float64
+    assert [id(p) for g in moved._optimizer.param_groups for p in g["params"]] == [id(moved._F), id(moved._log_psi)]
+    assert set(map(id, moved._optimizer.state)) <= {id(moved._F), id(moved._log_psi)}
+    F_moved = moved.cov_factor.clone()
+    X64 = X.double()
+    for fa in (moved, reference):
+        fa.update(X64[60:120])
+    assert not torch.equal(moved.cov_factor, F_moved)
+    assert torch.equal(moved.cov_factor, reference.cov_factor)
+    assert torch.equal(moved.cov_diag, reference.cov_diag)

@@ -224,3 +224,36 @@ def test_bad_arguments():
         FactorAnalysis(2, algorithm="gibbs").fit(X)
     with pytest.raises(InvalidParameterError, match="The 'learning_rate' parameter of FactorAnalysis must be"):
         FactorAnalysis(2, algorithm="sga", learning_rate=0.0).fit(X)
+
+
+@pytest.mark.parametrize("algorithm", ["svd", "em"])
+def test_constant_columns_score_matches_sklearn_on_digits(algorithm):
+    """float64: the noise floor is scikit-learn's 1e-12, so blank pixels do not cost ~20 nats per sample."""
+    from sklearn.datasets import load_digits
+
+    X = load_digits().data
+    ref = SKFactorAnalysis(n_components=10, random_state=0).fit(X)
+    ours = FactorAnalysis(n_components=10, random_state=0, algorithm=algorithm).fit(X)
+    assert abs(ours.score(X) - ref.score(X)) < 0.5
+    constant = X.std(0) == 0
+    assert constant.any()
+    np.testing.assert_allclose(ours.noise_variance_[constant], 1e-12)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1e-12, float("inf"), float("nan"), True, "1e-12"])
+def test_batch_noise_floor_validated(bad):
+    from pyro_fa.fa.batch import BatchFactorAnalysis
+
+    with pytest.raises(ValueError, match="BatchFactorAnalysis: noise_floor must be a finite positive number or None"):
+        BatchFactorAnalysis(4, 1, noise_floor=bad)
+
+
+def test_batch_noise_floor_is_used():
+    from pyro_fa.fa.batch import BatchFactorAnalysis
+
+    x = torch.randn(200, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x[:, 0] = 3.0  # a constant column: its noise variance sits on the floor
+    default = BatchFactorAnalysis(5, 2, dtype=torch.float64).fit(x)
+    floored = BatchFactorAnalysis(5, 2, noise_floor=1e-12, dtype=torch.float64).fit(x)
+    assert float(default.cov_diag[0]) > 1e-9
+    assert float(floored.cov_diag[0]) == pytest.approx(1e-12)

@@ -1,6 +1,7 @@
 """Small helpers shared by the experiment modules: atomic result files and tables."""
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import math
@@ -43,3 +44,36 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     for row in rows:
         lines.append("| " + " | ".join(str(c) for c in row) + " |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ argparse types
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 1 (argparse reports "argument --x: must be a positive integer, got 0")."""
+    return _bounded_int(text, 1, None)
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 0."""
+    return _bounded_int(text, 0, None)
+
+
+def int_in_range(low: int, high: int):
+    """argparse ``type=`` factory: an integer in ``[low, high]``."""
+    def parse(text: str) -> int:
+        return _bounded_int(text, low, high)
+
+    parse.__name__ = f"integer from {low} to {high}"
+    return parse
+
+
+def _bounded_int(text: str, low: int, high):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if high is not None and not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high}, got {value}")
+    if value < low:
+        kind = "a positive integer" if low == 1 else ("a non-negative integer" if low == 0 else f"an integer >= {low}")
+        raise argparse.ArgumentTypeError(f"must be {kind}, got {value}")
+    return value

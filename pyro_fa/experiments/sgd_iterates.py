@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from pyro_fa.experiments._io import atomic_savefig, atomic_write_json, markdown_table, mean_se
+from pyro_fa.experiments._io import nonnegative_int, positive_int
 from pyro_fa.infer.swag import SWAG
 from pyro_fa.linalg import gaussian_wasserstein2
 
@@ -41,11 +42,11 @@ PAPER = {
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--trials", type=int, default=None, help="trials per setting (default 10; quick: 3)")
-    parser.add_argument("--pretrain-epochs", type=int, default=500, help="pre-training epochs at lr 0.001")
-    parser.add_argument("--epochs", type=int, default=100, help="collection epochs (default 100)")
-    parser.add_argument("--window", type=int, default=50, help="Figure 6.2 window (default 50)")
-    parser.add_argument("--window-batch", type=int, default=10, help="Figure 6.2 batch size (default 10)")
+    parser.add_argument("--trials", type=positive_int, default=None, help="trials per setting (default 10; quick: 3)")
+    parser.add_argument("--pretrain-epochs", type=nonnegative_int, default=500, help="pre-training epochs at lr 0.001")
+    parser.add_argument("--epochs", type=positive_int, default=100, help="collection epochs (default 100)")
+    parser.add_argument("--window", type=positive_int, default=50, help="Figure 6.2 window (default 50)")
+    parser.add_argument("--window-batch", type=positive_int, default=10, help="Figure 6.2 batch size (default 10)")
 
 
 def make_data(seed: int, dtype=torch.float64):

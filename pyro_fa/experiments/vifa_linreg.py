@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from pyro_fa.datasets import load_uci
-from pyro_fa.experiments._io import atomic_savefig, atomic_write_json, markdown_table
+from pyro_fa.experiments._io import atomic_savefig, atomic_write_json, atomic_write_text, markdown_table
+from pyro_fa.experiments._io import nonnegative_int, positive_int
 from pyro_fa.experiments.vifa_synthetic import _schedule, laplace_scale
 
 DATASETS = {"energy": "Energy", "bostonHousing": "Boston", "concrete": "Concrete", "yacht": "Yacht"}
@@ -33,14 +34,14 @@ def add_arguments(parser) -> None:
         "--data-dir", default=None, help="UCI data folder (default: $PYRO_FA_DATA, else the download cache)"
     )
     parser.add_argument("--datasets", nargs="+", default=None, choices=sorted(DATASETS), help="subset of datasets")
-    parser.add_argument("--split", type=int, default=0, help="standard split index (default 0)")
-    parser.add_argument("--steps", type=int, default=None, help="Adam steps (default 4000; quick: 1500)")
+    parser.add_argument("--split", type=nonnegative_int, default=0, help="standard split index (default 0)")
+    parser.add_argument("--steps", type=positive_int, default=None, help="Adam steps (default 4000; quick: 1500)")
     parser.add_argument(
         "--lr", type=float, default=0.05,
         help="Adam learning rate (default 0.05), held for half the steps, then decayed geometrically to 1%%",
     )
-    parser.add_argument("--particles", type=int, default=8, help="vectorised ELBO particles (default 8)")
-    parser.add_argument("--trials", type=int, default=None, help="unused: one fit per dataset and prior")
+    parser.add_argument("--particles", type=positive_int, default=8, help="vectorised ELBO particles (default 8)")
+    parser.add_argument("--trials", type=positive_int, default=None, help="unused: one fit per dataset and prior")
 
 
 def _load_split(name: str, split: int, data_dir=None, dtype=torch.float64):
@@ -166,6 +167,6 @@ def run(args) -> int:
     )
     print(text)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "vifa_linreg.md").write_text(text)
+    atomic_write_text(out_dir / "vifa_linreg.md", text)
     atomic_write_json(out_dir / "vifa_linreg.json", {"steps": steps, "lr": args.lr, "results": results})
     return 0

@@ -32,7 +32,15 @@ from pathlib import Path
 
 import torch
 
-from pyro_fa.experiments._io import atomic_savefig, atomic_write_json, markdown_table, mean_se
+from pyro_fa.experiments._io import (
+    atomic_savefig,
+    atomic_write_json,
+    atomic_write_text,
+    markdown_table,
+    mean_se,
+    nonnegative_int,
+    positive_int,
+)
 
 ALPHA, BETA, N = 0.01, 0.1, 1000
 BAR_COV, BAR_MEAN = 0.02, 0.002
@@ -79,13 +87,13 @@ def laplace_posterior_moments(X, y, b: float, m, S, n: int = 801, width: float =
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--trials", type=int, default=None, help="trials (default 10; quick: 3)")
-    parser.add_argument("--steps", type=int, default=4000, help="Adam steps per fit (default 4000)")
+    parser.add_argument("--trials", type=positive_int, default=None, help="trials (default 10; quick: 3)")
+    parser.add_argument("--steps", type=positive_int, default=4000, help="Adam steps per fit (default 4000)")
     parser.add_argument(
         "--lr", type=float, default=0.02,
         help="Adam learning rate (default 0.02), held for half the steps, then decayed geometrically to 1%%",
     )
-    parser.add_argument("--particles", type=int, default=8, help="vectorised ELBO particles (default 8)")
+    parser.add_argument("--particles", type=positive_int, default=8, help="vectorised ELBO particles (default 8)")
 
 
 def make_data(seed: int, dtype=torch.float64):
@@ -260,7 +268,7 @@ def run(args) -> int:
     )
     print(text)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "vifa_synthetic.md").write_text(text)
+    atomic_write_text(out_dir / "vifa_synthetic.md", text)
     atomic_write_json(
         out_dir / "vifa_synthetic.json",
         {"config": {"trials": trials, "steps": steps, "lr": lr, "particles": particles, "seed": args.seed},

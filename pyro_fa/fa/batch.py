@@ -102,8 +102,10 @@ def _merged(n_a: int, mean_a, scatter_a, n_b: int, mean_b: Tensor, scatter_b: Te
     return n, mean, scatter
 
 
-def _noise_floor(covariance: Tensor) -> Tensor:
-    """Smallest noise variance allowed: sqrt(eps) times the largest data variance."""
+def _noise_floor(covariance: Tensor, noise_floor: Optional[float] = None) -> Tensor:
+    """Smallest noise variance allowed: ``noise_floor`` if given, else sqrt(eps) times the largest data variance."""
+    if noise_floor is not None:
+        return covariance.new_tensor(noise_floor)
     scale = covariance.diagonal().max() if covariance.numel() else covariance.new_ones(())
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return scale * math.sqrt(torch.finfo(covariance.dtype).eps)
@@ -347,6 +349,7 @@ def initial_factors(
     svd_method: str = "randomized",
     iterated_power: int = 3,
     generator: Optional[torch.Generator] = None,
+    noise_floor: Optional[float] = None,
 ) -> tuple:
     r"""Starting point of EM: the optimal loadings for a given noise.
 
@@ -378,6 +381,8 @@ def initial_factors(
         Power iterations of the randomized method.
     generator : torch.Generator, optional
         Seeds the randomized method.
+    noise_floor : float, optional
+        Smallest noise variance; default :math:`\sqrt{\epsilon}\max_d S_{dd}`.
 
     Returns
     -------
@@ -385,7 +390,7 @@ def initial_factors(
     cov_diag : Tensor of shape (D,)
     """
     D = covariance.shape[-1]
-    floor = _noise_floor(covariance)
+    floor = _noise_floor(covariance, noise_floor)
     if cov_diag is None:
         evals, evecs = _top_eigh(covariance, rank, svd_method, iterated_power, generator)
         if D > rank:
@@ -416,6 +421,7 @@ def em_from_covariance(
     iterated_power: int = 3,
     generator: Optional[torch.Generator] = None,
     method: str = "em",
+    noise_floor: Optional[float] = None,
 ) -> EMResult:
     r"""Maximum-likelihood factor analysis by EM on the sample covariance.
 
@@ -478,7 +484,7 @@ def em_from_covariance(
     ``2 * iterated_power + 3`` of them with ``method="svd"``) plus
     :math:`O(DK^2)`, independent of :math:`N`; one host synchronisation per
     iteration for the convergence test. The noise variances are kept above
-    :math:`\sqrt{\epsilon}\max_d S_{dd}` (Heywood cases).
+    ``noise_floor``, by default :math:`\sqrt{\epsilon}\max_d S_{dd}` (Heywood cases).
     Does not warn; :class:`BatchFactorAnalysis` does.
     """
     if method not in _BATCH_METHODS:
@@ -487,9 +493,10 @@ def em_from_covariance(
     D = S.shape[-1]
     if cov_factor is None:
         cov_factor, cov_diag = initial_factors(
-            S, rank, cov_diag=cov_diag, svd_method=svd_method, iterated_power=iterated_power, generator=generator
+            S, rank, cov_diag=cov_diag, svd_method=svd_method, iterated_power=iterated_power, generator=generator,
+            noise_floor=noise_floor,
         )
-    floor = _noise_floor(S)
+    floor = _noise_floor(S, noise_floor)
     F, psi = cov_factor.to(S), cov_diag.to(S).clamp_min(floor)
     K = F.shape[-1]
     eye = torch.eye(K, dtype=S.dtype, device=S.device)
@@ -588,6 +595,12 @@ class BatchFactorAnalysis(nn.Module):
         reproducible).
     chunk_size : int, optional
         Rows per chunk when accumulating statistics.
+    noise_floor : float, optional
+        Smallest noise variance :math:`\psi_d` (Heywood cases, constant
+        columns). Default :math:`\sqrt{\epsilon}\max_d S_{dd}`, which keeps
+        EM well conditioned in any dtype; scikit-learn's ``FactorAnalysis``
+        uses ``1e-12`` (float64), which :class:`pyro_fa.sklearn.FactorAnalysis`
+        passes to match its likelihoods on data with constant columns.
     dtype, device : optional
 
     Attributes
@@ -640,11 +653,18 @@ class BatchFactorAnalysis(nn.Module):
         noise_variance_init: Optional[Tensor] = None,
         seed: Optional[int] = None,
         chunk_size: Optional[int] = None,
+        noise_floor: Optional[float] = None,
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[str, torch.device]] = None,
     ):
         super().__init__()
         name = type(self).__name__
+        if noise_floor is not None and (
+            isinstance(noise_floor, bool) or not isinstance(noise_floor, (int, float))
+            or not (0 < noise_floor < math.inf)
+        ):
+            raise ValueError(f"{name}: noise_floor must be a finite positive number or None, got {noise_floor!r}.")
+        self.noise_floor = None if noise_floor is None else float(noise_floor)
         for arg, value in (("dim", dim), ("rank", rank), ("max_iter", max_iter), ("iterated_power", iterated_power)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name}: {arg} must be an int, got {value!r}.")
@@ -748,6 +768,7 @@ class BatchFactorAnalysis(nn.Module):
             method=self.method,
             iterated_power=self.iterated_power,
             generator=generator,
+            noise_floor=self.noise_floor,
         )
         self.loc.copy_(self.stats.mean)
         self.cov_factor.copy_(result.cov_factor)

@@ -466,12 +466,35 @@ class OnlineFactorAnalysis(nn.Module):
         self._cache = None
         if self.method == "sga":
             self._sga_cap = None
-            # keep the optimizer's state on the parameters' device and dtype
-            for state in self._optimizer.state.values():
-                for k, v in state.items():
-                    if torch.is_tensor(v) and v.dim() > 0:
-                        state[k] = fn(v)
+            self._repoint_optimizer(fn)
         return out
+
+    def _repoint_optimizer(self, fn) -> None:
+        """Point the SGA optimizer at the current ``_F`` / ``_log_psi`` after :meth:`_apply`.
+
+        ``.to()`` may replace the Parameter objects (e.g. under
+        ``torch.__future__.set_overwrite_module_params_on_conversion(True)``); the
+        optimizer would then keep stepping the old tensors. Its param groups and
+        state keys are moved to the new objects, and its state to their device
+        and dtype.
+        """
+        opt = self._optimizer
+        new_params = [self._F, self._log_psi]
+        old_params = [p for group in opt.param_groups for p in group["params"]]
+        if len(old_params) != len(new_params):  # pragma: no cover - the optimizer is built on exactly these two
+            raise RuntimeError(f"{type(self).__name__}: the SGA optimizer holds {len(old_params)} parameters, "
+                               f"expected {len(new_params)}.")
+        moved = {id(old): new for old, new in zip(old_params, new_params)}
+        for group in opt.param_groups:
+            group["params"] = [moved[id(p)] for p in group["params"]]
+        state = {}
+        for p, s in opt.state.items():
+            # keep the optimizer's state on the parameters' device and dtype
+            state[moved.get(id(p), p)] = {
+                k: fn(v) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in s.items()
+            }
+        opt.state.clear()
+        opt.state.update(state)
 
     def state_dict(self, *args, **kwargs):
         sd = super().state_dict(*args, **kwargs)

@@ -96,6 +96,18 @@ def spherical_radial_rule(dim: int, num_points: int, *, dtype=None, device=None)
     return points, weights * (num_points / reps)
 
 
+def _rng_untouched():
+    """Run a throw-away trace without consuming the global RNG (CPU and initialised CUDA generators).
+
+    The first call of a new :class:`FactorELBO` traces model and guide once to
+    inspect them; forking the RNG keeps a resumed run (param store + RNG state
+    restored, new ELBO) bit-identical to an uninterrupted one, as with
+    :class:`~pyro.infer.Trace_ELBO`.
+    """
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    return torch.random.fork_rng(devices=devices)
+
+
 def _noise_dim(fn) -> Optional[int]:
     """Dimension of the standard-normal noise behind a reparameterised Gaussian, or None."""
     if fn.batch_shape != ():
@@ -325,7 +337,7 @@ class FactorELBO(ELBO):
         Replays the model against a guide trace whose values are fresh leaf
         tensors and asks autograd whether each prior's loc/scale reaches them.
         """
-        with torch.enable_grad(), poutine.block():
+        with torch.enable_grad(), poutine.block(), _rng_untouched():
             guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
             leaves = []
             for site in guide_trace.nodes.values():
@@ -461,6 +473,10 @@ class FactorELBO(ELBO):
                 )
             return None
         return "_{}_latent".format(inner._pyro_name)
+
+    def _guess_max_plate_nesting(self, model, guide, args, kwargs):
+        with _rng_untouched():  # a throw-away trace: leave the global RNG as it was (bit-exact resume)
+            super()._guess_max_plate_nesting(model, guide, args, kwargs)
 
     def _get_vectorized_trace(self, model, guide, args, kwargs):
         site = self._cubature(guide)

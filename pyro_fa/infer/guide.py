@@ -5,6 +5,7 @@ import math
 import numbers
 from typing import Callable, Optional
 
+import pyro
 import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
@@ -280,6 +281,34 @@ class AutoLowRankFactorGuide(AutoContinuous):
     def _loc_scale(self, *args, **kwargs):
         scale = self._scale_vector() * (self.factor.pow(2).sum(-1) + 1).sqrt()
         return self.loc, scale
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a state saved by :meth:`state_dict` and keep Pyro's param store in step.
+
+        A :class:`~pyro.nn.PyroModule` reads its parameters from the global
+        param store by name; when loading replaces the Parameter objects
+        (``assign=True``, or a guide whose store entries were swapped out), the
+        store would keep serving the old tensors, so the loaded values would be
+        ignored and SVI would update the old copies. The guide's stale store
+        entries are dropped, and the loaded Parameters are registered in their
+        place on next use. (Restoring the whole store with
+        ``pyro.get_param_store().set_state`` / ``.load`` also works: the guide
+        then reads the restored values.)
+        """
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self._drop_stale_param_store_entries()
+        return result
+
+    def _drop_stale_param_store_entries(self) -> None:
+        if not self._pyro_name:
+            return
+        store = pyro.get_param_store()
+        stored = dict(store.named_parameters())
+        for name, param in self.named_parameters(recurse=False):
+            fullname = self._pyro_get_fullname(name[: -len("_unconstrained")] if name.endswith("_unconstrained")
+                                               else name)
+            if fullname in stored and stored[fullname] is not param:
+                del store[fullname]
 
 
 def _check_positive(cls_name: str, arg: str, value) -> float:

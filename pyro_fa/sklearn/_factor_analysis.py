@@ -19,6 +19,8 @@ from pyro_fa.fa.batch import BatchFactorAnalysis
 __all__ = ["FactorAnalysis"]
 
 _ONLINE = ("online_em", "sga")
+#: scikit-learn's floor on the noise variances (``SMALL`` in sklearn/decomposition/_factor_analysis.py)
+SKLEARN_NOISE_FLOOR = 1e-12
 _DTYPES = {
     None: torch.float64,
     "float64": torch.float64,
@@ -126,6 +128,13 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
     :math:`O(NDK + DK^2)` through the Woodbury identity. Only
     :meth:`get_covariance` and :meth:`get_precision` form :math:`D\times D`
     matrices, as in scikit-learn.
+
+    With ``dtype="float64"`` the batch algorithms floor the noise variances at
+    ``1e-12`` as scikit-learn does, so a constant column (e.g. the blank
+    pixels of ``load_digits``) gets the same :math:`\psi_d` and ``score``
+    matches scikit-learn's; with ``float32`` (and the online algorithms) the
+    floor is relative, :math:`\sqrt{\epsilon}\max_d S_{dd}`, for stability,
+    and scores on such data are lower than scikit-learn's.
 
     References
     ----------
@@ -319,6 +328,9 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
                 iterated_power=self.iterated_power,
                 noise_variance_init=None if psi0 is None else torch.as_tensor(psi0),
                 seed=self._seed(),
+                # scikit-learn's floor on the noise variances (its SMALL): constant columns get psi = 1e-12
+                # as there, so scores match; float32 keeps the relative floor it needs to stay stable
+                noise_floor=SKLEARN_NOISE_FLOOR if dtype == torch.float64 else None,
                 dtype=dtype,
                 device=device,
             )

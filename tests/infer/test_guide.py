@@ -358,3 +358,34 @@ def test_loc_scale_serialization():
 def test_loc_scale_bad_arguments(value, exc, match):
     with pytest.raises(exc, match=match):
         AutoLowRankFactorGuide(_model, loc_scale=value)
+
+
+@pytest.mark.parametrize("store_restored", [False, True], ids=["same-store", "store-restored"])
+@pytest.mark.parametrize("assign", [False, True])
+def test_load_state_dict_keeps_param_store_in_step(assign, store_restored):
+    """After load_state_dict, SVI starts from the loaded values and moves the guide's own parameters,
+    also when the param store holds other tensor objects than the guide (e.g. after ``set_state``)."""
+    from pyro.optim import SGD
+
+    def model():
+        pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+
+    pyro.clear_param_store()
+    guide = AutoLowRankFactorGuide(model, rank=1)
+    svi = SVI(model, guide, SGD({"lr": 0.01}), Trace_ELBO())
+    for _ in range(5):
+        svi.step()
+    if store_restored:  # the store now holds copies, not the guide's Parameter objects
+        import copy
+
+        pyro.get_param_store().set_state(copy.deepcopy(pyro.get_param_store().get_state()))
+    loaded = {k: v.detach().clone() + 2.0 for k, v in guide.state_dict().items()}
+    guide.load_state_dict({k: v.clone() for k, v in loaded.items()}, assign=assign)
+    assert torch.equal(guide.loc.detach(), loaded["loc"])
+    pyro.set_rng_seed(0)
+    svi.step()
+    moved = guide.loc.detach().clone()
+    assert not torch.equal(moved, loaded["loc"])  # SVI moved the guide's own loc ...
+    assert (moved - loaded["loc"]).abs().max() < 0.2  # ... by one small step from the loaded value
+    store = dict(pyro.get_param_store().named_parameters())
+    assert torch.equal(store["AutoLowRankFactorGuide.loc"].detach(), moved)
