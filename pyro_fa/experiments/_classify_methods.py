@@ -230,13 +230,9 @@ def _train_swag(net, data, budget, seed, after_epoch, state, tick):
 def _swag_probs(posterior, inputs, samples: int, seed: int) -> List[Tensor]:
     gen = torch.Generator().manual_seed(seed)
     out = []
+    members = len(getattr(posterior, "members", [posterior]))  # MultiSWAG: the draws split over its members
     for x in inputs:
-        if hasattr(posterior, "members"):
-            s = max(1, samples // len(posterior.members))
-            p = torch.stack([m.predict_proba(x, num_samples=s, generator=gen) for m in posterior.members]).mean(0)
-        else:
-            p = posterior.predict_proba(x, num_samples=samples, generator=gen)
-        out.append(p)
+        out.append(posterior.predict_proba(x, num_samples=max(1, samples // members), generator=gen))
     return out
 
 

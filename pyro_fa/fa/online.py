@@ -23,7 +23,6 @@ __all__ = ["OnlineFactorAnalysis"]
 _METHODS = ("em", "sga")
 _MAX_DENSE_DIM = 20_000
 _M_STEP_DIM = 100_000  # default m_step_every = max(1, dim // _M_STEP_DIM)
-_SGA_BLOCK_BYTES = 1 << 20  # one (rows, K) block of the fused SGA pass: few Python calls per update
 
 
 class OnlineFactorAnalysis(nn.Module):
@@ -591,22 +590,18 @@ class OnlineFactorAnalysis(nn.Module):
         # its deviations from the old mean before anything changes
         if B == 1:
             # one vector, in place and without temporaries (D-length passes are a good part of an update)
-            t = torch.sub(x[0], moments.mean, out=self._scratch("_t", moments.mean.dtype))
-            # max |t| as two reductions (amax / amin are vectorised; the inf-norm is 10x slower)
-            tmax = max(float(t.amax()), -float(t.amin()))
+            t, tmax = moments.deviation(x[0])
             # the first vector becomes the mean: it deviates from nothing (but must be finite)
             self._check_range(x, tmax if n_old else tmax * 0.0, B, t if n_old else None)
-            moments.mean.add_(t, alpha=1.0 / n)
-            if n_old:
-                moments.sq_dev.addcmul_(t, t, value=n_old / n)
+            moments.add_deviation(t, n_old)
             # centred with the new mean (Alg. 2, line 6): x - mean_new = t (n - 1) / n, rounded once
             d = torch.mul(t, n_old / n, out=self._scratch("_d", self.loc.dtype)).unsqueeze(0)
             self.loc.copy_(moments.mean)
         else:
-            ref = moments.mean if n_old else x[0].to(moments.mean.dtype)
-            tmax = float((x.to(moments.mean.dtype) - ref).abs().max())
-            self._check_range(x, tmax, B, x.to(moments.mean.dtype) - ref)
-            mean, sq_dev, xw = moments.propose(x, n_old)
+            xw = x.to(moments.mean.dtype)
+            t = xw - (moments.mean if n_old else xw[0])
+            self._check_range(x, float(t.abs().max()), B, t)
+            mean, sq_dev, xw = moments.propose(xw, n_old)
             moments.commit(mean, sq_dev)
             self.loc.copy_(mean)
             d = (xw - mean).to(self.loc.dtype)
@@ -792,11 +787,11 @@ class OnlineFactorAnalysis(nn.Module):
         self._A_coef = 1.0 if self.expand else 0.0
 
     def _block_rows(self) -> int:
-        # about 1 MB of rows per block
-        return max(1, min(self.dim, (1 << 20) // (self.rank * self._A.element_size())))
+        # about 1 MB of rows per block (EM's M-step, SGA's fused pass): a few (rows, K) arrays stay in cache
+        return max(1, min(self.dim, (1 << 20) // (self.rank * self._F.element_size())))
 
     def _workspace(self, rows: int) -> Tensor:
-        # two (rows, K) blocks: products of the M-step, and the statistic's rows
+        # two (rows, K) blocks: EM's M-step products and statistic rows; SGA's gradient rows and a temporary
         w = getattr(self, "_work", None)
         F = self._F
         if w is None or w.shape[1] < rows or w.dtype != F.dtype or w.device != F.device:
@@ -824,10 +819,6 @@ class OnlineFactorAnalysis(nn.Module):
             self._F_avg.copy_(self._F.detach())
             self._log_psi_avg.zero_()
 
-    def _sga_rows(self) -> int:
-        # rows per block of the fused pass: a few (rows, K) arrays stay in a 1 MB cache
-        return max(1, min(self.dim, _SGA_BLOCK_BYTES // (self.rank * self._F.element_size())))
-
     def _sga_capacitance(self) -> Tensor:
         r""":math:`I + \tilde F^\top \tilde\Psi^{-1} \tilde F` of the current iterate.
 
@@ -839,7 +830,7 @@ class OnlineFactorAnalysis(nn.Module):
         key = (F._version, lp._version, F.data_ptr(), lp.data_ptr(), F.dtype)
         if self._sga_cap is not None and self._sga_cap_key == key:
             return self._sga_cap
-        rows = self._sga_rows()
+        rows = self._block_rows()
         cap = F.new_zeros(self.rank, self.rank)
         for lo in range(0, self.dim, rows):
             F_c = F[lo : lo + rows]
@@ -935,8 +926,8 @@ class OnlineFactorAnalysis(nn.Module):
         dT = d.T  # (D, B)
         rho = 2.0 / (self._sga_steps + 1) if self.average else 0.0
         log_floor = math.log(self.min_variance)
-        rows = self._sga_rows()
-        work = self._sga_workspace(rows)
+        rows = self._block_rows()
+        work = self._workspace(rows)
         cap = F.new_zeros(self.rank, self.rank)
         mF, vF = sF["exp_avg"], sF["exp_avg_sq"]
         mlp, vlp = slp["exp_avg"], slp["exp_avg_sq"]
@@ -978,13 +969,6 @@ class OnlineFactorAnalysis(nn.Module):
         cap.diagonal().add_(1.0)
         self._sga_cap = cap
         self._sga_cap_key = (F._version, lp._version, F.data_ptr(), lp.data_ptr(), F.dtype)
-
-    def _sga_workspace(self, rows: int) -> Tensor:
-        w = getattr(self, "_sga_work", None)
-        F = self._F
-        if w is None or w.shape[1] < rows or w.dtype != F.dtype or w.device != F.device:
-            w = self._sga_work = F.new_empty(2, rows, self.rank)
-        return w
 
 def _cholesky(mat: Tensor) -> Tensor:
     """Cholesky factor of a symmetric positive-definite K x K matrix, with jitter as a fallback.

@@ -125,17 +125,15 @@ def bma_log_likelihood(posterior, inputs, targets, likelihood="categorical", *, 
     ``likelihood``; see :func:`tune_scale` for the arguments. ``scale`` defaults to the
     posterior's own.
     """
-    fn = "bma_log_likelihood"
-    members = _members(posterior)
-    scale = members[0].scale if scale is None else scale
-    return tune_scale(posterior, inputs, targets, likelihood, scales=[scale], num_samples=num_samples,
-                      noise_std=noise_std, seed=seed, _set=False, _fn=fn).log_likelihoods[0]
+    scale = _members(posterior)[0].scale if scale is None else scale
+    return _scores(posterior, inputs, targets, likelihood, [scale], num_samples, noise_std, seed,
+                   "bma_log_likelihood")[0]
 
 
 @torch.no_grad()
 def tune_scale(posterior, inputs, targets, likelihood: Union[str, Callable] = "categorical", *,
-               scales: Optional[Sequence[float]] = None, num_samples: int = 30, noise_std=None, seed: int = 0,
-               _set: bool = True, _fn: str = "tune_scale") -> ScaleSearch:
+               scales: Optional[Sequence[float]] = None, num_samples: int = 30, noise_std=None,
+               seed: int = 0) -> ScaleSearch:
     r"""Choose the posterior scale by the validation log-likelihood of the Bayesian model average.
 
     Parameters
@@ -178,7 +176,21 @@ def tune_scale(posterior, inputs, targets, likelihood: Union[str, Callable] = "c
     -----
     Cost: ``len(scales) * num_samples`` forward passes over ``inputs``.
     """
-    fn = _fn
+    scales = list(DEFAULT_SCALES if scales is None else scales)
+    scores = _scores(posterior, inputs, targets, likelihood, scales, num_samples, noise_std, seed, "tune_scale")
+    finite = [(v, i) for i, v in enumerate(scores) if math.isfinite(v)]
+    if not finite:
+        raise RuntimeError("tune_scale: every candidate scale gave a non-finite log-likelihood; check the model's "
+                           "output.")
+    best = scales[max(finite)[1]]
+    for member in _members(posterior):
+        member.scale = best
+    return ScaleSearch(best, scales, scores)
+
+
+def _scores(posterior, inputs, targets, likelihood, scales: List[float], num_samples: int, noise_std, seed: int,
+            fn: str) -> List[float]:
+    """The model average's validation log-likelihood per point at each scale, with common draws."""
     members = _members(posterior)
     for member in members:
         if member._source.module is None:
@@ -186,7 +198,6 @@ def tune_scale(posterior, inputs, targets, likelihood: Union[str, Callable] = "c
                                "weights; use pyro.infer.Predictive with to_guide() for Pyro models.")
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"{fn}: num_samples must be an integer >= 1, got {num_samples!r}.")
-    scales = list(DEFAULT_SCALES if scales is None else scales)
     if not scales:
         raise ValueError(f"{fn}: scales must hold at least one candidate, got none.")
     for s in scales:
@@ -215,11 +226,4 @@ def tune_scale(posterior, inputs, targets, likelihood: Union[str, Callable] = "c
         stacked = torch.stack(lls)  # (S, N)
         bma = torch.logsumexp(stacked, 0) - math.log(stacked.shape[0])
         scores.append(float(bma.mean()))
-    finite = [(v, i) for i, v in enumerate(scores) if math.isfinite(v)]
-    if not finite:
-        raise RuntimeError(f"{fn}: every candidate scale gave a non-finite log-likelihood; check the model's output.")
-    best = scales[max(finite)[1]]
-    if _set:
-        for member in members:
-            member.scale = best
-    return ScaleSearch(best, scales, scores)
+    return scores

@@ -255,8 +255,8 @@ class SWAG(nn.Module):
         self.start_after = _positive_int(cls, "start_after", start_after, 0)
         self.collect_every = _positive_int(cls, "collect_every", collect_every)
         self.window = _positive_int(cls, "window", window)
-        self.warmup = _positive_int(cls, "warmup", warmup)
-        if method == "em" and self.warmup < self.rank:
+        self._warmup = _positive_int(cls, "warmup", warmup)
+        if method == "em" and self._warmup < self.rank:
             raise ValueError(
                 f"{cls}: warmup must be >= rank={self.rank} for method 'em', got {warmup!r}: an M-step from fewer "
                 "vectors than factors is degenerate (psi collapses and the capacitance loses positive-definiteness "
@@ -382,7 +382,7 @@ class SWAG(nn.Module):
             self.register_buffer("_mean", torch.zeros(D, dtype=dtype, device=device))
             self.register_buffer("_dev", torch.zeros(self.rank, D, dtype=dtype, device=device))
         else:
-            self.fa = OnlineFactorAnalysis(D, self.rank, self.method, self.warmup, dtype=dtype, device=device,
+            self.fa = OnlineFactorAnalysis(D, self.rank, self.method, self._warmup, dtype=dtype, device=device,
                                            **self._fa_kwargs)
         if self.window > 1:
             self.register_buffer("_window_sum", torch.zeros(D, dtype=dtype, device=device))
@@ -443,29 +443,29 @@ class SWAG(nn.Module):
             ``on_nonfinite="raise"``); the state is unchanged.
         """
         theta = self._vector()
-        reason = self._refusal(theta)
-        if reason is not None and self._relocated():
+        reason, diverged = self._refusal(theta)
+        if diverged and self._relocated():
             warnings.warn(
                 f"{type(self).__name__}: the last {len(self._streak)} vectors lay beyond max_deviation="
                 f"{self.max_deviation:g} times the collected spread without moving further away (a run that "
                 "changed regime, e.g. a new learning rate or collect_every, not one that diverged): collecting "
                 "again.", RuntimeWarning, stacklevel=3)
-            reason = None
+            reason, diverged = None, False
         if reason is None:
             self._streak.clear()
-        if reason is None and self.window > 1:
-            if self._n_window + 1 < self.window:
-                self._window_sum.add_(theta)
-                self._n_window += 1
-                return False
-            theta = (self._window_sum + theta) / self.window
-        if reason is not None and self._streak:
+        if diverged:
             # the divergence guard is a heuristic: it skips with a warning and never stops training
             # (a diverged run soon gives non-finite vectors, which on_nonfinite="raise" raises on)
             self._n_refused += 1
             warnings.warn(f"{type(self).__name__}: {reason} It was not collected and the posterior is unchanged "
                           f"({self._n} vectors collected).", RuntimeWarning, stacklevel=3)
             return False
+        if reason is None and self.window > 1:
+            if self._n_window + 1 < self.window:
+                self._window_sum.add_(theta)
+                self._n_window += 1
+                return False
+            theta = (self._window_sum + theta) / self.window
         if reason is None:
             try:
                 self._update(theta)
@@ -492,8 +492,8 @@ class SWAG(nn.Module):
         last = self._streak[-(_GUARD_PATIENCE // 2):]
         return max(last) <= 2.0 * min(last)
 
-    def _refusal(self, theta: Tensor) -> Optional[str]:
-        """Why ``theta`` must not be collected (non-finite, or a diverged run), or None."""
+    def _refusal(self, theta: Tensor) -> Tuple[Optional[str], bool]:
+        """Why ``theta`` must not be collected, or None; and whether the reason is the divergence guard."""
         guard = self.max_deviation is not None and self._n >= _GUARD_AFTER
         if guard:
             # the distance in the state's dtype (the mean rounded once is close enough for a guard);
@@ -503,18 +503,18 @@ class SWAG(nn.Module):
             spread2 = float(moments.sq_dev.sum()) / self._n
             # no spread yet (identical vectors, e.g. after a schedule that ended at rate 0): no judgement
             if math.isfinite(dist2) and (spread2 == 0.0 or dist2 <= self.max_deviation ** 2 * spread2):
-                return None
+                return None, False
         if not bool(torch.isfinite(theta).all()):
             self._streak.clear()
             bad = int((~torch.isfinite(theta)).sum())
-            return f"the parameter vector must be finite, got NaN or inf in {bad} entries."
+            return f"the parameter vector must be finite, got NaN or inf in {bad} entries.", False
         if not guard:
-            return None
+            return None, False
         self._streak.append(math.sqrt(dist2))
         return (f"the parameter vector must lie within max_deviation={self.max_deviation:g} times the collected "
                 f"spread of the running mean, got a distance of {math.sqrt(dist2):.3g} against a spread of "
                 f"{math.sqrt(spread2):.3g} (the run looks diverged; if it only changed regime, pass a larger "
-                "max_deviation, or None).")
+                "max_deviation, or None)."), True
 
     def _update(self, theta: Tensor) -> None:
         if self.method != "swag":
@@ -524,18 +524,13 @@ class SWAG(nn.Module):
         # running mean / squared deviations, then the deviation from the new mean (Maddox et al. Alg. 1),
         # formed in float64 and rounded once
         moments = self._moments
-        scratch = getattr(self, "_t", None)
-        if scratch is None or scratch.dtype != moments.mean.dtype or scratch.device != moments.mean.device:
-            scratch = self._t = torch.empty_like(moments.mean)
-        t = torch.sub(theta, moments.mean, out=scratch)  # in place, no temporaries: O(D) per collection
-        tmax = max(float(t.amax()), -float(t.amin())) if self._n else 0.0
+        t, tmax = moments.deviation(theta)  # in place, no temporaries: O(D) per collection
+        tmax = tmax if self._n else 0.0
         if not tmax * tmax <= torch.finfo(self._dev.dtype).max / 8:
             raise ValueError(f"{type(self).__name__}: the parameter vector must keep the running variances within "
                              f"{self._dev.dtype}, got one at {tmax:.3g} from the mean whose update would overflow them.")
         n_old, n = self._n, self._n + 1
-        moments.mean.add_(t, alpha=1.0 / n)
-        if n_old:
-            moments.sq_dev.addcmul_(t, t, value=n_old / n)
+        moments.add_deviation(t, n_old)
         torch.mul(t, n_old / n, out=self._dev[n_old % self.rank])  # theta - mean_new, rounded once
         self._mean.copy_(moments.mean)
         self._n = n
@@ -600,10 +595,15 @@ class SWAG(nn.Module):
         """Vectors not collected: non-finite, overflowing, or from a diverged run (see ``max_deviation``)."""
         return self._n_refused
 
+    @property
+    def warmup(self) -> int:
+        """Vectors before EM / SGA fit the factor: the fit's own (a short run may end it early, see
+        :meth:`OnlineFactorAnalysis.finish_warmup`), the constructor's until the fit exists."""
+        fa = self._modules.get("fa")
+        return fa.warmup if fa is not None else self._warmup
+
     def _check_ready(self, what: str) -> None:
         cls = type(self).__name__
-        if self.method != "swag" and self.dim is not None:
-            self.warmup = self.fa.warmup  # a loaded state may have ended its warm-up early
         if self._n == 0:
             raise RuntimeError(
                 f"{cls}: {what} needs at least one collected parameter vector, got none. "
@@ -618,7 +618,6 @@ class SWAG(nn.Module):
                 stacklevel=3,
             )
             self.fa.finish_warmup()
-            self.warmup = self.fa.warmup
         if self.method != "swag" and self._n <= self.warmup:
             raise RuntimeError(
                 f"{cls}: {what} needs more than warmup={self.warmup} collected vectors for method="
@@ -927,7 +926,6 @@ class SWAG(nn.Module):
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         self._flat = None
-        self._t = None
         return out
 
     def extra_repr(self) -> str:
