@@ -1,19 +1,25 @@
 """pyro_fa: factor-analysis (low-rank plus diagonal) Gaussian posteriors for Bayesian deep learning.
 
-q(theta) = N(c, F F^T + Psi), fitted either by variational inference inside Pyro SVI or
-online (EM or stochastic gradient ascent) from optimizer iterates.
+q(theta) = N(c, F F^T + Psi), got two ways on one core:
+
+* :mod:`pyro_fa.fa` — the core: the FA model's linear algebra, online (EM, SGA) and batch fitting;
+* :mod:`pyro_fa.infer` — road 1, variational inference in Pyro SVI: :class:`AutoLowRankFactorGuide`,
+  :class:`FactorELBO`, :class:`GaussianPrior`, :class:`LaplacePrior`;
+* :mod:`pyro_fa.swag` — road 2, posteriors from optimizer iterates: :class:`SWAG`, :class:`MultiSWAG`;
+* adapters: :mod:`pyro_fa.nn` (Bayesian torch networks), :mod:`pyro_fa.sklearn` (estimators);
+* :mod:`pyro_fa.metrics`, :mod:`pyro_fa.datasets`; the ``pyro-fa`` command (:mod:`pyro_fa.experiments`).
 """
-from pyro_fa import linalg
+from pyro_fa import datasets, fa, infer, metrics, swag
 from pyro_fa.fa import BatchFactorAnalysis, OnlineFactorAnalysis
-from pyro_fa.infer import AutoLowRankFactorGuide, FactorELBO
-from pyro_fa.infer import MultiSWAG, SWAG
-from pyro_fa.priors import GaussianPrior, LaplacePrior
-from pyro_fa import datasets, metrics
+from pyro_fa.infer import AutoLowRankFactorGuide, FactorELBO, GaussianPrior, LaplacePrior
+from pyro_fa.swag import MultiSWAG, SWAG
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "linalg",
+    "fa",
+    "infer",
+    "swag",
     "datasets",
     "metrics",
     "OnlineFactorAnalysis",
@@ -26,3 +32,14 @@ __all__ = [
     "LaplacePrior",
     "__version__",
 ]
+
+_MOVED = {"linalg": "pyro_fa.linalg", "priors": "pyro_fa.priors"}
+
+
+def __getattr__(name):
+    # `pyro_fa.linalg` / `pyro_fa.priors` moved into the packages; the old modules warn and alias.
+    if name in _MOVED:
+        import importlib
+
+        return importlib.import_module(_MOVED[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

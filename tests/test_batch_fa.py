@@ -4,7 +4,7 @@ import warnings
 import pytest
 import torch
 
-from pyro_fa import linalg
+from pyro_fa.fa import linalg
 from pyro_fa.fa.batch import (
     BatchFactorAnalysis,
     ConvergenceWarning,

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pyro_fa import linalg
+from pyro_fa.fa import linalg
 
 
 def _fa(D=30, K=4, batch=(), device="cpu"):

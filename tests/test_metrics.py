@@ -7,7 +7,8 @@ import pytest
 import torch
 from scipy import stats
 
-from pyro_fa import linalg, metrics
+from pyro_fa import metrics
+from pyro_fa.fa import linalg
 from pyro_fa.metrics import calibration, gaussian_log_likelihood, mixture_cdf, rmse
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch.distributions import LowRankMultivariateNormal
 
-from pyro_fa import OnlineFactorAnalysis, linalg
+from pyro_fa import OnlineFactorAnalysis
+from pyro_fa.fa import linalg
 
 
 def _fa_data(D=12, K=3, T=500, seed=0, dtype=torch.float64):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pyro_fa import GaussianPrior, LaplacePrior
-from pyro_fa.priors import expected_abs, laplace_expected_log_prob, normal_expected_log_prob
+from pyro_fa.infer.priors import expected_abs, laplace_expected_log_prob, normal_expected_log_prob
 
 
 def _quadrature(f, loc, variance, n=20001, width=12.0):

@@ -10,7 +10,7 @@ from sklearn.exceptions import ConvergenceWarning, NotFittedError
 from sklearn.utils._param_validation import InvalidParameterError
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
-from pyro_fa import linalg
+from pyro_fa.fa import linalg
 from pyro_fa.sklearn import FactorAnalysis
 
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from pyro_fa import SWAG, OnlineFactorAnalysis, linalg
+from pyro_fa import SWAG, OnlineFactorAnalysis
+from pyro_fa.fa import linalg
 
 _BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_swag_streams.py"
 

@@ -49,8 +49,8 @@ import torch.nn.functional as F_
 from torch import Tensor
 from torch.distributions import Independent, LowRankMultivariateNormal, Normal
 
-from pyro_fa.linalg import orthogonal_init
-from pyro_fa.priors import laplace_expected_log_prob, normal_expected_log_prob
+from pyro_fa.fa.linalg import orthogonal_init
+from pyro_fa.infer.priors import laplace_expected_log_prob, normal_expected_log_prob
 
 __all__ = ["MLPSpec", "ReplicaVI", "FAMILIES", "ESTIMATORS", "PRIORS"]
 

@@ -24,7 +24,7 @@ import torch
 from pyro_fa.datasets import load_uci_raw
 from pyro_fa.experiments._io import atomic_savefig, atomic_write_json, markdown_table, mean_se
 from pyro_fa.experiments._io import int_in_range, nonnegative_int, positive_int
-from pyro_fa.infer.swag import SWAG
+from pyro_fa.swag.swag import SWAG
 
 DATASETS = {"energy": "Energy", "bostonHousing": "Boston", "concrete": "Concrete", "yacht": "Yacht"}
 METHODS = ("pretrained", "swa", "sga_fa", "em_fa", "swag")

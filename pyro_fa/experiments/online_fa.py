@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pyro_fa import linalg
+from pyro_fa.fa import linalg
 from pyro_fa.experiments._io import atomic_savefig, atomic_write_json, atomic_write_text, markdown_table, mean_se
 from pyro_fa.fa.online import OnlineFactorAnalysis
 

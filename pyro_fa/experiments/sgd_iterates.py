@@ -27,8 +27,8 @@ import torch
 
 from pyro_fa.experiments._io import atomic_savefig, atomic_write_json, markdown_table, mean_se
 from pyro_fa.experiments._io import nonnegative_int, positive_int
-from pyro_fa.infer.swag import SWAG
-from pyro_fa.linalg import gaussian_wasserstein2
+from pyro_fa.swag.swag import SWAG
+from pyro_fa.fa.linalg import gaussian_wasserstein2
 
 ALPHA, BETA, N = 0.01, 0.1, 1000
 SETTINGS = [(0.1, 0.1), (0.1, 0.001), (0.01, 0.1), (0.01, 0.001)]

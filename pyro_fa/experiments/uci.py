@@ -410,7 +410,7 @@ def _map_then_collect(spec, data: SplitData, precision: float, lr: float, steps:
 
     Returns ``{kind: [SWAG per replica]}`` and the MAP model (its learned noise scales).
     """
-    from pyro_fa.infer.swag import SWAG
+    from pyro_fa.swag.swag import SWAG
 
     R = data.y.shape[0]
     like = data.x

@@ -163,7 +163,7 @@ def fit(method: str, X, y, seed: int, steps: int, lr: float, particles: int):
 
 def distances(loc, cov, m, S):
     """(relative mean distance, relative covariance distance, W2 / sqrt(tr S))."""
-    from pyro_fa.linalg import gaussian_wasserstein2
+    from pyro_fa.fa.linalg import gaussian_wasserstein2
 
     rel_mean = float(torch.linalg.norm(loc - m) / torch.linalg.norm(m))
     rel_cov = float(torch.linalg.norm(cov - S) / torch.linalg.norm(S))

@@ -1,5 +1,14 @@
-"""Fitting factor-analysis models: online (EM, SGA) and batch EM."""
+"""The core both roads share: the factor-analysis model N(c, FFᵀ + Ψ) and how it is fitted.
+
+* :mod:`pyro_fa.fa.linalg` — Woodbury / matrix-determinant-lemma algebra of FFᵀ + Ψ in O(DK²);
+* :class:`OnlineFactorAnalysis` — one vector at a time: online EM or online SGA, O(DK) memory;
+* :class:`BatchFactorAnalysis`, :class:`ScatterStatistics` — batch EM / SVD-based fitting from
+  streamed scatter statistics;
+* :class:`RunningMoments` — exact running mean and variance in float64 for any state dtype.
+"""
+from pyro_fa.fa import linalg
 from pyro_fa.fa.batch import BatchFactorAnalysis, ScatterStatistics
+from pyro_fa.fa.moments import RunningMoments
 from pyro_fa.fa.online import OnlineFactorAnalysis
 
-__all__ = ["BatchFactorAnalysis", "ScatterStatistics", "OnlineFactorAnalysis"]
+__all__ = ["linalg", "BatchFactorAnalysis", "ScatterStatistics", "OnlineFactorAnalysis", "RunningMoments"]

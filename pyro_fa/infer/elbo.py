@@ -17,7 +17,7 @@ from pyro.util import check_model_guide_match, check_site_shape, warn_if_nan
 from torch import Tensor
 from torch.distributions import Independent, Laplace, LowRankMultivariateNormal, MultivariateNormal, Normal
 
-from pyro_fa.priors import laplace_expected_log_prob, normal_expected_log_prob
+from pyro_fa.infer.priors import laplace_expected_log_prob, normal_expected_log_prob
 
 __all__ = ["FactorELBO", "spherical_radial_rule"]
 

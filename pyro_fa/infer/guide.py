@@ -14,7 +14,7 @@ from pyro.infer.autoguide.initialization import init_to_median, init_to_value
 from pyro.nn import PyroParam
 from torch import Tensor, nn
 
-from pyro_fa.linalg import orthogonal_init
+from pyro_fa.fa.linalg import orthogonal_init
 
 __all__ = ["AutoLowRankFactorGuide"]
 

@@ -13,7 +13,7 @@ from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from pyro_fa import linalg
+from pyro_fa.fa import linalg
 from pyro_fa.fa.batch import BatchFactorAnalysis
 
 __all__ = ["FactorAnalysis"]

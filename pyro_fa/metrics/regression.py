@@ -1,8 +1,4 @@
-r"""Metrics of predictive distributions: RMSE, test log-likelihood, calibration; distances of Gaussians.
-
-Classification metrics (accuracy, NLL, Brier score, expected calibration error,
-predictive entropy, mutual information, OOD AUROC) take class probabilities of
-shape (N, C) or predictive samples (S, N, C); see their docstrings.
+r"""Regression metrics of Gaussian predictives: RMSE, test log-likelihood, calibration; distances of Gaussians.
 
 The predictive of a Bayesian model average (BMA) over S posterior samples
 :math:`\theta_s` is the Gaussian mixture
@@ -19,7 +15,7 @@ turn the numbers into the original units of y, as the UCI benchmark reports
 them (Hernández-Lobato & Adams 2015).
 
 :func:`relative_frobenius_distance` and :func:`gaussian_wasserstein2` are those
-of :mod:`pyro_fa.linalg`, re-exported here.
+of :mod:`pyro_fa.fa.linalg`, re-exported here.
 """
 from __future__ import annotations
 
@@ -29,24 +25,11 @@ from typing import NamedTuple, Sequence, Union
 import torch
 from torch import Tensor
 
-from pyro_fa._classification_metrics import (
-    accuracy,
-    bma_probs,
-    brier_score,
-    expected_calibration_error,
-    mutual_information,
-    negative_log_likelihood,
-    ood_auroc,
-    predictive_entropy,
-)
-from pyro_fa.linalg import gaussian_wasserstein2, relative_frobenius_distance
+from pyro_fa.fa.linalg import gaussian_wasserstein2, relative_frobenius_distance
 
 __all__ = [
     "rmse", "gaussian_log_likelihood", "calibration", "Calibration", "mixture_cdf",
     "relative_frobenius_distance", "gaussian_wasserstein2",
-    # classification: probabilities (N, C) or predictive samples (S, N, C)
-    "bma_probs", "accuracy", "negative_log_likelihood", "brier_score", "expected_calibration_error",
-    "predictive_entropy", "mutual_information", "ood_auroc",
 ]
 
 DEFAULT_LEVELS = tuple(round(0.05 * i, 2) for i in range(1, 20))  # 0.05, 0.10, …, 0.95

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from pyro_fa import metrics
 from pyro_fa.infer import AutoLowRankFactorGuide, FactorELBO
-from pyro_fa.priors import _FactorisedPrior
+from pyro_fa.infer.priors import _FactorisedPrior
 
 __all__ = ["BayesianNetwork"]
 

@@ -1,0 +1,177 @@
+r"""MultiSWAG: an equally weighted mixture of independently trained SWAG posteriors.
+
+Wilson & Izmailov (2020): M runs from different random initialisations, each
+with its own (factor-analysis or classic) SWAG posterior; the Bayesian model
+average is taken over the mixture
+
+.. math::
+
+    q(\theta) = \frac1M \sum_{m=1}^M N(c_m, F_mF_m^\top + \Psi_m).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.distributions import Categorical, LowRankMultivariateNormal, MixtureSameFamily
+
+from pyro_fa.swag.guide import FactorPosteriorGuide
+from pyro_fa.swag.swag import SWAG
+
+__all__ = ["MultiSWAG"]
+
+
+class MultiSWAG(nn.Module):
+    r"""An equally weighted mixture of :class:`SWAG` posteriors.
+
+    Parameters
+    ----------
+    members : sequence of SWAG
+        Posteriors of the same dimension :math:`D`, rank, dtype and device; one
+        per independent training run. Each member keeps its own model (for
+        :meth:`predict`).
+
+    Examples
+    --------
+    >>> def train(net, swag):
+    ...     opt = torch.optim.SGD(net.parameters(), lr=0.1); swag.attach(opt)
+    ...     for _ in range(4):
+    ...         opt.zero_grad(); net(torch.randn(8, 3)).pow(2).mean().backward(); opt.step()
+    >>> ms = MultiSWAG.from_training(lambda: torch.nn.Linear(3, 1), train, num_models=3, rank=2, method="swag")
+    >>> ms.predict(torch.randn(5, 3), num_samples=6).shape
+    torch.Size([5, 1])
+
+    References
+    ----------
+    A. G. Wilson and P. Izmailov, "Bayesian deep learning and a probabilistic
+    perspective of generalization", NeurIPS 2020.
+    """
+
+    def __init__(self, members: Sequence[SWAG]):
+        super().__init__()
+        cls = type(self).__name__
+        members = list(members)
+        if not members:
+            raise ValueError(f"{cls}: members must hold at least one SWAG, got none.")
+        for m in members:
+            if not isinstance(m, SWAG):
+                raise TypeError(f"{cls}: members must be SWAG posteriors, got {type(m).__name__}.")
+        dims = {(m.dim, m.rank) for m in members}
+        if len(dims) > 1:
+            raise ValueError(f"{cls}: members must share (dim, rank), got {sorted(dims, key=str)!r}.")
+        kinds = {(m.loc.dtype, m.loc.device) for m in members if m.dim is not None}
+        if len(kinds) > 1:
+            raise ValueError(f"{cls}: members must share one dtype and device, got "
+                             f"{sorted(map(str, kinds))!r}. Move them with member.to(...) first.")
+        self.members = nn.ModuleList(members)
+
+    @classmethod
+    def from_training(cls, make_module: Callable[[], nn.Module], train_fn: Callable[[nn.Module, SWAG], None],
+              num_models: int = 5, seed: int = 0, **swag_kwargs) -> "MultiSWAG":
+        """Train ``num_models`` runs and collect a SWAG posterior from each.
+
+        Parameters
+        ----------
+        make_module : callable
+            ``make_module() -> nn.Module``, called after ``torch.manual_seed(seed + m)``
+            so that each run starts from its own initialisation.
+        train_fn : callable
+            ``train_fn(module, swag)``: the user's training loop, which calls
+            ``swag.attach(optimizer)`` (or ``swag.collect()``).
+        num_models : int, default 5
+        seed : int, default 0
+        **swag_kwargs
+            For :class:`SWAG` (``rank``, ``method``, ``start_after``, ...).
+        """
+        if isinstance(num_models, bool) or not isinstance(num_models, int) or num_models < 1:
+            raise ValueError(f"{cls.__name__}: num_models must be an integer >= 1, got {num_models!r}.")
+        members = []
+        for m in range(num_models):
+            torch.manual_seed(seed + m)
+            module = make_module()
+            swag = SWAG(module, seed=seed + m, **swag_kwargs)
+            train_fn(module, swag)
+            members.append(swag)
+        return cls(members)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    @property
+    def scale(self) -> float:
+        """The members' common posterior scale (see :attr:`SWAG.scale`); setting it sets every member's."""
+        scales = {m.scale for m in self.members}
+        if len(scales) > 1:
+            raise RuntimeError(f"{type(self).__name__}: scale is per member here, got {sorted(scales)!r}; set "
+                               "ms.scale = value to share one.")
+        return scales.pop()
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        for m in self.members:
+            m.scale = value
+
+    def tune_scale(self, inputs, targets, likelihood="categorical", *, scales=None, num_samples: int = 30,
+                   noise_std=None, seed: int = 0):
+        """Choose one scale for all members by the validation log-likelihood of the mixture's model average.
+
+        See :func:`pyro_fa.swag.tune_scale`; the draws are split evenly over the members.
+        """
+        from pyro_fa.swag.scale import tune_scale
+
+        return tune_scale(self, inputs, targets, likelihood, scales=scales, num_samples=num_samples,
+                          noise_std=noise_std, seed=seed)
+
+    def distribution(self) -> MixtureSameFamily:
+        """The mixture over the flattened parameters, a ``MixtureSameFamily`` of LowRankMultivariateNormals."""
+        dists = [m.distribution() for m in self.members]
+        comp = LowRankMultivariateNormal(
+            torch.stack([d.loc for d in dists]),
+            torch.stack([d.cov_factor for d in dists]),
+            torch.stack([d.cov_diag for d in dists]),
+        )
+        logits = comp.loc.new_zeros(len(dists))
+        return MixtureSameFamily(Categorical(logits=logits), comp)
+
+    @torch.no_grad()
+    def sample_parameters(self, num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
+        """Draw (num_samples, D) vectors: members chosen uniformly, then a draw from each chosen member."""
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"{type(self).__name__}: num_samples must be an integer >= 1, got {num_samples!r}.")
+        ref = self.members[0].loc
+        idx = torch.randint(len(self.members), (num_samples,), generator=generator, device=ref.device)
+        out = ref.new_empty(num_samples, ref.shape[0])
+        for m, member in enumerate(self.members):
+            rows = (idx == m).nonzero().flatten()
+            if rows.numel():
+                out[rows] = member.sample_parameters(rows.numel(), generator=generator)
+        return out
+
+    @torch.no_grad()
+    def predict(self, *args, num_samples: int = 30, fn=None, loader=None, **kwargs) -> Tensor:
+        """Average of the members' :meth:`SWAG.predict`, ``num_samples`` draws from each member."""
+        outs = [m.predict(*args, num_samples=num_samples, fn=fn, loader=loader, **kwargs) for m in self.members]
+        return torch.stack(outs).mean(0)
+
+    @torch.no_grad()
+    def predictive_samples(self, *args, num_samples: int = 30, fn=None, **kwargs) -> Tensor:
+        """Outputs under ``num_samples`` draws from each member, stacked: shape (M * S, ...)."""
+        return torch.cat([m.predictive_samples(*args, num_samples=num_samples, fn=fn, **kwargs)
+                          for m in self.members])
+
+    def predict_proba(self, *args, num_samples: int = 30, **kwargs) -> Tensor:
+        """Class probabilities of the mixture's model average for modules that return logits (..., C)."""
+        return self.predict(*args, num_samples=num_samples, fn=lambda z: z.softmax(-1), **kwargs)
+
+    def log_likelihood(self, inputs, targets, likelihood="categorical", *, num_samples: int = 30,
+                       noise_std=None, seed: int = 0) -> float:
+        """Test log-likelihood per point of the mixture's model average (draws split evenly over the members)."""
+        from pyro_fa.swag.scale import bma_log_likelihood
+
+        return bma_log_likelihood(self, inputs, targets, likelihood, num_samples=num_samples,
+                                  noise_std=noise_std, seed=seed)
+
+    def to_guide(self, model: Callable) -> FactorPosteriorGuide:
+        """A Pyro guide drawing the model's latent sites from the mixture (a member per call)."""
+        return FactorPosteriorGuide(model, list(self.members))

@@ -1,0 +1,66 @@
+"""The package is arranged by road; the old import paths still work for one release, with a warning."""
+import importlib
+import sys
+import warnings
+
+import pytest
+
+import pyro_fa
+
+
+@pytest.mark.parametrize("old, new, name", [
+    ("pyro_fa.linalg", "pyro_fa.fa.linalg", "logdet"),
+    ("pyro_fa.priors", "pyro_fa.infer.priors", "LaplacePrior"),
+    ("pyro_fa.infer.swag", "pyro_fa.swag.swag", "SWAG"),
+    ("pyro_fa.infer.multiswag", "pyro_fa.swag.multiswag", "MultiSWAG"),
+    ("pyro_fa.infer.scale", "pyro_fa.swag.scale", "tune_scale"),
+])
+def test_old_module_paths_warn_and_alias_the_new_module(old, new, name):
+    sys.modules.pop(old, None)
+    with pytest.warns(FutureWarning, match=new.replace(".", r"\.")):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+    assert getattr(module, name) is getattr(importlib.import_module(new), name)
+
+
+@pytest.mark.parametrize("name", ["SWAG", "MultiSWAG"])
+def test_swag_names_in_infer_warn(name):
+    with pytest.warns(FutureWarning, match="pyro_fa.swag"):
+        obj = getattr(importlib.import_module("pyro_fa.infer"), name)
+    assert obj is getattr(pyro_fa, name)
+
+
+def test_every_public_name_importable_from_the_top_without_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in pyro_fa.__all__:
+            assert getattr(pyro_fa, name) is not None
+        from pyro_fa.nn import BayesianNetwork  # noqa: F401
+        from pyro_fa.sklearn import FactorAnalysis  # noqa: F401
+        from pyro_fa.swag import FactorPosteriorGuide, tune_scale  # noqa: F401
+
+
+def test_import_graph_flows_one_way():
+    # core <- VI / SWAG <- adapters <- experiments: no module imports one from a later layer.
+    import ast
+    from pathlib import Path
+
+    root = Path(pyro_fa.__file__).parent
+    layer = {"fa": 0, "_state": 0, "_files": 0, "_deprecated": 0, "metrics": 0, "datasets": 0,
+             "infer": 1, "swag": 1, "basis": 1, "nn": 2, "sklearn": 2, "linear_model": 2, "distributed": 1,
+             "experiments": 3, "cli": 4}
+    shims = {root / "linalg.py", root / "priors.py", root / "infer" / "swag.py",
+             root / "infer" / "multiswag.py", root / "infer" / "scale.py"}
+    bad = []
+    for path in root.rglob("*.py"):
+        if path in shims or path.name == "__init__.py" and path.parent == root:
+            continue
+        top = path.relative_to(root).parts[0].removesuffix(".py")
+        if top not in layer:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pyro_fa."):
+                target = node.module.split(".")[1]
+                if target in layer and layer[target] > layer[top]:
+                    bad.append(f"{path.relative_to(root)} imports {node.module}")
+    assert not bad, bad
