@@ -2,6 +2,13 @@
 
 Each subcommand is an experiment module with ``add_arguments(parser)`` and
 ``run(args)``; ``pyro-fa <name> --quick`` runs a small subset in minutes.
+
+References
+----------
+S. Brownlie, *Extending the Bayesian Deep Learning Method MultiSWAG*, MSc thesis,
+University of Edinburgh, 2021.
+X. Jiang, *Laplace prior and variational inference probabilistic PCA (VIPPCA)*, report,
+University of Edinburgh, 2023.
 """
 from __future__ import annotations
 
@@ -22,11 +29,14 @@ EXPERIMENTS = {
 }
 
 _HELP = {
-    "online-fa": "Chapter 5: online EM / online SGA vs batch factor analysis on synthetic FA models.",
-    "vifa-synthetic": "Seed 003 Table 1: VIFA (Gaussian and Laplace priors) vs the exact 2-D linear-regression posterior.",
-    "vifa-linreg": "Seed 003 Figs. 2-5: VIFA vs exact linear-regression posteriors on four UCI datasets.",
-    "sgd-iterates": "Seed 000 Table 6.1, Figs. 6.1-6.2: SGD iterates vs the exact 2-D linear-regression posterior.",
-    "linreg-ensembles": "Seed 000 Table A.1: pre-trained, SWA, SGA-FA and EM-FA ensembles of linear regression on UCI.",
+    "online-fa": "Brownlie (2021) Chapter 5: online EM / online SGA vs batch factor analysis on synthetic FA models.",
+    "vifa-synthetic": "Jiang (2023) Table 1: VIFA (Gaussian and Laplace priors) vs the exact 2-D "
+                      "linear-regression posterior.",
+    "vifa-linreg": "Jiang (2023) Figs. 2-5: VIFA vs exact linear-regression posteriors on four UCI datasets.",
+    "sgd-iterates": "Brownlie (2021) Table 6.1, Figs. 6.1-6.2: SGD iterates vs the exact 2-D "
+                    "linear-regression posterior.",
+    "linreg-ensembles": "Brownlie (2021) Table A.1: pre-trained, SWA, SGA-FA and EM-FA ensembles of linear "
+                        "regression on UCI.",
     "uci": "The UCI Bayesian-neural-network benchmark: VIFA / VIPPCA vs Pyro's guides and SWAG on the standard splits.",
     "classify": "Classification on MNIST-1D and digits: calibration and OOD detection of SWAG, MultiSWAG, VIFA, "
                 "deep ensembles, MC dropout, Laplace and IVON.",
@@ -37,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pyro-fa",
         description="Reproduce the experiments of pyro_fa (factor-analysis posteriors for Bayesian deep learning).",
+        epilog="References: Brownlie (2021), Extending the Bayesian Deep Learning Method MultiSWAG, MSc thesis, "
+               "University of Edinburgh; Jiang (2023), Laplace prior and variational inference probabilistic PCA "
+               "(VIPPCA), report, University of Edinburgh.",
     )
     sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT")
     sub.required = True

@@ -20,7 +20,7 @@ def _fa_data(D=12, K=3, T=500, seed=0, dtype=torch.float64):
 def _reference_online_em(X, K, warmup, F0, a, m_step_every=1, ramp=24, expand=True):
     """Online EM written densely (explicit inverses), the reference for the class.
 
-    Seed 000 Algorithm 2 with the step gamma_t = a_t / (t + a_t - 1), a_t ramping
+    Brownlie (2021) Algorithm 2 with the step gamma_t = a_t / (t + a_t - 1), a_t ramping
     from 1 to a over the first 2 D observations (a = 1 is the thesis's 1/t), two documented differences: H averages the expected statistic
     Sigma_t + m_t m_t^T (Cappé & Moulines 2009) instead of adding the current
     Sigma to an average of m m^T, and diag(S) is the exact variance about the

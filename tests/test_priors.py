@@ -34,7 +34,7 @@ def test_expected_abs_stable_limits():
 
 
 def test_expected_abs_gradients_match_seed_formulas():
-    # seed 003 eqs. (1)-(2): d/dmu = 2 Phi(mu / sigma) - 1, d/dv = exp(-mu^2 / 2v) / sqrt(2 pi v)
+    # Jiang (2023) eqs. (1)-(2): d/dmu = 2 Phi(mu / sigma) - 1, d/dv = exp(-mu^2 / 2v) / sqrt(2 pi v)
     loc = torch.tensor([-1.3, -0.1, 0.0, 0.7, 4.0], requires_grad=True)
     var = torch.tensor([0.3, 1.2, 0.5, 2.0, 1e-3], requires_grad=True)
     expected_abs(loc, var).sum().backward()
@@ -59,7 +59,7 @@ def test_gaussian_expected_log_prob_matches_quadrature_and_grad():
     ref = _quadrature(prior.log_prob, loc.detach(), var.detach())
     assert torch.allclose(out, ref, atol=1e-8)
     out.sum().backward()
-    # seed 000 eqs. 4.48 and 4.55: d/dc = -alpha c, d/dpsi = -alpha / 2
+    # Brownlie (2021) eqs. 4.48 and 4.55: d/dc = -alpha c, d/dpsi = -alpha / 2
     assert torch.allclose(loc.grad, -2.5 * loc.detach())
     assert torch.allclose(var.grad, torch.full_like(var, -1.25))
 
@@ -97,7 +97,7 @@ def test_distribution_shape_dtype_device(prior, variance, device):
 
 
 def test_laplace_matches_seed_rate():
-    # seed 003: rate alpha = 1 / b, variance 2 b^2
+    # Jiang (2023): rate alpha = 1 / b, variance 2 b^2
     prior = LaplacePrior(scale=0.5)
     assert torch.allclose(prior.log_prob(torch.tensor([0.3])), torch.log(torch.tensor(1.0)) - 0.3 / 0.5)
 

@@ -1,4 +1,4 @@
-r"""Linear-regression ensembles from SGD iterates on UCI data: seed 000 §6.2, Table A.1.
+r"""Linear-regression ensembles from SGD iterates on UCI data: Brownlie (2021) §6.2, Table A.1.
 
 For Energy (heating load), Boston, Concrete and Yacht, 10-fold cross-validation
 (inputs standardised with each fold's training statistics, targets in original
@@ -13,6 +13,11 @@ Test MSE of the pre-trained vector, the SWA mean, and 30-sample ensembles
 
 Bar: our EM-FA ensemble's mean MSE <= the thesis's EM-FA + one standard error on
 every dataset.
+
+References
+----------
+S. Brownlie, *Extending the Bayesian Deep Learning Method MultiSWAG*, MSc thesis,
+University of Edinburgh, 2021.
 """
 from __future__ import annotations
 
@@ -157,12 +162,12 @@ def run(args) -> int:
         ax.set_xticklabels(labels, rotation=30)
         ax.set(title=DATASETS[name], ylabel="test MSE")
     axes[0][0].legend()
-    fig.suptitle(f"Figure 6.3 / Table A.1: linear-regression test MSE ({n_folds} folds, mean ± s.e.)")
+    fig.suptitle(f"Brownlie (2021) Figure 6.3 / Table A.1: linear-regression test MSE ({n_folds} folds, mean ± s.e.)")
     fig.tight_layout()
     atomic_savefig(fig, out_dir / "figure_6_3.png", dpi=100)
     plt.close(fig)
 
-    print(f"\nTable A.1 (test MSE over {n_folds} of {N_FOLDS} folds; ours, thesis in parentheses; mean ± s.e.)")
+    print(f"\nBrownlie (2021) Table A.1 (test MSE over {n_folds} of {N_FOLDS} folds; ours, thesis in parentheses; mean ± s.e.)")
     print(markdown_table(["dataset", "Pre-trained", "SWA", "SGA-FA", "EM-FA", "classic SWAG (ours only)",
                           "bar: EM-FA ≤ thesis EM-FA + s.e."], rows))
     print(f"\nbar met on every dataset: {bar_ok}")

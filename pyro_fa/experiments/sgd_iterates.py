@@ -1,8 +1,8 @@
-r"""Do SGD iterates sample the posterior? Seed 000 §6.1: Table 6.1, Figures 6.1 and 6.2.
+r"""Do SGD iterates sample the posterior? Brownlie (2021) §6.1: Table 6.1, Figures 6.1 and 6.2.
 
 Two-dimensional Bayesian linear regression (inputs :math:`N(0, [[1, .5], [.5, 1]])`,
 :math:`\alpha = 0.01`, :math:`\beta = 0.1`, N = 1000, no bias), exact posterior
-:math:`N(m, S)` (seed 000 eq. 2.13). A linear model is trained by ``torch.optim.SGD``
+:math:`N(m, S)` (Brownlie 2021, eq. 2.13). A linear model is trained by ``torch.optim.SGD``
 on the mean squared error: 500 epochs at learning rate 0.001 without weight decay
 (pre-training), then 100 epochs at learning rate 0.1 or 0.01 with weight decay
 :math:`\lambda`, batch 100,
@@ -16,6 +16,11 @@ error when the iterates' covariance is negligible), so that is what is printed
 beside it, with :math:`W_2` itself in the JSON; the online-EM factor-analysis fit (K = 1) is shown too.
 Figure 6.2 repeats lr 0.1, :math:`\lambda` = 0.001 with batch 10 and finite-window
 averaging (``window=50``).
+
+References
+----------
+S. Brownlie, *Extending the Bayesian Deep Learning Method MultiSWAG*, MSc thesis,
+University of Edinburgh, 2021.
 """
 from __future__ import annotations
 
@@ -45,12 +50,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--trials", type=positive_int, default=None, help="trials per setting (default 10; quick: 3)")
     parser.add_argument("--pretrain-epochs", type=nonnegative_int, default=500, help="pre-training epochs at lr 0.001")
     parser.add_argument("--epochs", type=positive_int, default=100, help="collection epochs (default 100)")
-    parser.add_argument("--window", type=positive_int, default=50, help="Figure 6.2 window (default 50)")
-    parser.add_argument("--window-batch", type=positive_int, default=10, help="Figure 6.2 batch size (default 10)")
+    parser.add_argument("--window", type=positive_int, default=50, help="window of Brownlie (2021) Figure 6.2 (default 50)")
+    parser.add_argument("--window-batch", type=positive_int, default=10, help="batch size of Brownlie (2021) Figure 6.2 (default 10)")
 
 
 def make_data(seed: int, dtype=torch.float64):
-    """Inputs, targets and the exact posterior (m, S) of one trial (seed 000 §6.1.1)."""
+    """Inputs, targets and the exact posterior (m, S) of one trial (Brownlie 2021, §6.1.1)."""
     g = torch.Generator().manual_seed(seed)
     L = torch.linalg.cholesky(torch.tensor([[1.0, 0.5], [0.5, 1.0]], dtype=dtype))
     X = torch.randn(N, 2, generator=g, dtype=dtype) @ L.T
@@ -166,7 +171,7 @@ def run(args) -> int:
         rows.append([lr, lam] + [f"{fmt(s)} ({fmt(p)})" for s, p in zip(stats, PAPER[(lr, lam)])])
         fa_rows.append([lr, lam] + [fmt(s) for s in fa_stats[:3]])
     axes.flat[0].legend(fontsize=8, loc="lower right")
-    fig.suptitle("Figure 6.1: SGD iterates (red) on the exact posterior (trial 0)")
+    fig.suptitle("Brownlie (2021) Figure 6.1: SGD iterates (red) on the exact posterior (trial 0)")
     fig.tight_layout()
     atomic_savefig(fig, out_dir / "figure_6_1.png", dpi=100)
     plt.close(fig)
@@ -197,11 +202,11 @@ def run(args) -> int:
     results["seconds"] = time.perf_counter() - t0
     atomic_write_json(out_dir / "results.json", results)
 
-    print(f"Table 6.1 ({trials} trials; ours, paper in parentheses; mean ± s.e.)")
+    print(f"Brownlie (2021) Table 6.1 ({trials} trials; ours, paper in parentheses; mean ± s.e.)")
     print(markdown_table(["lr", "λ", "rel. mean dist.", "rel. cov. dist.", "W2² (thesis: 'Wasserstein')"], rows))
     print("\nOnline-EM factor analysis (SWAG, K = 1, warm-up 100) fitted to the same iterates, vs the exact posterior")
     print(markdown_table(["lr", "λ", "rel. mean dist.", "rel. cov. dist.", "W2²"], fa_rows))
-    print(f"\nFigure 6.2 (lr 0.1, λ 0.001, batch {B}, window {W}): window means vs exact posterior: "
+    print(f"\nBrownlie (2021) Figure 6.2 (lr 0.1, λ 0.001, batch {B}, window {W}): window means vs exact posterior: "
           f"rel. mean {wstats[0][0]:.4f} ± {wstats[0][1]:.4f}, rel. cov. {wstats[1][0]:.4f} ± {wstats[1][1]:.4f}, "
           f"W2² {wstats[2][0]:.4f} ± {wstats[2][1]:.4f}; SWAG-EM(window) rel. cov. {wstats[4][0]:.4f}")
     print("(paper: qualitative — 'a much better representation of the true posterior' than Fig. 6.1(b), "

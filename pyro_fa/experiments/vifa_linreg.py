@@ -1,17 +1,24 @@
-r"""VIFA for Bayesian linear regression on UCI data (thesis Figs. 5.x, seed 003 Figures 2–5).
+r"""VIFA for Bayesian linear regression on UCI data (Brownlie 2021, Figs. 5.x; Jiang 2023, Figures 2–5).
 
 For Energy, Boston, Concrete and Yacht (split 0, inputs and target standardised on the
 training set), the prior precision :math:`\alpha` and noise precision :math:`\beta` are
 chosen by scikit-learn's ``BayesianRidge`` (its ``lambda_`` and ``alpha_``); the exact
-posterior is :math:`N(m, S)` (seed 000 eq. 2.13). A rank-3
+posterior is :math:`N(m, S)` (Brownlie 2021, eq. 2.13). A rank-3
 :class:`~pyro_fa.AutoLowRankFactorGuide` (``loc_scale="prior"``) is fitted with
 :class:`~pyro_fa.FactorELBO` under the Gaussian prior (precision α) and the Laplace prior
-with the same variance, :math:`b = 1/\sqrt{2\alpha}` (seed 003 §3.1). The script prints
+with the same variance, :math:`b = 1/\sqrt{2\alpha}` (Jiang 2023, §3.1). The script prints
 relative distances of means, variances and covariances to the exact Gaussian-prior
-posterior — for the Laplace prior too, as seed 003's Figures 2–5 do (a Laplace prior has
+posterior — for the Laplace prior too, as Jiang's (2023) Figures 2–5 do (a Laplace prior has
 no closed-form posterior, so those rows mix the prior's effect with the fit's error) — and
-saves, per dataset, the three comparison panels of seed 003's figures (means, variances,
+saves, per dataset, the three comparison panels of Jiang's figures (means, variances,
 off-diagonal covariances) as PNG.
+
+References
+----------
+S. Brownlie, *Extending the Bayesian Deep Learning Method MultiSWAG*, MSc thesis,
+University of Edinburgh, 2021.
+X. Jiang, *Laplace prior and variational inference probabilistic PCA (VIPPCA)*, report,
+University of Edinburgh, 2023.
 """
 from __future__ import annotations
 
@@ -160,8 +167,8 @@ def run(args) -> int:
         f"(FactorELBO sampling='auto': spherical-radial where 2 (K + D) + 1 <= {args.particles}, else i.i.d.), "
         "AutoLowRankFactorGuide(loc_scale='prior'); Laplace prior scale b = 1/sqrt(2 alpha) (same variance). "
         "alpha and beta come from BayesianRidge on the training split; nothing is tuned. "
-        "Distances relative to the exact Gaussian-prior posterior (for both priors, as seed 003 Figs. 2-5); "
-        "the papers show these comparisons as figures only (seed 003 Figs. 2-5), so there are no published numbers "
+        "Distances relative to the exact Gaussian-prior posterior (for both priors, as Jiang (2023) Figs. 2-5); "
+        "the papers show these comparisons as figures only (Jiang (2023) Figs. 2-5), so there are no published numbers "
         "to print beside ours. Figures: vifa_linreg_<dataset>.png\n\n"
         + markdown_table(header, rows) + "\n"
     )

@@ -1,15 +1,15 @@
-r"""VIFA on 2-D synthetic Bayesian linear regression (seed 000 §6.1.1, seed 003 Table 1 and Figure 1).
+r"""VIFA on 2-D synthetic Bayesian linear regression (Brownlie 2021, §6.1.1; Jiang 2023, Table 1 and Figure 1).
 
 Data: :math:`x \sim N(0, [[1, .5], [.5, 1]])`, :math:`\theta \sim N(0, \alpha^{-1}I)`,
 :math:`y = \theta^\top x + \varepsilon`, :math:`\varepsilon \sim N(0, \beta^{-1})`,
 :math:`\alpha = 0.01`, :math:`\beta = 0.1`, :math:`N = 1000`. The exact posterior is
 :math:`N(m, S)`, :math:`S = (\alpha I + \beta X^\top X)^{-1}`, :math:`m = \beta S X^\top y`
-(seed 000 eq. 2.13). Each trial fits a rank-1 :class:`~pyro_fa.AutoLowRankFactorGuide`
+(Brownlie 2021, eq. 2.13). Each trial fits a rank-1 :class:`~pyro_fa.AutoLowRankFactorGuide`
 (``loc_scale="prior"``: the mean is learned in units of the prior's standard deviation)
 with :class:`~pyro_fa.FactorELBO` (default ``sampling="auto"``: with 8 vectorised particles
 and :math:`d = K + D = 3` noise dimensions it uses the spherical-radial cubature, exact for
 this quadratic log-likelihood) under the Gaussian prior (precision α) and the Laplace prior
-with the same variance, :math:`b = 1/\sqrt{2\alpha}` (seed 003 §3.1: its rate range
+with the same variance, :math:`b = 1/\sqrt{2\alpha}` (Jiang 2023, §3.1: its rate range
 :math:`[0.141, 4.472] = \sqrt{2\,[0.01, 10]}` shows the rate is :math:`\sqrt{2\alpha}`), and
 — for scale, same steps, particles, learning rate and schedule — Pyro's
 ``AutoLowRankMultivariateNormal`` with ``Trace_ELBO`` and its defaults. All settings are fixed
@@ -21,8 +21,15 @@ spread, :math:`W_2 / \sqrt{\mathrm{tr}\,S}` (the papers do not state their scali
 column compares only roughly). The Gaussian-prior fits are compared with the exact posterior.
 A Laplace prior has no closed-form posterior: its fits are compared with the mean and
 covariance of the true Laplace-prior posterior, computed by quadrature on a 2-D grid, and —
-as seed 003 Table 1 does, whose "true posterior" is the thesis's closed-form one — with
+as Jiang (2023) Table 1 does, whose "true posterior" is Brownlie's closed-form one — with
 the exact Gaussian-prior posterior.
+
+References
+----------
+S. Brownlie, *Extending the Bayesian Deep Learning Method MultiSWAG*, MSc thesis,
+University of Edinburgh, 2021.
+X. Jiang, *Laplace prior and variational inference probabilistic PCA (VIPPCA)*, report,
+University of Edinburgh, 2023.
 """
 from __future__ import annotations
 
@@ -44,7 +51,7 @@ from pyro_fa.experiments._io import (
 
 ALPHA, BETA, N = 0.01, 0.1, 1000
 BAR_COV, BAR_MEAN = 0.02, 0.002
-#: (mean, covariance, scaled W2) as published: thesis (seed 000) and seed 003 Table 1
+#: (mean, covariance, scaled W2) as published in Jiang (2023) Table 1 (its Gaussian row quotes Brownlie 2021)
 PAPER = {
     "gaussian": ((0.0031, 0.0005), (0.0983, 0.0129), (0.0194, 0.0023)),
     "laplace": ((0.0034, 0.0006), (0.0964, 0.0113), (0.0235, 0.0035)),
@@ -97,7 +104,7 @@ def add_arguments(parser) -> None:
 
 
 def make_data(seed: int, dtype=torch.float64):
-    """The synthetic data of seed 000 §6.1.1 and its exact posterior (m, S)."""
+    """The synthetic data of Brownlie (2021, §6.1.1) and its exact posterior (m, S)."""
     gen = torch.Generator().manual_seed(seed)
     cov_x = torch.tensor([[1.0, 0.5], [0.5, 1.0]], dtype=dtype)
     X = torch.randn(N, 2, generator=gen, dtype=dtype) @ torch.linalg.cholesky(cov_x).T
@@ -193,7 +200,7 @@ def _contour_figure(X, m, S, fits, path):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel(r"$\theta_1$")
         ax.set_ylabel(r"$\theta_2$")
-    fig.suptitle("Exact posterior (filled) and rank-1 FA posterior (white lines), seed 003 Fig. 1")
+    fig.suptitle("Exact posterior (filled) and rank-1 FA posterior (white lines), as Jiang (2023) Fig. 1")
     fig.tight_layout()
     atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
@@ -243,7 +250,7 @@ def run(args) -> int:
         rows.append([_LABEL[key], _REF[ref], fmt("mean"), fmt("cov"), fmt("w2"), f"{stats['seconds'][0]:.1f}"])
         if key in PAPER and (key, ref) != ("laplace", "laplace"):
             p = PAPER[key]
-            src = "thesis (seed 000)" if key == "gaussian" else "seed 003 Table 1"
+            src = "Brownlie (2021), in Jiang (2023) Table 1" if key == "gaussian" else "Jiang (2023) Table 1"
             rows.append([f"  paper: {src}", "", *(f"{a:.4f} ± {b:.4f}" for a, b in p), ""])
     header = ["method", "reference", "rel. mean dist.", "rel. cov. dist.", "W2 / sqrt(tr S)", "s / fit"]
     table = markdown_table(header, rows)

@@ -1,6 +1,6 @@
 r"""Batch EM for factor analysis from the sufficient statistics of the data.
 
-The model (seed 001; Barber 2012, §21.1) is
+The model (Linderman 2021; Barber 2012, §21.1) is
 
 .. math::
 
@@ -28,6 +28,9 @@ Z. Ghahramani and G. E. Hinton, *The EM algorithm for mixtures of factor
 analyzers*, Technical Report CRG-TR-96-1, University of Toronto, 1996.
 M. E. Tipping and C. M. Bishop, *Probabilistic principal component analysis*,
 JRSS B 61(3), 1999.
+S. Linderman, *Factor Analysis, Variational Autoencoders, and Variational
+EM*, STATS271/371 Applied Bayesian Statistics lecture notes, Stanford
+University, 2021.
 T. F. Chan, G. H. Golub and R. J. LeVeque, *Updating formulae and a pairwise
 algorithm for computing sample variances*, Stanford CS-79-773, 1979.
 """
@@ -247,7 +250,7 @@ def em_from_covariance(
     With :math:`W = \Psi^{-1}F`, :math:`\Sigma_h = (I + F^\top W)^{-1}` (the
     latent posterior covariance) and :math:`G = \Sigma_h W^\top` (so that
     :math:`E[h\mid x] = G(x - \bar x)`), one iteration is (Ghahramani &
-    Hinton 1996; Barber §21.2; seed 001, the M-step slides)
+    Hinton 1996; Barber §21.2; Linderman 2021, the M-step slides)
 
     .. math::
 
@@ -446,7 +449,8 @@ class BatchFactorAnalysis(nn.Module):
 
     References
     ----------
-    Barber 2012, §21.2; Ghahramani & Hinton 1996; seed 001.
+    Barber 2012, §21.2; Ghahramani & Hinton 1996; Linderman 2021 (lecture
+    notes on factor analysis and EM, Stanford).
 
     Examples
     --------

@@ -21,6 +21,8 @@ For log-densities, entropies and samples use
 References
 ----------
 D. Barber, *Bayesian Reasoning and Machine Learning*, CUP 2012, ch. 21.
+S. Brownlie, *Extending the Bayesian Deep Learning Method MultiSWAG*, MSc
+thesis, University of Edinburgh, 2021.
 """
 from __future__ import annotations
 
@@ -171,7 +173,7 @@ def latent_posterior(cov_factor: Tensor, cov_diag: Tensor, centred: Tensor) -> T
 
     For :math:`\theta = Fh + c + \varepsilon`, :math:`h \sim N(0, I)`,
     :math:`\varepsilon \sim N(0, \Psi)` and :math:`d = \theta - c`
-    (seed 000 eqs. 4.10 and 4.23; Barber eq. 21.2.17):
+    (Brownlie 2021, eqs. 4.10 and 4.23; Barber eq. 21.2.17):
 
     .. math::
 
@@ -274,7 +276,7 @@ def relative_frobenius_distance(
         + 2\sum_d \delta_d (UWU^\top)_{dd} + \|\delta\|^2 ,
 
     all in :math:`O(D(K_1+K_2)^2)`, so it works at :math:`D = 10^6`
-    (seed 000 §5.2 uses it on dense matrices).
+    (Brownlie 2021, §5.2, uses it on dense matrices).
 
     Parameters
     ----------
@@ -387,7 +389,7 @@ def orthogonal_init(
     r"""A :math:`D \times K` matrix with orthogonal columns of norm ``scale``.
 
     The Q factor of the reduced QR decomposition of a standard-normal matrix
-    (seed 000 §4.4), with the signs fixed so that the result is Haar
+    (Brownlie 2021, §4.4), with the signs fixed so that the result is Haar
     distributed.
 
     Parameters

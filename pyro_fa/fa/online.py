@@ -35,7 +35,7 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
         \ \Psi = \mathrm{diag}(\psi).
 
     The mean :math:`c` and the coordinate variances :math:`\mathrm{diag}(S_t)` are
-    exact running moments. ``method="em"`` is online EM (seed 000, Algorithm 2)
+    exact running moments. ``method="em"`` is online EM (Brownlie 2021, Algorithm 2)
     in the stochastic-approximation form of Cappé & Moulines (2009): each
     observation's E-step (eq. 4.23) is computed once, the sufficient statistics
 
@@ -69,14 +69,11 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
 
     .. warning::
 
-        SGA needs long streams. On SGD iterates (a 10-50-1 MLP, D = 601, K = 10,
-        SGD with momentum; a 5-input linear model, D = 6, K = 2) its relative
-        covariance distance to the iterates' own covariance was 0.80–0.95 at
-        T = 300–3000 collected vectors against 0.003–0.14 for batch FA
-        (scikit-learn), and 0.47 / 0.16 against 0.15 / 0.05 on the linear model at
-        T = 480 / 6000: one Adam step per vector cannot follow the equally weighted
-        moments of a drifting trajectory in a few thousand steps. Use
-        ``method="em"`` there (1.2–3x batch FA on the same streams).
+        SGA needs long streams. On SGD iterates (a few hundred to a few thousand
+        vectors) one Adam step per vector cannot follow the equally weighted
+        moments of a drifting trajectory, and its covariance stays far from batch
+        FA's. Use ``method="em"`` there, which is much closer to batch FA on the
+        same streams (see ``benchmarks/bench_swag_streams.py``).
 
     Parameters
     ----------
@@ -87,9 +84,9 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
     method : {"em", "sga"}, default "em"
     warmup : int, default 100
         Number of observations during which only the running statistics are
-        updated and :math:`F, \psi` stay at their initial values (seed 000 §5.1).
+        updated and :math:`F, \psi` stay at their initial values (Brownlie 2021, §5.1).
     lr : float, default 1e-3
-        Learning rate of the SGA optimizer (seed 000 §5.1). Ignored by EM.
+        Learning rate of the SGA optimizer (Brownlie 2021, §5.1). Ignored by EM.
     optimizer : type or callable, optional
         For SGA: a ``torch.optim.Optimizer`` class, or a callable taking the
         parameter list and returning an optimizer. Default ``torch.optim.Adam``.
@@ -109,15 +106,13 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
     average : bool, default True
         SGA only: report the Polyak–Ruppert average of the iterates :math:`(F, \log\psi)`
         with weights proportional to the step count, instead of the last iterate
-        (one more :math:`D\times K` buffer). Measured on Chapter 5, D = 1000: relative
-        covariance error 0.020 against 0.040 for the last iterate (batch FA: 0.019).
+        (one more :math:`D\times K` buffer); on the synthetic models of Brownlie (2021,
+        ch. 5) it roughly halves the covariance error of the last iterate.
     expand : bool, default True
         EM only: the parameter-expanded M-step (PX-EM). Plain EM changes the scale of
         :math:`F` by a factor of about :math:`1 + \psi/(s^2+\psi)` per EM iteration along a
         direction of signal variance :math:`s^2`: where the noise is small against the
-        signal it crawls (measured: D = 401, K = 10, F ~ N(0, 1), ψ ~ U(0.5, 1),
-        T = 3000: relative covariance error 0.97 plain, 0.071 expanded, 0.058 for
-        batch FA). PX-EM estimates the latent covariance as well and absorbs it into
+        signal it crawls (see Notes). PX-EM estimates the latent covariance as well and absorbs it into
         :math:`F`, which sets the scale in one step; it costs one :math:`K\times K`
         triangular inverse per M-step. ``False`` is the thesis's M-step.
     step_ramp : int, optional
@@ -136,7 +131,7 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
         ``benchmarks/bench_online_em.py``); the stale factor of a few updates is
         negligible beside the :math:`1/t` weight of each new observation.
     init_scale : float, default 1.0
-        Norm of each orthogonal column of the initial :math:`F` (seed 000 §4.4);
+        Norm of each orthogonal column of the initial :math:`F` (Brownlie 2021, §4.4);
         :math:`\psi` starts at one.
     min_variance : float, default 1e-4
         Relative floor of :math:`\psi`: :math:`\psi_d \ge` ``min_variance`` times the
@@ -187,16 +182,16 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
     :math:`t_0/t` and the error of the transient decays only like
     :math:`t^{-(1-\lambda)}`, where :math:`\lambda` is the contraction rate of
     batch EM, close to one when the noise is large and heteroscedastic
-    (spectrum [1, 1000] in seed 000 §5.2, where the thesis's online EM stalls
+    (spectrum [1, 1000] in Brownlie 2021, §5.2, where the thesis's online EM stalls
     at 2–3 times the batch error). With :math:`a/(t+a-1)`, :math:`\tau = a\log t`
     and the transient fades like :math:`t^{-a(1-\lambda)}`. Larger :math:`a`
-    forgets faster but is noisier; :math:`a = 2` was chosen on the Chapter-5
-    models (``pyro-fa online-fa``).
+    forgets faster but is noisier; :math:`a = 2` is the choice on the models of
+    Brownlie (2021, ch. 5) (``pyro-fa online-fa``).
 
     References
     ----------
-    S. Brownlie, *Extending the Bayesian Deep Learning Method MultiSWAG*, MSc thesis
-    (seed 000), Algorithms 1 and 2. O. Cappé and E. Moulines, "On-line
+    S. Brownlie, *Extending the Bayesian Deep Learning Method MultiSWAG*, MSc thesis,
+    University of Edinburgh, 2021, Algorithms 1 and 2. O. Cappé and E. Moulines, "On-line
     expectation-maximization algorithm for latent data models", JRSS B 71(3), 2009.
     C. Liu, D. B. Rubin and Y. N. Wu, "Parameter expansion to accelerate EM: the
     PX-EM algorithm", Biometrika 85(4), 1998.
@@ -720,9 +715,8 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
         M-step) rather than posteriors under a unit-scale model: with the unit
         initial :math:`F, \psi` and weight variances of 1e-3, the warm-up's
         :math:`\Sigma_h \approx I/2` dominated :math:`\bar H` and shrank the factor
-        (measured on 300 SGD iterates of a 10-50-1 MLP, D = 601, K = 10, ``warmup=100``,
-        ``step_scale=1``: relative distance to the iterates' covariance 0.075 without,
-        0.033 with; batch FA 0.025). Called at :math:`n = 2, 4, 8, \dots` up to the
+        (on short streams of SGD iterates the rescaling roughly halves the covariance
+        error). Called at :math:`n = 2, 4, 8, \dots` up to the
         warm-up's end: :math:`O(DK^2)` each, in row blocks.
         """
         var = self.variance

@@ -204,15 +204,15 @@ class FactorELBO(ELBO):
 
     * :math:`-\mathbb{E}_q[\log q]` is the entropy
       :math:`\tfrac12\log|2\pi e(FF^\top+\Psi)|` in :math:`O(DK^2)` — the full
-      entropy, including its dependence on :math:`F` that Algorithm 3 of seed
-      000 drops (seed 003 eqs. 7–8, the :math:`-A + CB^\top` terms);
+      entropy, including its dependence on :math:`F` that Algorithm 3 of
+      Brownlie (2021) drops (Jiang 2023, eqs. 7–8, the :math:`-A + CB^\top` terms);
     * for each latent site the guide covers whose prior is a ``Normal`` or
       ``Laplace`` (possibly expanded or ``.to_event``-ed, e.g. from
       :class:`~pyro_fa.GaussianPrior` or :class:`~pyro_fa.LaplacePrior`)
       with parameters that do not depend on other latent variables,
       :math:`\mathbb{E}_q[\log p]` is computed from the marginals
-      :math:`N(c_i, \mathrm{rowsum}(F\odot F)_i + \psi_i)` (seed 000 eqs.
-      4.48–4.50; seed 003 §1.2).
+      :math:`N(c_i, \mathrm{rowsum}(F\odot F)_i + \psi_i)` (Brownlie 2021,
+      eqs. 4.48–4.50; Jiang 2023, §1.2).
 
     Everything else — the likelihood, other latent sites, and the
     log-Jacobian of constrained sites (a ``LogNormal`` or ``HalfCauchy``
@@ -275,7 +275,11 @@ class FactorELBO(ELBO):
     ----------
     Kingma & Welling (2014), *Auto-encoding variational Bayes*, §2.3 (the
     closed-form KL variant); Genz & Monahan (1998), *Stochastic integration
-    rules for infinite regions*; seed 000 §4.3; seed 003 §1.
+    rules for infinite regions*.
+    S. Brownlie, *Extending the Bayesian Deep Learning Method MultiSWAG*, MSc thesis,
+    University of Edinburgh, 2021, §4.3.
+    X. Jiang, *Laplace prior and variational inference probabilistic PCA (VIPPCA)*,
+    report, University of Edinburgh, 2023, §1.
 
     Examples
     --------

@@ -3,7 +3,7 @@ r"""Priors over model weights with closed-form expectations under a Gaussian.
 Both priors are factorised over the weights, so under any Gaussian
 :math:`q(\theta)` only the marginals :math:`q(\theta_i) = N(m_i, v_i)` matter,
 and for an FA posterior :math:`N(c, FF^\top + \Psi)` they are
-:math:`m = c`, :math:`v = \mathrm{rowsum}(F \odot F) + \psi` (seed 003 §1.3).
+:math:`m = c`, :math:`v = \mathrm{rowsum}(F \odot F) + \psi` (Jiang 2023, §1.2).
 
 .. math::
 
@@ -16,12 +16,15 @@ and for an FA posterior :math:`N(c, FF^\top + \Psi)` they are
     \quad \mathbb{E}|\theta_i| = m_i\,\mathrm{erf}\Big(\frac{m_i}{\sqrt{2v_i}}\Big)
     + \sqrt{\frac{2v_i}{\pi}}\, e^{-m_i^2/2v_i}.
 
-The Gaussian case gives the gradients of seed 000 eqs. 4.48–4.50, the Laplace
-case those of seed 003 eqs. (1)–(4).
+The Gaussian case gives the gradients of Brownlie (2021) eqs. 4.48–4.50, the
+Laplace case those of Jiang (2023) eqs. (1)–(4).
 
 References
 ----------
-Seed 000 (MSc thesis) §4.3.3; seed 003 (Laplace prior report) §1.2–1.3.
+S. Brownlie, *Extending the Bayesian Deep Learning Method MultiSWAG*, MSc thesis,
+University of Edinburgh, 2021, §4.3.3.
+X. Jiang, *Laplace prior and variational inference probabilistic PCA (VIPPCA)*,
+report, University of Edinburgh, 2023, §1.2–1.3.
 """
 from __future__ import annotations
 
@@ -56,7 +59,7 @@ def expected_abs(loc: Tensor, variance: Tensor) -> Tensor:
         \mathbb{E}|X| = \mu\,\mathrm{erf}\Big(\frac{\mu}{\sqrt{2v}}\Big)
         + \sqrt{\frac{2v}{\pi}}\exp\Big(-\frac{\mu^2}{2v}\Big)
 
-    (seed 003 §1.2, Theorem; :math:`2\Phi(x) - 1 = \mathrm{erf}(x/\sqrt2)`).
+    (Jiang 2023, §1.2, Theorem; :math:`2\Phi(x) - 1 = \mathrm{erf}(x/\sqrt2)`).
 
     Parameters
     ----------
@@ -76,7 +79,7 @@ def expected_abs(loc: Tensor, variance: Tensor) -> Tensor:
     :math:`v \to 0`; the variance is clamped at the dtype's smallest normal
     number, which keeps the gradients finite: :math:`\partial/\partial\mu =
     \mathrm{erf}(\mu/\sqrt{2v})` and :math:`\partial/\partial v =
-    \exp(-\mu^2/2v)/\sqrt{2\pi v}` (seed 003 eqs. 1–2).
+    \exp(-\mu^2/2v)/\sqrt{2\pi v}` (Jiang 2023, eqs. 1–2).
 
     Examples
     --------
@@ -118,7 +121,7 @@ def laplace_expected_log_prob(loc: Tensor, variance: Tensor, prior_loc, prior_sc
 
         -\log 2b - \frac{1}{b}\,\mathbb{E}|\theta - \mu_0|
 
-    with the folded-normal mean of :func:`expected_abs` (seed 003 §1.2).
+    with the folded-normal mean of :func:`expected_abs` (Jiang 2023, §1.2).
 
     Parameters
     ----------
@@ -207,7 +210,7 @@ class GaussianPrior(_FactorisedPrior):
     Parameters
     ----------
     precision : float, default 1.0
-        :math:`\alpha > 0` (seed 000 eq. 2.8).
+        :math:`\alpha > 0` (Brownlie 2021, eq. 2.8).
 
     Examples
     --------
@@ -226,7 +229,7 @@ class GaussianPrior(_FactorisedPrior):
         return self.precision ** -0.5
 
     def expected_log_prob(self, loc: Tensor, variance: Tensor) -> Tensor:
-        r"""Elementwise :math:`\mathbb{E}_{N(m, v)}[\log p(\theta)]` (seed 000 eqs. 4.48–4.50).
+        r"""Elementwise :math:`\mathbb{E}_{N(m, v)}[\log p(\theta)]` (Brownlie 2021, eqs. 4.48–4.50).
 
         Parameters
         ----------
@@ -249,10 +252,10 @@ class LaplacePrior(_FactorisedPrior):
     Parameters
     ----------
     scale : float, default 1.0
-        :math:`b > 0`; the rate :math:`1/b` is seed 003's :math:`\alpha`, and
+        :math:`b > 0`; the rate :math:`1/b` is Jiang's (2023) :math:`\alpha`, and
         the variance is :math:`2b^2`. A Laplace prior with the variance of a
         Gaussian prior of precision :math:`\alpha` has
-        :math:`b = 1/\sqrt{2\alpha}` (seed 003 §3.1).
+        :math:`b = 1/\sqrt{2\alpha}` (Jiang 2023, §3.1).
 
     Examples
     --------
@@ -270,7 +273,7 @@ class LaplacePrior(_FactorisedPrior):
         return self.scale
 
     def expected_log_prob(self, loc: Tensor, variance: Tensor) -> Tensor:
-        r"""Elementwise :math:`\mathbb{E}_{N(m, v)}[\log p(\theta)]` (seed 003 §1.2).
+        r"""Elementwise :math:`\mathbb{E}_{N(m, v)}[\log p(\theta)]` (Jiang 2023, §1.2).
 
         Parameters
         ----------

@@ -56,7 +56,7 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
       converge when some noise variances are small. :meth:`partial_fit`
       merges the statistics of each batch exactly and refits, so it gives
       the same model as :meth:`fit` on the concatenated batches.
-    - ``algorithm="online_em"`` / ``"sga"``: online EM (seed 000, Alg. 2, with
+    - ``algorithm="online_em"`` / ``"sga"``: online EM (Brownlie 2021, Alg. 2, with
       the parameter-expanded M-step) or online stochastic gradient ascent
       (Alg. 1) through
       :class:`pyro_fa.OnlineFactorAnalysis`, in :math:`O(DK)` memory, one
@@ -92,7 +92,7 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
     batch_size : int, default 1
         Rows per update of the online algorithms.
     warmup : int, default 100
-        Warm-up of the online algorithms (seed 000 §5.1).
+        Warm-up of the online algorithms (Brownlie 2021, §5.1).
     learning_rate : float, default 1e-3
         Learning rate of online SGA.
     device : str or torch.device, default None
@@ -142,7 +142,7 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
     Z. Ghahramani and G. E. Hinton, *The EM algorithm for mixtures of factor
     analyzers*, CRG-TR-96-1, 1996.
     S. Brownlie, *Extending the Bayesian Deep Learning Method MultiSWAG*,
-    MSc thesis (seed 000), Algorithms 1 and 2.
+    MSc thesis, University of Edinburgh, 2021, Algorithms 1 and 2.
 
     Examples
     --------

@@ -3,8 +3,15 @@ r"""SWAG-style Gaussian posteriors fitted to the iterates of an ordinary optimiz
 Every (or every ``collect_every``-th) optimizer step yields the flattened
 parameter vector :math:`\theta_t \in \mathbb{R}^D`; an online fit turns the
 stream into :math:`q(\theta) = N(c, FF^\top + \Psi)` without storing it
-(seed 000 §4.1–4.2, Chapter 6). Classic SWAG (Maddox et al. 2019) is the
-baseline in the same API.
+(Brownlie 2021, §4.1–4.2 and Chapter 6). Classic SWAG (Maddox et al. 2019) is
+the baseline in the same API.
+
+References
+----------
+S. Brownlie, *Extending the Bayesian Deep Learning Method MultiSWAG*, MSc thesis,
+University of Edinburgh, 2021.
+W. Maddox, T. Garipov, P. Izmailov, D. Vetrov, A. G. Wilson, "A simple
+baseline for Bayesian uncertainty in deep learning", NeurIPS 2019.
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ class SWAG(nn.Module):
         q(\theta) = N(c, FF^\top + \Psi), \qquad \theta \in \mathbb{R}^D,\ F \in \mathbb{R}^{D\times K}.
 
     ``method="em"`` and ``"sga"`` feed each collected vector to an
-    :class:`~pyro_fa.OnlineFactorAnalysis` (seed 000 Algorithms 2 and 1): :math:`c`
+    :class:`~pyro_fa.OnlineFactorAnalysis` (Brownlie 2021, Algorithms 2 and 1): :math:`c`
     is the running mean (SWA), :math:`F, \Psi` the factor-analysis fit.
     ``method="swag"`` is classic SWAG (Maddox et al. 2019, eq. 3 and Alg. 1):
 
@@ -54,14 +61,9 @@ class SWAG(nn.Module):
     .. warning::
 
         ``method="sga"`` is far from batch factor analysis at SWAG's stream lengths
-        (it warns when constructed). Measured on SGD iterates of a 10-50-1 MLP
-        (D = 601, K = 10, SGD with momentum after 3000 steps of pre-training,
-        learning rates 0.01 and 0.05), relative distance of the fitted covariance to
-        the iterates' own: 0.95 / 0.91 / 0.81 at T = 300 / 1000 / 3000 collected
-        vectors (lr 0.01; scikit-learn's FactorAnalysis 0.068 / 0.015 / 0.003, online
-        EM 0.14 / 0.018 / 0.004), 0.95 / 0.90 / 0.80 at lr 0.05 (batch 0.14 / 0.048 /
-        0.011); a 5-input linear model (D = 6, K = 2, T = 480): 0.47 against 0.15.
-        Prefer ``method="em"``.
+        (a few hundred to a few thousand collected vectors; it warns when
+        constructed). ``method="em"`` is much closer to batch FA on the same
+        streams; prefer it. See the benchmark ``benchmarks/bench_swag_streams.py``.
 
     Parameters
     ----------
@@ -78,11 +80,11 @@ class SWAG(nn.Module):
     collect_every : int, default 1
         Collect every this many optimizer steps (after ``start_after``).
     window : int, default 1
-        Finite-window iterate averaging (seed 000 §6.1.2, Mandt et al. 2017): each
+        Finite-window iterate averaging (Brownlie 2021, §6.1.2; Mandt et al. 2017): each
         vector handed to the fit is the mean of ``window`` consecutive collected
         iterates.
     warmup : int, default 100
-        EM / SGA: vectors that only update the running statistics (seed 000 §6.2.1);
+        EM / SGA: vectors that only update the running statistics (Brownlie 2021, §6.2.1);
         at least ``rank`` for EM.
     lr, step_scale, init_scale, min_variance, optimizer
         Passed to :class:`~pyro_fa.OnlineFactorAnalysis` (``lr``: SGA learning rate).
@@ -90,9 +92,8 @@ class SWAG(nn.Module):
         posterior is the equally weighted moments of the collected iterates, its mean
         and diagonal are equally weighted, and so are EM's statistics with
         ``step_scale=1``. Weighting late iterates more (``2``) describes a different,
-        wider distribution when the trajectory drifts: measured on 3000 SGD iterates
-        of a 1×50 network on yacht (D = 401, K = 10), relative distance to the
-        iterates' covariance 0.017 with 1 and 0.456 with 2 (batch FA: 0.013).
+        wider distribution when the trajectory drifts, far from the iterates' own
+        covariance (see ``benchmarks/bench_swag_streams.py``).
     on_nonfinite : {"raise", "skip"}, default "raise"
         What a parameter vector that cannot be collected does (NaN / inf, or an update
         that would overflow the dtype): raise ``ValueError``, or be skipped with a
@@ -152,16 +153,18 @@ class SWAG(nn.Module):
         ...                                                     # train
         swag.tune_scale(x_val, y_val)                           # logits; "gaussian" for regression
 
-    Measured with ``pyro-fa classify`` (README): the tuned SWAG-EM lowers SWA's NLL
-    by 16–25 % and its ECE 2.4–4 times on MNIST-1D, and gives SWA back on digits,
-    where the validation log-likelihood is flat in the scale.
+    In ``pyro-fa classify`` (results in the README) the tuned SWAG-EM improves on
+    SWA's NLL and ECE on MNIST-1D, and gives SWA back on digits, where the
+    validation log-likelihood is flat in the scale.
 
     References
     ----------
     W. Maddox, T. Garipov, P. Izmailov, D. Vetrov, A. G. Wilson, "A simple
     baseline for Bayesian uncertainty in deep learning", NeurIPS 2019.
     S. Mandt, M. Hoffman, D. Blei, "Stochastic gradient descent as approximate
-    Bayesian inference", JMLR 18, 2017. Seed 000, Chapters 4 and 6.
+    Bayesian inference", JMLR 18, 2017. S. Brownlie, *Extending the Bayesian Deep
+    Learning Method MultiSWAG*, MSc thesis, University of Edinburgh, 2021,
+    Chapters 4 and 6.
 
     Examples
     --------
@@ -218,8 +221,7 @@ class SWAG(nn.Module):
         if method == "sga":
             warnings.warn(
                 f"{cls}: method 'sga' (online stochastic gradient ascent) is far from batch factor analysis on "
-                "a few hundred to a few thousand collected iterates (measured relative covariance error 0.8-0.95 "
-                "against 0.003-0.14 for batch FA on SGD iterates of an MLP); method 'em' is within 1.2-2x. "
+                "a few hundred to a few thousand collected iterates; method 'em' is much closer. "
                 "See help(SWAG).",
                 UserWarning,
                 stacklevel=2,

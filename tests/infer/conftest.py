@@ -8,7 +8,7 @@ import torch
 
 
 def make_linreg(N=60, D=3, alpha=0.5, beta=4.0, seed=0):
-    """Bayesian linear regression with its exact posterior and log evidence (seed 000 eq. 2.13)."""
+    """Bayesian linear regression with its exact posterior and log evidence (Brownlie (2021) eq. 2.13)."""
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(N, D, generator=g, dtype=torch.float64)
     w_true = torch.randn(D, generator=g, dtype=torch.float64)

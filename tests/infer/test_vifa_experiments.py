@@ -8,11 +8,11 @@ from pyro_fa.experiments.vifa_synthetic import ALPHA, BETA, laplace_posterior_mo
 
 
 def test_laplace_prior_has_the_gaussian_priors_variance():
-    """Regression test: seed 003 §3.1 matches variances, 2 b^2 = 1 / alpha (rate sqrt(2 alpha), not sqrt(2) alpha)."""
+    """Regression test: Jiang (2023) §3.1 matches variances, 2 b^2 = 1 / alpha (rate sqrt(2 alpha), not sqrt(2) alpha)."""
     b = laplace_scale(ALPHA)
     assert math.isclose(2 * b * b, 1 / ALPHA)
     assert math.isclose(float(LaplacePrior(scale=b).distribution(torch.zeros(1)).base_dist.variance), 1 / ALPHA)
-    # seed 003 §3.1.3: precisions [0.01, 10] give rates [0.141, 4.472]
+    # Jiang (2023) §3.1.3: precisions [0.01, 10] give rates [0.141, 4.472]
     assert [round(1 / laplace_scale(a), 3) for a in (0.01, 10.0)] == [0.141, 4.472]
 
 
