@@ -314,3 +314,113 @@ def test_fit_on_an_empty_loader_and_zero_particles_refused():
         bnn.fit([], Adam({"lr": 0.01}), epochs=1, progress=False)
     with pytest.raises(ValueError, match=r"FactorELBO: num_particles must be an integer >= 1, got 0"):
         FactorELBO(num_particles=0)
+
+
+# ------------------------------------------------------------------ many copies in one batch (fit_many)
+def _grid_problem(device="cpu"):
+    torch.manual_seed(0)
+    x = torch.randn(30, 2, device=device)
+    y = x[:, 0] - 0.5 * x[:, 1] + 0.1 * torch.randn(30, device=device)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1)).to(device)
+    return net, x, y
+
+
+def test_fit_many_returns_the_batched_fits_as_networks(device):
+    """Each network's guide holds its replica's q (per site: means, variances; the spectrum of the covariance)
+    and learned noise, exactly as the same fit through BatchedVI + fit_batched; the networks then predict."""
+    from pyro_fa.nn import BatchedMLP, BatchedVI, fit_batched
+
+    net, x, y = _grid_problem(device)
+    cpu = x.device.type == "cpu"
+    torch.manual_seed(1)
+    bnns = BayesianNetwork.fit_many(net, [GaussianPrior(0.5), GaussianPrior(2.0)], x, y, 15, copies=2, lr=1e-2,
+                                    rank=2, batch_size=10, generator=torch.Generator().manual_seed(3), progress=False,
+                                    name="grid")
+    mlp = BatchedMLP.from_module(net)
+    gen = torch.Generator().manual_seed(3)
+    torch.manual_seed(1)
+    vi = BatchedVI(mlp, "fa", "gaussian", x.new_tensor([0.5, 0.5, 2.0, 2.0]), 1e-2, rank=2, generator=gen,
+                   dtype=x.dtype, device=x.device)
+    fit_batched(vi, x, y, 15, batch_size=10, generator=gen if cpu else None)
+    q = vi.distribution()
+    assert [b.name for b in bnns] == ["grid_0", "grid_1", "grid_2", "grid_3"]
+    assert [b.prior.precision for b in bnns] == [0.5, 0.5, 2.0, 2.0]
+    for r, bnn in enumerate(bnns):
+        post = bnn.guide.get_posterior()
+        for site, value in bnn.guide._unpack_latent(post.mean):
+            torch.testing.assert_close(value, mlp.unflatten(q.mean[r])[site["name"]])
+        for site, value in bnn.guide._unpack_latent(post.variance):
+            torch.testing.assert_close(value, mlp.unflatten(q.variance[r])[site["name"]])
+        torch.testing.assert_close(torch.linalg.eigvalsh(post.covariance_matrix),
+                                   torch.linalg.eigvalsh(q.covariance_matrix[r]))
+        assert bnn.learned_noise_scale == pytest.approx(float(vi.likelihood_scale()[r].detach()), rel=1e-6)
+        # the network at the posterior mean is the batched network at replica r's mean
+        out = pyro.poutine.condition(bnn.module, data=bnn.guide.median())(x).squeeze(-1)
+        torch.testing.assert_close(out, mlp(q.mean[r], x))
+    res = bnns[1].evaluate(x, y, num_samples=10)
+    assert set(res) == {"rmse", "log_likelihood"} and bnns[1].predict(x, num_samples=3).shape == (3, 30, 1)
+    assert not torch.equal(bnns[0].guide.loc, bnns[1].guide.loc)  # two copies, two initialisations
+
+
+def test_fit_many_from_the_modules_weights_with_a_laplace_prior_and_fixed_noise():
+    from pyro_fa.nn import BatchedMLP
+
+    net, x, y = _grid_problem()
+    bnns = BayesianNetwork.fit_many(net, LaplacePrior(0.5), x, y, 1, copies=3, lr=1e-9, rank=2, noise_scale=0.2,
+                                    init="module", progress=False)
+    start = BatchedMLP.from_module(net).flatten(net)
+    for bnn in bnns:
+        assert bnn.learned_noise_scale is None and bnn.noise_scale == 0.2 and isinstance(bnn.prior, LaplacePrior)
+        means = {site["name"]: value for site, value in bnn.guide._unpack_latent(bnn.guide.loc)}
+        for name, value in net.named_parameters():
+            torch.testing.assert_close(means[name], value.detach(), atol=1e-7, rtol=0)
+    assert bnns[0].evaluate(x, y, num_samples=4)["rmse"] > 0
+    assert start.shape == (21,)
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(net=torch.nn.Linear(2, 1)), TypeError, r"BayesianNetwork\.fit_many: net must be an nn\.Sequential of "
+                                                 r"nn\.Linear layers .* got Linear\."),
+    (dict(net=torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.Dropout(0.1), torch.nn.Linear(5, 1))),
+     ValueError, r"BayesianNetwork\.fit_many: layer 1 of net must be nn\.ReLU or nn\.Tanh .*got Dropout.*"
+                 r"BayesianNetwork\.fit"),
+    (dict(net=torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))), ValueError,
+     r"fit_many: net must have one output"),
+    (dict(priors=1.0), TypeError, r"fit_many: priors must be a GaussianPrior or LaplacePrior, or a non-empty "
+                                  r"sequence of them, got 1\.0\."),
+    (dict(priors=[]), TypeError, r"fit_many: priors must be a GaussianPrior or LaplacePrior"),
+    (dict(priors=[GaussianPrior(), LaplacePrior()]), ValueError,
+     r"fit_many: priors must all be of one kind \(GaussianPrior or LaplacePrior\), got \['GaussianPrior', "
+     r"'LaplacePrior'\]\."),
+    (dict(steps=0), ValueError, r"fit_many: steps must be a positive int, got 0\."),
+    (dict(copies=0), ValueError, r"fit_many: copies must be a positive int, got 0\."),
+    (dict(rank=22), ValueError, r"fit_many: rank must be at most the number of weights D=21, got 22\."),
+    (dict(batch_size=0), ValueError, r"fit_many: batch_size must be a positive int or None, got 0\."),
+    (dict(lr=-1.0), ValueError, r"fit_many: lr must be a positive finite float, got -1\.0\."),
+    (dict(noise_scale=0.0), ValueError, r"fit_many: noise_scale must be a positive finite float, got 0\.0\."),
+    (dict(init="zeros"), ValueError, r"fit_many: init must be 'random' or 'module', got 'zeros'\."),
+    (dict(generator=3), ValueError, r"fit_many: generator must be a CPU torch\.Generator, got int\."),
+    (dict(x="x"), TypeError, r"fit_many: x must be a torch\.Tensor, got str\."),
+    (dict(x=torch.zeros(30, 3)), ValueError, r"fit_many: x must have shape \(N, 2\) with N >= 1, got \(30, 3\)\."),
+    (dict(y=torch.zeros(30, 1)), ValueError, r"fit_many: y must have shape \(30,\), one target per row of x, got "
+                                             r"\(30, 1\)\. Flatten it"),
+    (dict(x=torch.zeros(30, 2, dtype=torch.float32)), ValueError,
+     r"fit_many: x must have net's dtype torch\.float64 and device cpu, got torch\.float32 on cpu\."),
+])
+def test_fit_many_refuses_what_it_cannot_train(change, exc, match):
+    net, x, y = _grid_problem()
+    args = dict(net=net, priors=GaussianPrior(1.0), x=x, y=y, steps=2, rank=2, progress=False)
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        BayesianNetwork.fit_many(args.pop("net"), args.pop("priors"), args.pop("x"), args.pop("y"),
+                                 args.pop("steps"), **args)
+
+
+def test_fit_many_example_runs():
+    import doctest
+
+    torch.set_default_dtype(torch.float32)  # a user's session
+    finder = doctest.DocTestFinder()
+    globs = {"torch": torch, "BayesianNetwork": BayesianNetwork}
+    [test] = finder.find(BayesianNetwork.fit_many, "fit_many", globs=globs)
+    assert doctest.DocTestRunner().run(test).failed == 0

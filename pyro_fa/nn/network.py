@@ -15,29 +15,36 @@ that :mod:`pyro_fa.metrics` takes. A network trained by your own
 ``SVI(bnn.model, bnn.guide, optim, FactorELBO())`` loop predicts as well as one
 trained by :meth:`BayesianNetwork.fit`.
 
-Posterior samples for prediction are drawn one at a time under
-``torch.no_grad`` (``Predictive(..., parallel=True)`` fails on ``nn.Linear``
-networks in Pyro 1.9); a loader's batches go through the same draws.
+Several copies of one MLP regression (seeds, a grid of prior precisions, an
+ensemble) train together, as one batch of tensors, with
+:meth:`BayesianNetwork.fit_many`::
+
+    bnns = BayesianNetwork.fit_many(net, [GaussianPrior(a) for a in (0.1, 1, 10)], x, y, steps=2000)
+    [b.evaluate(x_val, y_val)["log_likelihood"] for b in bnns]
+
+Prediction and evaluation live in :mod:`pyro_fa.nn._prediction`.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import numbers
-from typing import Callable, Dict, Optional
+from typing import Callable, List, Optional, Sequence, Union
 
 import pyro
 import pyro.distributions as dist
-import pyro.poutine as poutine
 import torch
 from pyro.infer import SVI
-from pyro.infer.autoguide import AutoGuide, init_to_median, init_to_value
+from pyro.infer.autoguide import init_to_median, init_to_value
 from pyro.nn import PyroModule
 from torch import Tensor
 
-from pyro_fa import metrics
 from pyro_fa.infer import AutoLowRankFactorGuide, FactorELBO
-from pyro_fa.infer.priors import _FactorisedPrior
+from pyro_fa.infer.priors import GaussianPrior, LaplacePrior, _FactorisedPrior
+from pyro_fa.nn._prediction import _Prediction
+from pyro_fa.nn.batched import BatchedMLP, BatchedVI, fit_batched
+from pyro_fa.nn.batched.mlp import _architecture
 
 __all__ = ["BayesianNetwork"]
 
@@ -45,7 +52,7 @@ _LIKELIHOODS = ("gaussian", "bernoulli", "categorical")
 _INSTANCES = itertools.count()
 
 
-class BayesianNetwork:
+class BayesianNetwork(_Prediction):
     r"""A torch module with a prior on every weight, a likelihood and a Pyro guide.
 
     Parameters
@@ -204,291 +211,199 @@ class BayesianNetwork:
         self._fitted = True
         return history
 
-    # ---------------------------------------------------------------- predict
-    def _device(self) -> Optional[torch.device]:
-        """Where the guide's parameters live (and predictions run); ``None`` for a guide without parameters."""
-        if isinstance(self.guide, torch.nn.Module):
-            for p in self.guide.parameters():
-                return p.device
-        return None
+    # -------------------------------------------------------------- many fits
+    @classmethod
+    def fit_many(
+        cls,
+        net: torch.nn.Sequential,
+        priors,
+        x: Tensor,
+        y: Tensor,
+        steps: int,
+        *,
+        copies: int = 1,
+        lr: float = 1e-3,
+        batch_size: Optional[int] = None,
+        lr_schedule: Union[str, Callable] = "constant",
+        rank: int = 10,
+        num_particles: int = 1,
+        noise_scale: Optional[float] = None,
+        init: str = "random",
+        generator: Optional[torch.Generator] = None,
+        progress: bool = True,
+        name: Optional[str] = None,
+    ) -> List["BayesianNetwork"]:
+        r"""Train independent copies of an MLP regression as one batch of tensors; return them as networks.
 
-    def _placeholder_targets(self, x: Tensor) -> Tensor:
-        # observed values for the guide's first trace of the model: only their shape matters
-        if self.likelihood == "categorical":
-            return torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
-        dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
-        return torch.zeros(x.shape[0], dtype=dtype, device=x.device)
+        Replica :math:`r` is the network ``BayesianNetwork(net, prior_r, "gaussian",
+        noise_scale=noise_scale, rank=rank)`` — prior :math:`p_r(\theta)` on every weight,
+        :math:`y \mid x, \theta \sim N(f_\theta(x), \sigma^2)`, an
+        :class:`~pyro_fa.AutoLowRankFactorGuide` :math:`q_r = N(c_r, F_rF_r^\top + \Psi_r)` —
+        trained by :class:`~pyro_fa.FactorELBO` and Adam at rate ``lr``, as :meth:`fit` trains
+        one; all :math:`R = \mathrm{len(priors)} \times \mathrm{copies}` replicas run together
+        through :class:`~pyro_fa.nn.BatchedVI` and :func:`~pyro_fa.nn.fit_batched`
+        (``docs/batched_training.md``), for several times less time per fit than :meth:`fit`
+        one network at a time.
 
-    def _built(self) -> bool:
-        # a guide of the user's own (not an autoguide) keeps its parameters where it likes
-        guide = self.guide
-        return self._fitted or not isinstance(guide, AutoGuide) or guide.prototype_trace is not None
+        Parameters
+        ----------
+        net : torch.nn.Sequential
+            ``nn.Sequential(nn.Linear(p, h), nn.ReLU(), …, nn.Linear(h, 1))`` (``nn.Tanh``
+            instead of ``nn.ReLU`` also works); its weights are read only with ``init="module"``.
+        priors : GaussianPrior or LaplacePrior, or a sequence of them (all of one kind)
+            One prior per group of ``copies`` replicas, e.g. a grid of precisions.
+        x : Tensor of shape (N, p)
+            Training inputs, shared by all replicas; in ``net``'s dtype and on its device.
+        y : Tensor of shape (N,)
+            Training targets.
+        steps : int
+            Adam steps of every replica.
+        copies : int, default 1
+            Independent replicas per prior (seeds, ensemble members). The result lists
+            them prior by prior: replica ``i * copies + j`` is copy ``j`` of ``priors[i]``.
+        lr : float, default 1e-3
+        batch_size : int, optional
+            Rows per replica and step, drawn with replacement; full batch when omitted.
+        lr_schedule : {"constant", "cosine"} or callable, default "constant"
+            As in :func:`~pyro_fa.nn.fit_batched` (``"cosine"`` decays to 0 over ``steps``).
+        rank : int, default 10
+        num_particles : int, default 1
+        noise_scale : float, optional
+            A fixed likelihood noise :math:`\sigma`; learned (from 1) when omitted.
+        init : {"random", "module"}, default "random"
+            Initial means: drawn per replica as ``nn.Linear`` draws its weights (independent
+            seeds), or ``net``'s own weights for every replica.
+        generator : torch.Generator, optional
+            A CPU generator for the initial means and factors (and for the minibatches when
+            ``x`` is on the CPU); torch's global RNG is used where it is not.
+        progress : bool, default True
+            Show a tqdm progress bar.
+        name : str, optional
+            The networks are named ``<name>_0``, ``<name>_1``, … in Pyro's param store;
+            default names otherwise (see the class).
 
-    def _ready(self, x: Tensor, fn: str) -> None:
-        """Make sure the guide can draw weights: trained by :meth:`fit` or by the user's own SVI loop, or stored.
+        Returns
+        -------
+        list of BayesianNetwork
+            One per replica, trained: ``predict``, ``evaluate``, ``learned_noise_scale``
+            work as after :meth:`fit`.
 
-        An autoguide is built by its first call, which runs the model once (one
-        ``svi.step`` does that) and takes its parameters from Pyro's param store
-        where they are already there (``<name>.guide.*``, e.g. loaded with
-        ``pyro.get_param_store().load(path)``); it then holds them itself.
+        Raises
+        ------
+        TypeError
+            If ``net`` is not an ``nn.Sequential``, a prior is not a GaussianPrior or
+            LaplacePrior, or ``x`` / ``y`` are not tensors.
+        ValueError
+            If ``net`` is another architecture than the MLP above (train it with
+            :meth:`fit`), the priors mix kinds, or an argument is out of range or of another
+            shape, dtype or device than ``net``'s.
+
+        Notes
+        -----
+        Minibatches are drawn with replacement per replica and step, where :meth:`fit`
+        goes through a loader's epochs; otherwise the objective, the guide's
+        parameterisation and initialisation, and the optimiser are :meth:`fit`'s. The
+        fitted :math:`q_r` is written into each network's guide (its coordinates permuted
+        to Pyro's packing of the sites).
+
+        Examples
+        --------
+        >>> from pyro_fa import GaussianPrior
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        >>> x = torch.randn(50, 2)
+        >>> y = x[:, 0] - x[:, 1]
+        >>> bnns = BayesianNetwork.fit_many(net, [GaussianPrior(a) for a in (0.1, 1.0, 10.0)], x, y, steps=50,
+        ...                                 lr=1e-2, rank=2, progress=False)
+        >>> [sorted(b.evaluate(x, y, num_samples=5)) for b in bnns][0]
+        ['log_likelihood', 'rmse']
         """
-        if self._built():
-            return
-        store = pyro.get_param_store()
-        stored = [k for k in store.keys() if k.startswith(f"{self.name}.guide.")]
-        if not stored:
-            raise RuntimeError(
-                f"{fn}: the guide must be trained first, got one with no parameters (it has never run, and Pyro's "
-                f"param store holds none named '{self.name}.guide.*'). Call fit(), or run your own "
-                "SVI(bnn.model, bnn.guide, ...) loop, or load the trained parameters into the param store."
-            )
-        x = x.to(store[stored[0]].device)
+        fn = "BayesianNetwork.fit_many"
+        mlp = _architecture(net, fn)
+        prior_list = [priors] if isinstance(priors, _FactorisedPrior) else priors
+        if not isinstance(prior_list, Sequence) or not prior_list or not all(
+                isinstance(p, (GaussianPrior, LaplacePrior)) for p in prior_list):
+            raise TypeError(f"{fn}: priors must be a GaussianPrior or LaplacePrior, or a non-empty sequence of them, "
+                            f"got {priors!r}.")
+        if len({type(p) for p in prior_list}) > 1:
+            raise ValueError(f"{fn}: priors must all be of one kind (GaussianPrior or LaplacePrior), got "
+                             f"{sorted({type(p).__name__ for p in prior_list})}.")
+        for arg, value in (("steps", steps), ("copies", copies), ("rank", rank), ("num_particles", num_particles)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{fn}: {arg} must be a positive int, got {value!r}.")
+        if rank > mlp.dim:
+            raise ValueError(f"{fn}: rank must be at most the number of weights D={mlp.dim}, got {rank}.")
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
+                                       or batch_size < 1):
+            raise ValueError(f"{fn}: batch_size must be a positive int or None, got {batch_size!r}.")
+        for arg, value in (("lr", lr), ("noise_scale", noise_scale)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                      or not 0 < value < math.inf):
+                raise ValueError(f"{fn}: {arg} must be a positive finite float, got {value!r}.")
+        if init not in ("random", "module"):
+            raise ValueError(f"{fn}: init must be 'random' or 'module', got {init!r}.")
+        if generator is not None and (not isinstance(generator, torch.Generator) or generator.device.type != "cpu"):
+            got = f"one on {generator.device}" if isinstance(generator, torch.Generator) else type(generator).__name__
+            raise ValueError(f"{fn}: generator must be a CPU torch.Generator, got {got}.")
+        _check_shared_data(net, mlp, x, y, fn)
+        kind = "gaussian" if isinstance(prior_list[0], GaussianPrior) else "laplace"
+        # BatchedVI's Laplace prior is given by the precision of the same variance: b = 1 / sqrt(2 alpha)
+        alphas = [p.precision if kind == "gaussian" else 1.0 / (2.0 * p.scale ** 2) for p in prior_list]
+        R = len(prior_list) * copies
+        vi = BatchedVI(mlp, "fa", kind, x.new_tensor(alphas).repeat_interleave(copies), float(lr), replicas=R,
+                       rank=int(rank), init_loc=mlp.flatten(net).to(x) if init == "module" else None,
+                       noise_scale=noise_scale, generator=generator, dtype=x.dtype, device=x.device)
+        fit_batched(vi, x, y, steps, batch_size=batch_size, particles=num_particles, lr_schedule=lr_schedule,
+                    generator=generator if generator is not None and x.device.type == "cpu" else None,
+                    progress=progress)
+        state = vi.state()
+        networks = []
+        for r in range(R):
+            bnn = cls(copy.deepcopy(net), prior_list[r // copies], "gaussian", noise_scale=noise_scale, rank=int(rank),
+                      num_particles=num_particles, name=None if name is None else f"{name}_{r}")
+            bnn._load_replica(mlp, state, r, x)
+            networks.append(bnn)
+        return networks
+
+    def _load_replica(self, mlp: BatchedMLP, state, r: int, x: Tensor) -> None:
+        """Build the guide (one trace of the model) and write replica ``r`` of a BatchedVI ``"fa"`` state into it."""
+        x0 = x[:1]
         cuda = [x.device] if x.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):  # building draws from the prior: leave the caller's RNG alone
-            self.guide(x, self._placeholder_targets(x))  # builds the guide around the stored parameters
+            self.guide(x0, self._placeholder_targets(x0))
+        order = _packing_order(mlp, self.guide).to(x.device)
+        with torch.no_grad():
+            self.guide.loc.copy_(state["loc"][r][order])
+            self.guide.factor.copy_(state["factor"][r][order])
+        self.guide.scale = state["log_scale"][r].exp()[order]
+        if self.noise_scale is None:
+            key, store = f"{self.name}.noise_scale", pyro.get_param_store()
+            if key in store:
+                del store[key]
+            pyro.param(key, state["log_noise"][r].exp(), constraint=dist.constraints.positive)
+        self._fitted = True
 
-    @staticmethod
-    def _batches(data, y, fn: str):
-        """``(x, y)`` pairs: one for a tensor ``data``; the loader's batches otherwise."""
-        if isinstance(data, Tensor):
-            yield data, y
-            return
-        if y is not None:
-            raise ValueError(f"{fn}: y must be None when data is a loader of (x, y) batches, got a "
-                             f"{type(y).__name__}.")
-        try:
-            batches = iter(data)
-        except TypeError:
-            raise TypeError(f"{fn}: data must be a Tensor of inputs or an iterable of (x, y) batches (e.g. a "
-                            f"DataLoader), got {type(data).__name__}.") from None
-        for batch in batches:
-            if isinstance(batch, Tensor):
-                yield batch, None
-            elif isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], Tensor):
-                yield batch[0], (batch[1] if len(batch) > 1 else None)
-            else:
-                raise TypeError(f"{fn}: data's batches must be Tensors or (x, y) pairs of Tensors, got "
-                                f"{type(batch).__name__}.")
 
-    def _likelihood_outputs(self, out: Tensor, fn: str) -> Tensor:
-        """Stacked outputs (S, N, ...) as the likelihood reads them: (S, N) means / logits, or (S, N, C) logits."""
-        if self.likelihood == "categorical":
-            if out.dim() != 3 or out.shape[-1] < 2:
-                raise ValueError(f"{fn}: the network's output must be logits of shape (N, C) with C >= 2 for "
-                                 f"likelihood='categorical', got {tuple(out.shape[1:])}.")
-            return out
-        if out.dim() == 3 and out.shape[-1] == 1:
-            return out.squeeze(-1)
-        if out.dim() != 2:
-            raise ValueError(f"{fn}: the network's output must have shape (N, 1) or (N,) for likelihood="
-                             f"{self.likelihood!r}, got {tuple(out.shape[1:])}.")
-        return out
+def _packing_order(mlp: BatchedMLP, guide) -> Tensor:
+    """``order`` with ``guide_vector = batched_vector[order]``: the BatchedMLP layout in the guide's site packing."""
+    sites = mlp.unflatten(torch.arange(mlp.dim, dtype=torch.float64))  # every coordinate's index, by site
+    shapes = guide._unconstrained_shapes  # the sites in the order an AutoContinuous guide packs them
+    assert set(shapes) == set(sites) and all(tuple(shapes[k]) == tuple(sites[k].shape) for k in shapes), shapes
+    return torch.cat([sites[k].reshape(-1) for k in shapes]).long()
 
-    def _check_targets(self, y, pred: Tensor, name: str, fn: str) -> Tensor:
-        """Targets of shape (N,) for predictions (S, N) or (S, N, C), checked for the likelihood."""
-        n = pred.shape[1]
-        if y is None:
-            raise ValueError(f"{fn}: {name} must be given: targets of shape ({n},), got None.")
-        if not isinstance(y, Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor of shape ({n},), got {type(y).__name__}.")
-        if tuple(y.shape) != (n,):
-            raise ValueError(
-                f"{fn}: {name} must have shape ({n},), one target per input like the prediction of shape "
-                f"{tuple(pred.shape[1:])}, got {tuple(y.shape)}."
-                + (" Flatten it (y.reshape(-1))." if y.numel() == n else "")
-            )
-        y = y.to(pred.device)
-        if self.likelihood == "categorical":
-            if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-                raise TypeError(f"{fn}: {name} must hold integer class labels for likelihood='categorical', got "
-                                f"dtype {y.dtype}.")
-            c = pred.shape[-1]
-            if n and (int(y.min()) < 0 or int(y.max()) >= c):
-                raise ValueError(f"{fn}: {name} must be class labels in [0, {c}), got values from {int(y.min())} "
-                                 f"to {int(y.max())}.")
-            return y
-        if self.likelihood == "bernoulli":
-            if not bool(((y == 0) | (y == 1)).all()):
-                raise ValueError(f"{fn}: {name} must hold 0/1 labels for likelihood='bernoulli', got other values.")
-            return y.to(pred.dtype)
-        y = y.to(pred.dtype)
-        if not bool(torch.isfinite(y).all()):
-            raise ValueError(f"{fn}: {name} must be finite, got NaN or inf in {int((~torch.isfinite(y)).sum())} "
-                             "entries.")
-        return y
 
-    def _outputs(self, data, num_samples: int, fn: str, y=None, targets: bool = False):
-        """Raw network outputs (S, N, ...) under ``num_samples`` weight draws, the same draws for every batch.
-
-        With ``targets``: also the concatenated, checked targets of shape (N,).
-        """
-        if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral) or num_samples < 1:
-            raise ValueError(f"{fn}: num_samples must be a positive int, got {num_samples!r}.")
-        weights, device, outs, ys = None, None, [], []
-        if self._built():  # draw before iterating: a DataLoader's iterator takes a seed from torch's RNG
-            device = self._device()
-            weights = [self.guide() for _ in range(num_samples)]
-        for i, (x, yb) in enumerate(self._batches(data, y, fn)):
-            if weights is None:
-                self._ready(x, fn)
-                device = self._device()
-                weights = [self.guide() for _ in range(num_samples)]
-            if device is not None:
-                x = x.to(device)
-            out = torch.stack([poutine.condition(self.module, data=w)(x) for w in weights])
-            if targets:
-                name = "y" if isinstance(data, Tensor) else f"the targets of batch {i}"
-                ys.append(self._check_targets(yb, self._likelihood_outputs(out, fn), name, fn))
-            outs.append(out)
-        if not outs:
-            raise ValueError(f"{fn}: data must hold at least one batch, got none.")
-        return torch.cat(outs, 1), (torch.cat(ys) if targets else None)
-
-    @torch.no_grad()
-    def predict(self, data, num_samples: int = 100) -> Tensor:
-        """Network outputs under ``num_samples`` posterior draws of the weights.
-
-        Parameters
-        ----------
-        data : Tensor of shape (N, ...) or iterable of batches
-            Inputs, or a ``DataLoader`` (any iterable) of ``(x, y)`` batches or of
-            input tensors; batches are moved to the guide's device and go through
-            the same weight draws, in order.
-        num_samples : int, default 100
-
-        Returns
-        -------
-        Tensor of shape (num_samples, N, out)
-            On the guide's device.
-
-        Raises
-        ------
-        RuntimeError
-            If the guide has never been trained (see :meth:`fit`); a guide trained by
-            your own ``SVI(bnn.model, bnn.guide, ...)`` loop, or whose parameters
-            ``<name>.guide.*`` are in Pyro's param store, is accepted.
-        """
-        return self._outputs(data, num_samples, "BayesianNetwork.predict")[0]
-
-    @torch.no_grad()
-    def predictive_samples(self, data, num_samples: int = 100) -> Tensor:
-        """Per-draw predictions in the form that :mod:`pyro_fa.metrics` takes.
-
-        Parameters
-        ----------
-        data : Tensor of shape (N, ...) or iterable of batches
-            As for :meth:`predict`.
-        num_samples : int, default 100
-
-        Returns
-        -------
-        Tensor
-            ``"categorical"``: class probabilities (the softmax of the logits), shape
-            (S, N, C); ``"bernoulli"``: :math:`(1 - p, p)`, shape (S, N, 2);
-            ``"gaussian"``: the means, shape (S, N) (``pred_means`` of
-            :func:`pyro_fa.metrics.gaussian_log_likelihood`, with the noise variance
-            ``noise_scale ** 2`` or ``learned_noise_scale ** 2``).
-        """
-        return self._predictive_samples(data, num_samples, "BayesianNetwork.predictive_samples")
-
-    def _predictive_samples(self, data, num_samples: int, fn: str) -> Tensor:
-        out = self._likelihood_outputs(self._outputs(data, num_samples, fn)[0], fn)
-        if self.likelihood == "categorical":
-            return out.softmax(-1)
-        if self.likelihood == "bernoulli":
-            p = out.sigmoid()
-            return torch.stack([1 - p, p], -1)
-        return out
-
-    @torch.no_grad()
-    def predict_proba(self, data, num_samples: int = 100) -> Tensor:
-        r"""Class probabilities of the Bayesian model average, :math:`\frac1S\sum_s p(y \mid x, \theta_s)`.
-
-        Parameters
-        ----------
-        data : Tensor of shape (N, ...) or iterable of batches
-            As for :meth:`predict`.
-        num_samples : int, default 100
-
-        Returns
-        -------
-        Tensor of shape (N, C)
-            ``C = 2`` for ``"bernoulli"`` (column 1: :math:`P(y = 1)`).
-
-        Raises
-        ------
-        ValueError
-            For ``likelihood="gaussian"`` (use :meth:`predictive_samples`).
-        """
-        if self.likelihood == "gaussian":
-            raise ValueError("BayesianNetwork.predict_proba: likelihood must be 'categorical' or 'bernoulli', got "
-                             "'gaussian'. Use predictive_samples() for the sampled means.")
-        return self._predictive_samples(data, num_samples, "BayesianNetwork.predict_proba").mean(0)
-
-    def _noise_value(self, fn: str) -> float:
-        if self.noise_scale is not None:
-            return self.noise_scale
-        key = f"{self.name}.noise_scale"
-        if key not in pyro.get_param_store():
-            raise RuntimeError(f"{fn}: the learned noise scale must be in Pyro's param store as {key!r}, got none "
-                               "there (was the store cleared?). Pass noise_scale to fix it, or train again.")
-        return float(pyro.param(key))
-
-    @torch.no_grad()
-    def evaluate(self, data, y: Optional[Tensor] = None, num_samples: int = 100) -> Dict[str, float]:
-        r"""Test metrics of the Bayesian model average over ``num_samples`` posterior draws.
-
-        .. math::
-
-            \mathrm{LL} = \frac1N \sum_{n=1}^N \log \frac1S \sum_{s=1}^S p(y_n \mid x_n, \theta_s),
-            \qquad \theta_s \sim q,
-
-        the log-likelihood per point of the model average (for ``"gaussian"`` a
-        mixture of :math:`N(f_{\theta_s}(x_n), \sigma^2)` with the fixed or learned
-        noise :math:`\sigma`), evaluated with ``logsumexp``.
-
-        Parameters
-        ----------
-        data : Tensor of shape (N, ...) or iterable of (x, y) batches
-            Inputs (then ``y`` is required) or a ``DataLoader`` of ``(x, y)``
-            batches; all batches go through the same weight draws.
-        y : Tensor of shape (N,), optional
-            Targets for tensor inputs: real values (``"gaussian"``), 0/1
-            (``"bernoulli"``) or integer class labels (``"categorical"``).
-        num_samples : int, default 100
-
-        Returns
-        -------
-        dict
-            ``"gaussian"``: ``rmse`` (of the BMA mean) and ``log_likelihood``;
-            classification: ``accuracy``, ``log_likelihood``, ``brier`` and ``ece``
-            (15 bins) of the BMA probabilities, as :mod:`pyro_fa.metrics` computes them.
-
-        Raises
-        ------
-        ValueError, TypeError
-            Targets of another shape than (N,) (e.g. (N, 1): refused, not broadcast),
-            dtype or range than the likelihood takes; network outputs of a shape the
-            likelihood cannot read.
-        """
-        fn = "BayesianNetwork.evaluate"
-        raw, y = self._outputs(data, num_samples, fn, y=y, targets=True)
-        out = self._likelihood_outputs(raw, fn)
-        S = out.shape[0]
-        if self.likelihood == "gaussian":
-            lp = dist.Normal(out, out.new_tensor(self._noise_value(fn))).log_prob(y)
-            metric = {"rmse": float((out.mean(0) - y).pow(2).mean().sqrt())}
-            probs = None
-        elif self.likelihood == "bernoulli":
-            lp = dist.Bernoulli(logits=out).log_prob(y)
-            p = out.sigmoid()
-            probs, y = torch.stack([1 - p, p], -1), y.long()
-        else:
-            lp = out.log_softmax(-1).gather(-1, y.expand(S, -1).unsqueeze(-1)).squeeze(-1)
-            probs = out.softmax(-1)
-        if probs is not None:
-            bma = probs.mean(0)
-            metric = {"accuracy": float(metrics.accuracy(bma, y)), "brier": float(metrics.brier_score(bma, y)),
-                      "ece": float(metrics.expected_calibration_error(bma, y))}
-        metric["log_likelihood"] = float((torch.logsumexp(lp, 0) - math.log(S)).mean())
-        return metric
+def _check_shared_data(net, mlp: BatchedMLP, x, y, fn: str) -> None:
+    """x (N, p) and y (N,): finite tensors in the network's dtype and on its device."""
+    p = mlp.in_features
+    for arg, value in (("x", x), ("y", y)):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{fn}: {arg} must be a torch.Tensor, got {type(value).__name__}.")
+    if x.dim() != 2 or x.shape[1] != p or x.shape[0] < 1:
+        raise ValueError(f"{fn}: x must have shape (N, {p}) with N >= 1, got {tuple(x.shape)}.")
+    if tuple(y.shape) != (x.shape[0],):
+        raise ValueError(f"{fn}: y must have shape ({x.shape[0]},), one target per row of x, got {tuple(y.shape)}."
+                         + (" Flatten it (y.reshape(-1))." if y.numel() == x.shape[0] else ""))
+    weight = next(net.parameters())
+    for arg, value in (("x", x), ("y", y)):
+        if value.dtype != weight.dtype or value.device != weight.device:
+            raise ValueError(f"{fn}: {arg} must have net's dtype {weight.dtype} and device {weight.device}, got "
+                             f"{value.dtype} on {value.device}.")

@@ -1,0 +1,172 @@
+r"""The result folder of ``pyro-fa uci``: one file per unit (dataset × VI method, or dataset × SWAG family).
+
+A unit's file is named ``<dataset>__<unit>__<hash of its key>.json``; the key holds
+everything its results depend on (:data:`UNIT_PROTOCOL`, the budget, seed, splits, dataset
+and, for the SWAG family, its methods), so runs of other budgets share the folder. Files
+written before units were keyed (``<dataset>__<unit>.json``, e.g. ``docs/uci/units``) get
+their key from their content. Unreadable or stray files are ignored with a warning; a lock
+refuses a second run on the folder; a killed run's ``.part`` files are removed.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+from pyro_fa.datasets import uci_n_splits
+from pyro_fa.experiments._uci_protocol import METHODS, Budget
+
+
+def _units(names: Sequence[str], method_names: Sequence[str]) -> List[Tuple[str, str]]:
+    """(dataset, unit) pairs in the order of ``names``; a unit is a VI method or "swag-family"."""
+    vi = [m for m in method_names if METHODS[m].swag is None]
+    swag = [m for m in method_names if METHODS[m].swag is not None]
+    units = vi + (["swag-family"] if swag else [])
+    return [(d, u) for d in dict.fromkeys(names) for u in units]
+
+
+#: bumped whenever a change to the protocol changes what a unit computes: older unit files are then not reused.
+#: 1: the protocol of the unit files without a ``key`` (named ``<dataset>__<unit>.json``), still read.
+UNIT_PROTOCOL = 1
+#: what every unit file holds (a file without them is not a unit, and is ignored with a warning); files
+#: written since units are keyed also hold ``key`` (see :func:`_unit_key`)
+_UNIT_FIELDS = {"dataset": str, "unit": str, "n_splits": int, "budget": dict, "seed": int, "device": str,
+                "wall_seconds": (int, float), "cpu_seconds": (int, float), "methods": dict}
+
+
+def _run_key(budget: Budget, splits_n: Optional[int], seed: int) -> dict:
+    """What determines a unit's results besides its dataset and methods (JSON-normalised)."""
+    import json
+    from dataclasses import asdict
+
+    return json.loads(json.dumps({"protocol": UNIT_PROTOCOL, "budget": asdict(budget), "seed": seed,
+                                  "splits": splits_n}))
+
+
+def _unit_key(run_key: dict, dataset: str, unit: str, method_names: Sequence[str]) -> dict:
+    """Everything a unit's results depend on: the run's key, the dataset and the unit's methods (the SWAG
+    family's columns share their fits, so its set of methods is part of its key)."""
+    methods = sorted(m for m in method_names if METHODS[m].swag is not None) if unit == "swag-family" else [unit]
+    return {**run_key, "dataset": dataset, "unit": unit, "methods": methods}
+
+
+def _unit_path(out_dir, key: dict) -> Path:
+    """``<out_dir>/units/<dataset>__<unit>__<hash of the key>.json``: runs of other budgets, seeds, splits or
+    SWAG method sets keep their own files in the same folder."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(out_dir) / "units" / f"{key['dataset']}__{key['unit']}__{digest}.json"
+
+
+def _legacy_path(out_dir, dataset: str, unit: str) -> Path:
+    """Where unit files were written before their names carried their key."""
+    return Path(out_dir) / "units" / f"{dataset}__{unit}.json"
+
+
+def _legacy_key(record: dict, data_dir=None) -> dict:
+    """The key of a unit file written before units were keyed (protocol 1): its splits are "all" (None) when
+    it holds every standard split of its dataset, or when that count cannot be read here."""
+    import json
+
+    splits: Optional[int] = record["n_splits"]
+    try:
+        if uci_n_splits(record["dataset"], data_dir) == splits:
+            splits = None
+    except (OSError, ValueError, KeyError):
+        splits = None
+    methods = sorted(record["methods"]) if record["unit"] == "swag-family" else [record["unit"]]
+    return json.loads(json.dumps({"protocol": 1, "budget": record["budget"], "seed": record["seed"],
+                                  "splits": splits, "dataset": record["dataset"], "unit": record["unit"],
+                                  "methods": methods}))
+
+
+def read_unit(path, data_dir=None) -> Optional[dict]:
+    """The record of a unit file, or None (with a warning naming the file) when it is not a readable unit
+    file: empty, truncated, not JSON, not UTF-8, or a JSON file of another kind. A file written before
+    units were keyed gets its key from its content (:func:`_legacy_key`)."""
+    import json
+    import warnings
+
+    try:
+        record = json.loads(Path(path).read_bytes().decode("utf-8"))
+        if not isinstance(record, dict):
+            raise ValueError(f"a JSON {type(record).__name__}, not an object")
+        missing = [k for k, t in _UNIT_FIELDS.items() if not isinstance(record.get(k), t)]
+        if missing or not isinstance(record.get("key", {}), dict):
+            raise ValueError(f"no valid {', '.join(missing or ['key'])}")
+        if "key" not in record:
+            record["key"] = _legacy_key(record, data_dir)
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        warnings.warn(f"pyro-fa uci: ignoring {path}, which is not a readable unit file ({err}); its unit, "
+                      "if this run asks for it, is trained again.", stacklevel=2)
+        return None
+    return record
+
+
+def _same_run(record: Optional[dict], key: dict) -> bool:
+    return record is not None and record.get("key") == key
+
+
+class _FolderLock:
+    """An exclusive, non-blocking ``flock`` on ``<folder>/.lock``, held while a run uses the folder.
+
+    The lock is the kernel's: it goes with the process, so a killed run leaves no stale lock (the file
+    stays, unlocked). A no-op where ``fcntl`` is missing (Windows).
+    """
+
+    def __init__(self, folder: Path):
+        self.path = folder / ".lock"
+        self.fd: Optional[int] = None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows
+            return self
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            except OSError:
+                holder = ""
+            os.close(fd)
+            raise SystemExit(f"pyro-fa uci: --output-dir {str(self.path.parent)!r} is in use by another "
+                             f"pyro-fa uci run{f' (process {holder})' if holder else ''}, which holds "
+                             f"{str(self.path)!r}; wait for it to end, or choose another --output-dir.") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock
+            self.fd = None
+        return False
+
+
+def _prepare_output(out: Path) -> None:
+    """Create ``out/units`` and check that files can be written there, before any training."""
+    import tempfile
+
+    try:
+        (out / "units").mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out / "units"):
+            pass
+    except OSError as err:
+        raise SystemExit(f"pyro-fa uci: --output-dir must be a folder this process can write to, got "
+                         f"{str(out)!r} ({err.strerror or err}).") from None
+
+
+def _remove_stale_parts(out: Path) -> None:
+    """Remove the ``.part`` temporary files a killed run left (the caller holds the folder's lock)."""
+    for folder in (out, out / "units"):
+        for part in folder.glob(".*.part"):
+            try:
+                part.unlink()
+            except OSError:
+                pass
