@@ -1,0 +1,434 @@
+r"""``StandardLinearModel``: Bayesian linear regression on a basis, with evidence-maximised hyperparameters."""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torch.distributions import MultivariateNormal
+
+from pyro_fa.linear_model._validation import (
+    as_inputs,
+    as_targets,
+    check_basis,
+    integer,
+    module_dtype_device,
+    positive_float,
+)
+
+__all__ = ["StandardLinearModel"]
+
+_OPTIMIZERS = ("lbfgs", "adam")
+_LOG_2PI = math.log(2 * math.pi)
+
+
+class StandardLinearModel(nn.Module):
+    r"""Bayesian linear regression on the features of a basis, with the exact Gaussian posterior.
+
+    .. math::
+
+        y_n = \phi(x_n)^\top w + \varepsilon_n, \qquad
+        w \sim N(0, \lambda^{-1} I_D), \qquad \varepsilon_n \sim N(0, \sigma^2).
+
+    Given the hyperparameters, the posterior over the weights is
+    :math:`N(m, S)` with
+
+    .. math::
+
+        A = \lambda I + \sigma^{-2}\Phi^\top\Phi, \qquad
+        m = A^{-1} b, \quad b = \sigma^{-2}\Phi^\top y, \qquad S = A^{-1}
+
+    (Brownlie 2021, eqs. 2.11 and 2.13, with his :math:`\alpha = \lambda`,
+    :math:`\beta = \sigma^{-2}` and :math:`x_n` replaced by the features
+    :math:`\phi(x_n)`; Steinberg et al. 2016, §1.2). :meth:`fit` first
+    maximises the log evidence (log marginal likelihood)
+
+    .. math::
+
+        \log p(y \mid \lambda, \sigma^2, \theta)
+        = \log N\big(y;\, 0,\; \sigma^2 I_N + \lambda^{-1}\Phi\Phi^\top\big)
+
+    over :math:`\log\lambda`, :math:`\log\sigma^2` and the basis's
+    hyperparameters :math:`\theta` (its learnable length scales) by autograd
+    (Steinberg et al. 2016, §1.2 eq. 14 and §1.1 eq. 9; Bishop 2006, §3.5).
+
+    Parameters
+    ----------
+    basis : Basis
+        Any module with ``in_features`` / ``out_features`` mapping
+        ``(N, in_features)`` to ``(N, out_features)``, e.g.
+        ``RandomFourierBasis(d, 400) + LinearBasis(d)``. Its parameters are
+        fitted with the model's; freeze them with ``requires_grad_(False)``.
+    prior_precision : float, default 1.0
+        Initial :math:`\lambda > 0` (scikit-learn's ``BayesianRidge.lambda_``).
+    noise_variance : float, default 1.0
+        Initial :math:`\sigma^2 > 0` (``1 / BayesianRidge.alpha_``).
+    min_noise_variance : float, default 1e-8
+        Floor on :math:`\sigma^2` (in the units of :math:`y^2`): the
+        evidence of noiseless data grows without bound as
+        :math:`\sigma^2 \to 0`, so :math:`\sigma^2` is clamped here (with
+        zero gradient below it).
+
+    Attributes
+    ----------
+    basis : Basis
+    log_prior_precision, log_noise_variance : Parameter of shape ()
+    prior_precision, noise_variance : Tensor of shape ()
+        :math:`\lambda` and :math:`\sigma^2`.
+    posterior_mean : Tensor of shape (D,) or None
+        :math:`m`, set by :meth:`fit` (a buffer).
+    posterior_precision_cholesky : Tensor of shape (D, D) or None
+        Lower Cholesky factor :math:`L` of :math:`A = LL^\top`, set by
+        :meth:`fit` (a buffer).
+    n_iter_ : int
+        Optimiser iterations of the last :meth:`fit`.
+    log_evidence_ : float
+        Log evidence of the training data at the fitted hyperparameters.
+
+    Raises
+    ------
+    TypeError
+        If ``basis`` is not a basis module or a hyperparameter not a number.
+    ValueError
+        If a hyperparameter is not positive and finite.
+
+    Notes
+    -----
+    The parameters take the dtype and device of the basis (of its first
+    floating parameter or buffer; the default dtype on the CPU for a basis
+    without any), and ``.to()`` moves everything. :meth:`log_evidence` costs
+    :math:`O(ND\min(N, D) + \min(N, D)^3)`: a Cholesky factor of the
+    :math:`D\times D` matrix :math:`A` when :math:`D \le N`, of the
+    :math:`N\times N` covariance of :math:`y` otherwise. The posterior itself
+    is :math:`D\times D`, so :meth:`fit` costs :math:`O(D^3)` at the end
+    whatever :math:`N`; use
+    :class:`~pyro_fa.linear_model.GeneralizedLinearModel` when :math:`D` is
+    too large for that.
+
+    References
+    ----------
+    Brownlie (2021), *Extending the Bayesian Deep Learning Method
+    MultiSWAG*, MSc thesis, University of Edinburgh, §2.2, eqs. 2.10–2.14;
+    Steinberg et al. (2016), *revrand: technical report*, CSIRO Data61, §1.2
+    (eqs. 12–17); Bishop (2006), *Pattern recognition and machine learning*,
+    §3.3 and §3.5; MacKay (1992), *Bayesian interpolation*.
+
+    Examples
+    --------
+    >>> from pyro_fa.basis import LinearBasis
+    >>> _ = torch.manual_seed(0)
+    >>> X = torch.randn(50, 2); y = X @ torch.tensor([1.0, -2.0]) + 0.1 * torch.randn(50)
+    >>> slm = StandardLinearModel(LinearBasis(2, bias=False)).fit(X, y)
+    >>> slm.posterior_mean.round(decimals=1)
+    tensor([ 1., -2.])
+    >>> mean, std = slm.predict(X[:3], return_std=True)
+    """
+
+    def __init__(
+        self,
+        basis: nn.Module,
+        prior_precision: float = 1.0,
+        noise_variance: float = 1.0,
+        *,
+        min_noise_variance: float = 1e-8,
+    ):
+        super().__init__()
+        name = type(self).__name__
+        self.basis = check_basis(name, basis)
+        alpha = positive_float(name, "prior_precision", prior_precision)
+        sigma2 = positive_float(name, "noise_variance", noise_variance)
+        self.min_noise_variance = positive_float(name, "min_noise_variance", min_noise_variance)
+        dtype, device = module_dtype_device(basis)
+        self.log_prior_precision = nn.Parameter(torch.tensor(math.log(alpha), dtype=dtype, device=device))
+        self.log_noise_variance = nn.Parameter(torch.tensor(math.log(sigma2), dtype=dtype, device=device))
+        self.register_buffer("posterior_mean", None)
+        self.register_buffer("posterior_precision_cholesky", None)
+        self.n_iter_ = 0
+        self.log_evidence_: Optional[float] = None
+
+    # ---------------------------------------------------------------- helpers
+    @property
+    def prior_precision(self) -> Tensor:
+        r""":math:`\lambda`, a tensor of shape () (detached)."""
+        return self.log_prior_precision.detach().exp()
+
+    @property
+    def noise_variance(self) -> Tensor:
+        r""":math:`\sigma^2`, a tensor of shape () (detached; at least ``min_noise_variance``)."""
+        return self._log_noise_variance().detach().exp()
+
+    def _log_noise_variance(self) -> Tensor:
+        # clamped: the evidence of (nearly) noiseless data grows without bound as sigma^2 -> 0
+        return self.log_noise_variance.clamp_min(math.log(self.min_noise_variance))
+
+    def _inputs(self, X, arg: str = "X") -> Tensor:
+        p = self.log_noise_variance
+        return as_inputs(type(self).__name__, X, self.basis.in_features, p.dtype, p.device, arg)
+
+    def features(self, X) -> Tensor:
+        r""":math:`\Phi`, a tensor of shape (N, D), for ``X`` of shape (N, in_features) (tensor or array)."""
+        return self.basis(self._inputs(X))
+
+    def _cholesky(self, M: Tensor, what: str) -> Tensor:
+        """Cholesky factor of ``M``, retried with a growing diagonal jitter (1e-12 ... 1e-8 of its mean diagonal)."""
+        L, info = torch.linalg.cholesky_ex(M)
+        if not bool(info.any()):
+            return L
+        eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+        scale = torch.diagonal(M).mean().detach()
+        for exponent in (-12, -11, -10, -9, -8):
+            L, info = torch.linalg.cholesky_ex(M + (10.0 ** exponent) * scale * eye)
+            if not bool(info.any()):
+                return L
+        raise RuntimeError(
+            f"{type(self).__name__}: the {what} is not numerically positive definite, even with jitter "
+            f"(dtype {M.dtype}); use float64, or raise min_noise_variance / the initial prior_precision."
+        )
+
+    # ---------------------------------------------------------------- evidence
+    def _log_evidence(self, Phi: Tensor, y: Tensor) -> Tensor:
+        N, D = Phi.shape
+        lam, log_lam = self.log_prior_precision.exp(), self.log_prior_precision
+        log_beta = -self._log_noise_variance()
+        beta = log_beta.exp()
+        if D <= N:  # primal: Cholesky of the D x D posterior precision A
+            A = beta * (Phi.T @ Phi) + lam * torch.eye(D, dtype=Phi.dtype, device=Phi.device)
+            L = self._cholesky(A, "posterior precision")
+            m = torch.cholesky_solve((beta * (Phi.T @ y)).unsqueeze(-1), L).squeeze(-1)
+            fit_term = 0.5 * beta * (y - Phi @ m).pow(2).sum() + 0.5 * lam * m.pow(2).sum()
+            return (
+                0.5 * D * log_lam + 0.5 * N * log_beta - fit_term
+                - torch.diagonal(L).log().sum() - 0.5 * N * _LOG_2PI
+            )
+        # dual: Cholesky of the N x N marginal covariance sigma^2 I + Phi Phi^T / lambda
+        C = (Phi @ Phi.T) / lam + (-log_beta).exp() * torch.eye(N, dtype=Phi.dtype, device=Phi.device)
+        L = self._cholesky(C, "marginal covariance of y")
+        z = torch.linalg.solve_triangular(L, y.unsqueeze(-1), upper=False).squeeze(-1)
+        return -0.5 * z.pow(2).sum() - torch.diagonal(L).log().sum() - 0.5 * N * _LOG_2PI
+
+    def log_evidence(self, X, y) -> Tensor:
+        r"""Log marginal likelihood :math:`\log N(y; 0, \sigma^2 I + \lambda^{-1}\Phi\Phi^\top)`.
+
+        Differentiable in the hyperparameters (Steinberg et al. 2016, eq. 14;
+        Bishop 2006, eq. 3.86).
+
+        Parameters
+        ----------
+        X : Tensor or array of shape (N, in_features)
+        y : Tensor or array of shape (N,)
+
+        Returns
+        -------
+        Tensor of shape ()
+
+        Raises
+        ------
+        TypeError
+            If ``X`` or ``y`` is not numeric.
+        ValueError
+            If shapes do not match or an entry is not finite.
+        RuntimeError
+            If the Cholesky factorisation fails (e.g. float32 with an extreme
+            noise variance).
+        """
+        X = self._inputs(X)
+        y = as_targets(type(self).__name__, y, X.shape[0], X.dtype, X.device)
+        return self._log_evidence(self.basis(X), y)
+
+    # ---------------------------------------------------------------- fitting
+    def fit(
+        self,
+        X,
+        y,
+        n_iter: int = 100,
+        lr: Optional[float] = None,
+        progress: bool = False,
+        *,
+        optimizer: str = "lbfgs",
+    ) -> "StandardLinearModel":
+        r"""Maximise the log evidence, then store the exact posterior over the weights.
+
+        Parameters
+        ----------
+        X : Tensor or array of shape (N, in_features)
+        y : Tensor or array of shape (N,)
+        n_iter : int, default 100
+            Optimiser iterations (L-BFGS iterations, or Adam steps); 0 keeps
+            the hyperparameters and only computes the posterior.
+        lr : float, optional
+            Learning rate; default 1.0 for L-BFGS (with a strong-Wolfe line
+            search) and 0.05 for Adam.
+        progress : bool, default False
+            Show a progress bar with the log evidence per data point.
+        optimizer : {"lbfgs", "adam"}, default "lbfgs"
+            L-BFGS suits the deterministic, smooth objective; Adam is there
+            for very noisy or badly scaled problems.
+
+        Returns
+        -------
+        self
+
+        Raises
+        ------
+        TypeError, ValueError
+            For bad data (as :meth:`log_evidence`) or options.
+
+        Notes
+        -----
+        The objective is the log evidence divided by :math:`N`. Every
+        parameter of the module with ``requires_grad`` is optimised:
+        :math:`\log\lambda`, :math:`\log\sigma^2` and the basis's length
+        scales. Each evaluation costs as :meth:`log_evidence`; the features are
+        computed once when the basis has nothing to learn.
+        """
+        name = type(self).__name__
+        n_iter = integer(name, "n_iter", n_iter, 0)
+        if optimizer not in _OPTIMIZERS:
+            raise ValueError(f"{name}: optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}.")
+        if lr is None:
+            lr = 1.0 if optimizer == "lbfgs" else 0.05
+        lr = positive_float(name, "lr", lr)
+        if not isinstance(progress, bool):
+            raise TypeError(f"{name}: progress must be a bool, got {progress!r}.")
+        X = self._inputs(X)
+        y = as_targets(name, y, X.shape[0], X.dtype, X.device)
+        N = X.shape[0]
+        params = [p for p in self.parameters() if p.requires_grad]
+        learn_basis = any(p.requires_grad for p in self.basis.parameters())
+        fixed_phi = None if learn_basis else self.basis(X).detach()
+
+        def objective() -> Tensor:
+            Phi = self.basis(X) if fixed_phi is None else fixed_phi
+            return -self._log_evidence(Phi, y) / N
+
+        self.n_iter_ = 0
+        if n_iter > 0 and params:
+            bar = _progress_bar(progress, n_iter, name)
+            if optimizer == "lbfgs":
+                opt = torch.optim.LBFGS(
+                    params, lr=lr, max_iter=n_iter, line_search_fn="strong_wolfe",
+                    tolerance_grad=1e-9, tolerance_change=1e-12, history_size=20,
+                )
+
+                def closure():
+                    opt.zero_grad()
+                    loss = objective()
+                    loss.backward()
+                    if bar is not None:
+                        bar.set_postfix(log_evidence_per_point=-float(loss.detach()))
+                    return loss
+
+                opt.step(closure)
+                self.n_iter_ = int(opt.state[params[0]].get("n_iter", 0))
+                if bar is not None:
+                    bar.update(self.n_iter_)
+            else:
+                opt = torch.optim.Adam(params, lr=lr)
+                for _ in range(n_iter):
+                    opt.zero_grad()
+                    loss = objective()
+                    loss.backward()
+                    opt.step()
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(log_evidence_per_point=-float(loss.detach()))
+                self.n_iter_ = n_iter
+            if bar is not None:
+                bar.close()
+        with torch.no_grad():
+            Phi = self.basis(X) if fixed_phi is None else fixed_phi
+            self._set_posterior(Phi, y)
+            self.log_evidence_ = float(self._log_evidence(Phi, y))
+        return self
+
+    def _set_posterior(self, Phi: Tensor, y: Tensor) -> None:
+        """Brownlie (2021) eq. 2.13: m = A^{-1} b, S = A^{-1}, with A and b of eq. 2.11 on the features."""
+        D = Phi.shape[1]
+        beta = (-self._log_noise_variance()).exp()
+        A = beta * (Phi.T @ Phi) + self.prior_precision * torch.eye(D, dtype=Phi.dtype, device=Phi.device)
+        L = self._cholesky(A, "posterior precision")
+        self.posterior_mean = torch.cholesky_solve((beta * (Phi.T @ y)).unsqueeze(-1), L).squeeze(-1)
+        self.posterior_precision_cholesky = L
+
+    def _check_fitted(self) -> None:
+        if self.posterior_mean is None:
+            raise RuntimeError(f"{type(self).__name__}: call fit(X, y) before using the posterior.")
+
+    # ---------------------------------------------------------------- posterior and prediction
+    def posterior(self) -> MultivariateNormal:
+        r"""The posterior :math:`N(m, A^{-1})` over the weights (Brownlie 2021, eq. 2.14).
+
+        Returns
+        -------
+        torch.distributions.MultivariateNormal
+            Event shape (D,), parameterised by its precision :math:`A`.
+
+        Raises
+        ------
+        RuntimeError
+            Before :meth:`fit`.
+        """
+        self._check_fitted()
+        L = self.posterior_precision_cholesky
+        return MultivariateNormal(self.posterior_mean, precision_matrix=L @ L.T)
+
+    @property
+    def posterior_covariance(self) -> Tensor:
+        r""":math:`S = A^{-1}`, a tensor of shape (D, D) (built on request, :math:`O(D^3)`)."""
+        self._check_fitted()
+        return torch.cholesky_inverse(self.posterior_precision_cholesky)
+
+    @torch.no_grad()
+    def predict(self, X, return_std: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+        r"""Predictive mean and standard deviation of :math:`y` at new inputs.
+
+        .. math::
+
+            \mathbb{E}[y_*] = \phi_*^\top m, \qquad
+            \mathbb{V}[y_*] = \sigma^2 + \phi_*^\top A^{-1}\phi_*
+
+        (Steinberg et al. 2016, eqs. 15–17).
+
+        Parameters
+        ----------
+        X : Tensor or array of shape (M, in_features)
+        return_std : bool, default False
+            Also return the predictive standard deviation of :math:`y_*`
+            (noise included).
+
+        Returns
+        -------
+        mean : Tensor of shape (M,)
+        std : Tensor of shape (M,)
+            Only with ``return_std=True``.
+
+        Raises
+        ------
+        RuntimeError
+            Before :meth:`fit`.
+        TypeError, ValueError
+            For bad ``X``.
+
+        Notes
+        -----
+        Costs :math:`O(MD^2)`: one triangular solve with :math:`L`.
+        """
+        self._check_fitted()
+        Phi = self.features(X)
+        mean = Phi @ self.posterior_mean
+        if not return_std:
+            return mean
+        V = torch.linalg.solve_triangular(self.posterior_precision_cholesky, Phi.T, upper=False)
+        return mean, (V.pow(2).sum(0) + self.noise_variance).sqrt()
+
+    def extra_repr(self) -> str:
+        return f"prior_precision={float(self.prior_precision):.4g}, noise_variance={float(self.noise_variance):.4g}"
+
+
+def _progress_bar(progress: bool, total: int, desc: str):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc)
