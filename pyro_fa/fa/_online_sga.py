@@ -33,7 +33,7 @@ class OnlineSGA:
         # end of the warm-up: start at psi~ = 1 and the rows of F~ scaled so that
         # diag(F~ F~^T) = 1/100 (a small factor part, away from the saddle F = 0)
         F = self._F.detach()
-        row_sq = F.pow(2).sum(-1).mean()
+        row_sq = self._mean_over_dim(F.pow(2).sum(-1))  # over all D (collective when sharded)
         self._F.data.mul_((0.01 / row_sq).sqrt())
         self._log_psi.data.zero_()
         self._sga_cap = None
@@ -54,10 +54,10 @@ class OnlineSGA:
             return self._sga_cap
         rows = self._block_rows()
         cap = F.new_zeros(self.rank, self.rank)
-        for lo in range(0, self.dim, rows):
+        for lo in range(0, self._local_dim, rows):
             F_c = F[lo : lo + rows]
             cap.addmm_((F_c / lp[lo : lo + rows].exp().unsqueeze(-1)).T, F_c)
-        cap.diagonal().add_(1.0)
+        self._cap_done(cap, sga=True)
         self._sga_cap, self._sga_cap_key = cap, key
         return cap
 
@@ -65,8 +65,9 @@ class OnlineSGA:
         # E-step (eq. 4.23) of the standardised model: one pass over F~
         F = self._F.detach()
         psi = self._log_psi.detach().exp()
-        L = cholesky(self._sga_capacitance())
         u = (d / psi) @ F  # (B, K)
+        u, cap = self._sga_reduce(u, self._sga_capacitance())  # summed over the ranks when sharded
+        L = cholesky(cap)
         m = torch.cholesky_solve(u.T, L).T
         return m, torch.cholesky_inverse(L)
 
@@ -153,8 +154,8 @@ class OnlineSGA:
         cap = F.new_zeros(self.rank, self.rank)
         mF, vF = sF["exp_avg"], sF["exp_avg_sq"]
         mlp, vlp = slp["exp_avg"], slp["exp_avg_sq"]
-        for lo in range(0, self.dim, rows):
-            hi = min(lo + rows, self.dim)
+        for lo in range(0, self._local_dim, rows):
+            hi = min(lo + rows, self._local_dim)
             r = hi - lo
             F_c, d_c, lp_c = F[lo:hi], dT[lo:hi], lp[lo:hi]
             g, tmp = work[0, :r], work[1, :r]
@@ -188,7 +189,7 @@ class OnlineSGA:
             # the next E-step's capacitance, while the new rows are in cache
             torch.div(F_c, lp_c.exp().unsqueeze(-1), out=tmp)
             cap.addmm_(tmp.T, F_c)
-        cap.diagonal().add_(1.0)
+        self._cap_done(cap, sga=True)
         self._sga_cap = cap
         self._sga_cap_key = (F._version, lp._version, F.data_ptr(), lp.data_ptr(), F.dtype)
 

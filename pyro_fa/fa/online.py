@@ -8,15 +8,17 @@ without storing them: the state is :math:`O(DK)`.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 from torch.distributions import LowRankMultivariateNormal
 
 from pyro_fa.fa import linalg
-from pyro_fa._state import check_count, check_optimizer_state, check_state_dict
+from pyro_fa._state import check_count, check_optimizer_state
 from pyro_fa.fa._online_sga import OnlineSGA, cholesky as _cholesky
+from pyro_fa.fa._online_sharded import OnlineSharded
+from pyro_fa.fa._sharding import ShardedLowRankNormal, sharded_orthogonal_init
 from pyro_fa.fa.moments import RunningMoments
 
 __all__ = ["OnlineFactorAnalysis"]
@@ -26,7 +28,7 @@ _MAX_DENSE_DIM = 20_000
 _M_STEP_DIM = 100_000  # default m_step_every = max(1, dim // _M_STEP_DIM)
 
 
-class OnlineFactorAnalysis(OnlineSGA, nn.Module):
+class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
     r"""Factor analysis fitted online, by EM or by stochastic gradient ascent.
 
     .. math::
@@ -141,6 +143,19 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
         Seed of the generator used for the initialisation.
     dtype, device : optional
         Of the state; default torch's default dtype, CPU.
+    process_group : torch.distributed.ProcessGroup, optional
+        Shard the fit by coordinates over the group's ranks (:mod:`pyro_fa.distributed`): this
+        rank holds rows ``[lo, hi)`` of every length-D and D x K array (memory
+        :math:`O(DK/W)`), is fed the same rows of each observation (``update(x[..., lo:hi])``),
+        and the fit equals the single-process fit on the whole vectors to rounding, with one
+        all-reduce of :math:`K + K^2` numbers (and a few per rank) per EM update. The ranks must
+        pass the same arguments (checked at construction: a mismatch raises on every rank) and
+        call ``update``, ``log_prob``, ``sample`` and ``load_state_dict`` together;
+        ``cov_factor``, ``cov_diag``, ``loc`` are this rank's rows, :meth:`distribution` a
+        :class:`~pyro_fa.distributed.ShardedLowRankNormal`.
+    shard : (int, int), optional
+        With ``process_group``: this rank's rows ``(lo, hi)``, which must tile ``[0, dim)`` in
+        rank order; default :func:`~pyro_fa.distributed.shard_bounds`.
 
     Attributes
     ----------
@@ -228,9 +243,22 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
         seed: Optional[int] = None,
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[str, torch.device]] = None,
+        process_group=None,
+        shard: Optional[Tuple[int, int]] = None,
     ):
         super().__init__()
         name = type(self).__name__
+        agreed = None
+        if process_group is not None or shard is not None:
+            # the ranks agree on every argument before any is checked: a bad one then raises alike on every rank
+            agreed = self._agree_sharding(process_group, shard, dict(
+                dim=dim, rank=rank, method=method, warmup=warmup, lr=lr, optimizer=optimizer,
+                optimizer_kwargs=optimizer_kwargs, step_scale=step_scale, expand=expand, step_ramp=step_ramp,
+                lr_decay_after=lr_decay_after, average=average, m_step_every=m_step_every, init_scale=init_scale,
+                min_variance=min_variance, seed=seed, dtype=dtype or torch.get_default_dtype(),
+                device_type=torch.device(device).type if device is not None else "cpu"))
+            if seed is None:
+                seed = agreed[2]  # one seed for all ranks: the initial factor is that of the whole vector
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
             raise ValueError(f"{name}: dim must be an integer >= 2, got {dim!r}.")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank < dim:
@@ -268,6 +296,8 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
         device = torch.device(device) if device is not None else torch.device("cpu")
 
         self.dim = dim
+        self._sharding = None if agreed is None else self._make_sharding(dim, *agreed)
+        rows = self._local_dim = dim if self._sharding is None else self._sharding.size
         self.rank = rank
         self.method = method
         self.warmup = warmup
@@ -292,35 +322,39 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
             gen.seed()
         else:
             gen.manual_seed(seed)
-        F0 = linalg.orthogonal_init(dim, rank, scale=init_scale, generator=gen, dtype=dtype).to(device)
+        if self._sharding is None:
+            F0 = linalg.orthogonal_init(dim, rank, scale=init_scale, generator=gen, dtype=dtype).to(device)
+        else:  # this rank's rows of the same matrix
+            F0 = sharded_orthogonal_init(self._sharding, rank, scale=init_scale, generator=gen, dtype=dtype,
+                                         device=device)
 
         def z(*shape):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         # exact running moments (Chan et al.), accumulated in float64 whatever the state's dtype:
         # late SGD iterates move by 1e-4 around weights of 1, below float32's resolution of the sum
-        self._moments = RunningMoments(dim, device)
-        self.register_buffer("loc", z(dim))  # the mean rounded once to the state's dtype
+        self._moments = RunningMoments(rows, device)
+        self.register_buffer("loc", z(rows))  # the mean rounded once to the state's dtype
         self._n = 0  # observations seen (saved through get_extra_state)
         if method == "em":
             self.register_buffer("_F", F0)
-            self.register_buffer("_psi", torch.ones(dim, dtype=dtype, device=device))
-            self.register_buffer("_A", z(dim, rank))
+            self.register_buffer("_psi", torch.ones(rows, dtype=dtype, device=device))
+            self.register_buffer("_A", z(rows, rank))
             self.register_buffer("_H", z(rank, rank))
             # capacitance I + F^T Psi^-1 F of the current (F, psi), kept for the next E-step
             cap0 = F0.T @ F0
-            cap0.diagonal().add_(1.0)
+            self._cap_done(cap0)
             self.register_buffer("_cap", cap0)
         else:
             # the ascent runs in coordinates standardised by the running standard deviation
             # at the end of the warm-up (F = diag(scale) F~, psi = scale^2 psi~), so that the
             # optimizer's step size means the same whatever the scale of the data
-            self.register_buffer("_scale", torch.ones(dim, dtype=dtype, device=device))
+            self.register_buffer("_scale", torch.ones(rows, dtype=dtype, device=device))
             self._F = nn.Parameter(F0, requires_grad=False)
-            self._log_psi = nn.Parameter(z(dim), requires_grad=False)
+            self._log_psi = nn.Parameter(z(rows), requires_grad=False)
             if self.average:
                 self.register_buffer("_F_avg", F0.clone())
-                self.register_buffer("_log_psi_avg", z(dim))
+                self.register_buffer("_log_psi_avg", z(rows))
             opt = optimizer if optimizer is not None else torch.optim.Adam
             kwargs = dict(optimizer_kwargs or {})
             kwargs.setdefault("lr", self.lr)
@@ -343,8 +377,11 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
         return self._n
 
     def get_extra_state(self):
-        return {"n_updates": self._n, "since_m_step": self._since_m_step, "sga_steps": self._sga_steps,
-                "A_coef": self._A_coef, "warmup": self.warmup}
+        state = {"n_updates": self._n, "since_m_step": self._since_m_step, "sga_steps": self._sga_steps,
+                 "A_coef": self._A_coef, "warmup": self.warmup}
+        if self._sharding is not None:
+            state.update(shard=self._sharding.descriptor(), cap_pending=self._cap_pending)
+        return state
 
     def set_extra_state(self, state):
         self.warmup = int(state.get("warmup", self.warmup))
@@ -352,6 +389,8 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
         self._since_m_step = int(state.get("since_m_step", 0))
         self._sga_steps = int(state.get("sga_steps", 0))
         self._A_coef = float(state.get("A_coef", 0.0))
+        self._cap_pending = bool(state.get("cap_pending", False))
+        self._stash_u = None
 
     @torch.no_grad()
     def finish_warmup(self) -> None:
@@ -393,7 +432,7 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
     def _floor_values(self, var: Tensor) -> Tensor:
         # relative to each coordinate's variance; a coordinate that never moved gets a
         # tiny absolute floor (its row of F is zero, so it does not enter the capacitance)
-        tiny = torch.finfo(var.dtype).eps * var.mean().clamp_min(torch.finfo(var.dtype).tiny)
+        tiny = torch.finfo(var.dtype).eps * self._var_mean(var).clamp_min(torch.finfo(var.dtype).tiny)
         return (self.min_variance * var).clamp_min(tiny)
 
     def _estimate(self):
@@ -433,6 +472,8 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
         """
         self._check_fitted("distribution()")
         F, psi = self._estimate()
+        if self._sharding is not None:
+            return ShardedLowRankNormal(self.loc, F, psi, self._sharding)
         return LowRankMultivariateNormal(self.loc, F, psi)
 
     def log_prob(self, x: Tensor) -> Tensor:
@@ -447,6 +488,9 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
 
     def covariance(self) -> Tensor:
         r"""The dense :math:`D\times D` covariance :math:`FF^\top+\Psi` (small D only)."""
+        if self._sharding is not None:
+            raise RuntimeError(f"{type(self).__name__}: covariance() needs the whole D x D matrix, got a model "
+                               "sharded over a process group. Use distribution().marginal() for this rank's block.")
         if self.dim > _MAX_DENSE_DIM:
             raise ValueError(
                 f"{type(self).__name__}: covariance() forms a dense D x D matrix and needs dim <= "
@@ -510,6 +554,7 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
         if not (isinstance(coef, (int, float)) and math.isfinite(coef)):
             raise ValueError(f"{cls}: the saved state's 'A_coef' must be a finite number, got {coef!r}; "
                              "nothing was loaded.")
+        self._check_shard_state(state)
 
     def _check_optimizer_state(self, state) -> None:
         if self.method == "sga" and getattr(self, "_optimizer", None) is not None:
@@ -525,10 +570,12 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
             (another ``dim`` or ``rank``), holds NaN / inf, or the extra or optimizer
             state does not fit; the model is then unchanged.
         """
-        check_state_dict(self, state_dict, strict=strict)
+        total = self._check_loadable(state_dict, strict)
         state_dict = dict(state_dict)
         opt_state = state_dict.pop("_optimizer_state", None)
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if total is not None:
+            self._sq_dev_total = total
         if self.method == "sga" and opt_state is not None:
             self._optimizer.load_state_dict(opt_state)
         self._cache = None
@@ -544,9 +591,11 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
             raise TypeError(f"{name}: x must be a torch.Tensor of shape (D,) or (B, D), got {type(x).__name__}.")
         if x.dim() == 1:
             x = x.unsqueeze(0)
-        if x.dim() != 2 or x.shape[-1] != self.dim:
+        if x.dim() != 2 or x.shape[-1] != self._local_dim:
             raise ValueError(
-                f"{name}: x must have shape (D,) or (B, D) with D={self.dim}, got shape {tuple(x.shape)!r}."
+                f"{name}: x must have shape (D,) or (B, D) with D={self._local_dim}"
+                + ("" if self._sharding is None else f" (this rank's rows {self._sharding.lo}:{self._sharding.hi})")
+                + f", got shape {tuple(x.shape)!r}."
             )
         if x.shape[0] == 0:
             raise ValueError(f"{name}: x must hold at least one observation, got shape {tuple(x.shape)!r}.")
@@ -577,6 +626,8 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
         A batch is one step of the algorithm: one E-step with the current
         :math:`F, \psi`, statistics averaged over the batch.
         """
+        if self._sharding is not None:
+            return self._sharded_update(x)
         x = self._validate(x)
         B = x.shape[0]
         n_old = self._n
@@ -614,7 +665,7 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
         # a persistent length-D work vector (allocating 8 MB per update costs page faults at D = 10^6)
         buf = self.__dict__.get(name)
         if buf is None or buf.dtype != dtype or buf.device != self.loc.device:
-            buf = torch.empty(self.dim, dtype=dtype, device=self.loc.device)
+            buf = torch.empty(self._local_dim, dtype=dtype, device=self.loc.device)
             self.__dict__[name] = buf
         return buf
 
@@ -629,7 +680,8 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
             return float(self._psi.amin())
         return self.min_variance * float(self._scale.amin()) ** 2
 
-    def _check_range(self, x: Tensor, tmax: float, B: int, t: Optional[Tensor] = None) -> None:
+    def _check_range(self, x: Tensor, tmax: float, B: int, t: Optional[Tensor] = None, *,
+                     floor: Optional[float] = None, scale2: Optional[float] = None) -> None:
         r"""Refuse a batch that is not finite or whose update would overflow, before anything changes.
 
         ``tmax`` is the largest :math:`|x_{bd} - c_d|` from the current mean. The deviations
@@ -661,13 +713,15 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
                 worst = max(worst, t2_std * q / self.min_variance ** 2)
             return worst
 
-        floor = max(self._noise_floor_now(), tiny)
-        scale2 = float(self._scale.amin()) ** 2 if self.method == "sga" else 1.0
+        floor = max(self._noise_floor_now() if floor is None else floor, tiny)  # over all ranks if given
+        if self.method != "sga":
+            scale2 = 1.0
+        elif scale2 is None:
+            scale2 = float(self._scale.amin()) ** 2
         worst = worst_case(4.0 * self.dim * t2 / floor, 4.0 * t2 / max(scale2, tiny))
         if math.isfinite(worst) and worst > limit and t is not None:
             # the cheap bound (every deviation in the coordinate of least noise) failed: the exact q
-            q = float((t.square() / self._noise_now()).sum(-1).max()) * 4.0
-            t2_std = 4.0 * float((t / (self._scale if self.method == "sga" else 1.0)).abs().max()) ** 2
+            q, t2_std = self._exact_range(t)
             worst = worst_case(q, t2_std)
         if not math.isfinite(worst) or worst > limit:
             raise ValueError(
@@ -683,8 +737,7 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
             self._scale_to_variance()
         # E-step (eq. 4.23): the capacitance I + F^T Psi^-1 F of the current F, psi was
         # formed by the previous M-step; only F^T Psi^-1 d is new (one pass over F)
-        L = _cholesky(self._cap)
-        u = self._F.T @ (d / self._psi).T  # (K, B)
+        L, u = self._e_step_inputs(d)  # (K, B) projection F^T Psi^-1 d^T, summed over the ranks if sharded
         m = torch.cholesky_solve(u, L)
         eye = torch.eye(K, dtype=d.dtype, device=d.device)
         sigma_h = torch.cholesky_solve(eye, L)
@@ -725,8 +778,8 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
         cap.zero_()
         rows = self._block_rows()
         work = self._workspace(rows)[0]
-        for lo in range(0, self.dim, rows):
-            hi = min(lo + rows, self.dim)
+        for lo in range(0, self._local_dim, rows):
+            hi = min(lo + rows, self._local_dim)
             F_c, w, v, psi_c = F[lo:hi], work[: hi - lo], var[lo:hi], psi[lo:hi]
             norm2 = torch.mul(F_c, F_c, out=w).sum(-1)
             # a row that has been zeroed (a coordinate that had not moved) stays zero
@@ -735,7 +788,7 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
             torch.maximum(0.5 * v, floor[lo:hi], out=psi_c)
             torch.div(F_c, psi_c.unsqueeze(-1), out=w)
             cap.addmm_(w.T, F_c)
-        cap.diagonal().add_(1.0)
+        self._cap_done(cap)
 
     def _m_step(self) -> None:
         r"""M-step (eqs. 4.33, 4.35) fused with the next E-step's capacitance.
@@ -763,8 +816,8 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
         rows = self._block_rows()
         work, work_a = self._workspace(rows)
         coef = self._A_coef
-        for lo in range(0, self.dim, rows):
-            hi = min(lo + rows, self.dim)
+        for lo in range(0, self._local_dim, rows):
+            hi = min(lo + rows, self._local_dim)
             A_c, F_c, w = A[lo:hi], F[lo:hi], work[: hi - lo]
             if coef != 0.0:
                 # the statistic's rows, A = coef * F + _A, formed in cache
@@ -776,14 +829,14 @@ class OnlineFactorAnalysis(OnlineSGA, nn.Module):
             torch.maximum(psi_c, floor[lo:hi], out=psi_c)
             torch.div(F_c, psi_c.unsqueeze(-1), out=w)
             cap.addmm_(w.T, F_c)
-        cap.diagonal().add_(1.0)
+        self._cap_done(cap)
         # expanded: the statistic in the new coordinates, A L^-T, is F itself; rather than
         # writing it into _A (one more pass over D x K memory) hold it as 1 * F + stale _A
         self._A_coef = 1.0 if self.expand else 0.0
 
     def _block_rows(self) -> int:
         # about 1 MB of rows per block (EM's M-step, SGA's fused pass): a few (rows, K) arrays stay in cache
-        return max(1, min(self.dim, (1 << 20) // (self.rank * self._F.element_size())))
+        return max(1, min(self._local_dim, (1 << 20) // (self.rank * self._F.element_size())))
 
     def _workspace(self, rows: int) -> Tensor:
         # two (rows, K) blocks: EM's M-step products and statistic rows; SGA's gradient rows and a temporary

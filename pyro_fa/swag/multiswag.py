@@ -57,6 +57,9 @@ class MultiSWAG(nn.Module):
         for m in members:
             if not isinstance(m, SWAG):
                 raise TypeError(f"{cls}: members must be SWAG posteriors, got {type(m).__name__}.")
+            if m._distributed:
+                raise ValueError(f"{cls}: members must not be sharded over a process group (not supported), got a "
+                                 f"SWAG sharded as {m.sharding!r}. Use SWAG.predict on each sharded member instead.")
         dims = {(m.dim, m.rank) for m in members}
         if len(dims) > 1:
             raise ValueError(f"{cls}: members must share (dim, rank), got {sorted(dims, key=str)!r}.")

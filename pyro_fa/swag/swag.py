@@ -18,16 +18,19 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+import weakref
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 from torch.distributions import LowRankMultivariateNormal
 
-from pyro_fa._state import check_count, check_state_dict
+from pyro_fa._state import check_count
 from pyro_fa.fa.moments import RunningMoments
 from pyro_fa.fa.online import OnlineFactorAnalysis
 from pyro_fa.swag._params import ParamSource as _ParamSource, positive_int as _positive_int
+from pyro_fa.swag._sharded import ShardedSWAG, flatten_slice
+from pyro_fa.fa._sharding import ShardedLowRankNormal
 
 __all__ = ["SWAG"]
 
@@ -37,7 +40,7 @@ _GUARD_AFTER = 10  # collected vectors before the divergence guard trusts the sp
 _GUARD_PATIENCE = 20  # refusals in a row after which a run that stopped moving away is collected again
 
 
-class SWAG(nn.Module):
+class SWAG(ShardedSWAG, nn.Module):
     r"""A Gaussian posterior over a model's weights, fitted online to optimizer iterates.
 
     .. math::
@@ -114,6 +117,16 @@ class SWAG(nn.Module):
         collected again, with a warning. ``None`` disables the guard.
     seed : int, optional
         Seed of the initial factor of EM / SGA.
+    process_group : torch.distributed.ProcessGroup, optional
+        Shard the posterior over the group's ranks (:mod:`pyro_fa.distributed`); default the
+        process group of a ``DistributedDataParallel`` model, else none. The weights are
+        replicated, so each rank collects only its rows of :math:`\theta` (once per step, memory
+        :math:`O(DK/W)` per rank); ``loc``, ``cov_factor``, ``cov_diag`` are this rank's rows,
+        :meth:`sample_parameters`, :meth:`predict` and :meth:`sampled_weights` assemble whole
+        vectors (an all-gather) and agree on every rank. Collection and sampling are
+        collective: every rank steps and predicts together (as DDP trains). The ranks must
+        pass the same arguments and models (checked at construction: a mismatch raises on
+        every rank).
     **fa_kwargs
         Further options of :class:`~pyro_fa.OnlineFactorAnalysis` (e.g. ``m_step_every``).
 
@@ -196,11 +209,19 @@ class SWAG(nn.Module):
         on_nonfinite: str = "raise",
         max_deviation: Optional[float] = 10.0,
         seed: Optional[int] = None,
+        process_group=None,
         _source: Optional[_ParamSource] = None,
         **fa_kwargs,
     ):
         super().__init__()
         cls = type(self).__name__
+        # sharded (a process_group, or a DistributedDataParallel model's): the ranks agree on every argument
+        # before any is checked, so that a bad one raises alike on every rank (see pyro_fa.distributed)
+        module_or_params, seed = self._agree_args(module_or_params, process_group, dict(
+            rank=rank, method=method, start_after=start_after, collect_every=collect_every, window=window,
+            warmup=warmup, lr=lr, step_scale=step_scale, init_scale=init_scale, min_variance=min_variance,
+            optimizer=optimizer, on_nonfinite=on_nonfinite, max_deviation=max_deviation, seed=seed,
+            fa_kwargs=fa_kwargs))
         if method not in _METHODS:
             raise ValueError(f"{cls}: method must be one of {_METHODS}, got {method!r}.")
         if on_nonfinite not in _ON_NONFINITE:
@@ -305,6 +326,7 @@ class SWAG(nn.Module):
 
     def _setup(self, named: List[Tuple[str, Tensor]]) -> None:
         cls = type(self).__name__
+        self._agree_params(named)
         tensors = [p for _, p in named]
         for name, p in named:
             if not p.is_leaf:
@@ -327,18 +349,19 @@ class SWAG(nn.Module):
             raise ValueError(f"{cls}: rank must be < the number of parameters D={D}, got {self.rank!r}.")
         dtype, device = tensors[0].dtype, tensors[0].device
         self.dim = D
+        rows = self._shard_rows(D)  # this rank's coordinates: all D without a process group
         self._shapes = [p.shape for p in tensors]
         self._names = [n for n, _ in named]
         if self.method == "swag":
             # exact moments in float64 (see pyro_fa.fa.moments); _mean is the mean rounded to the state's dtype
-            self._moments = RunningMoments(D, device)
-            self.register_buffer("_mean", torch.zeros(D, dtype=dtype, device=device))
-            self.register_buffer("_dev", torch.zeros(self.rank, D, dtype=dtype, device=device))
+            self._moments = RunningMoments(rows, device)
+            self.register_buffer("_mean", torch.zeros(rows, dtype=dtype, device=device))
+            self.register_buffer("_dev", torch.zeros(self.rank, rows, dtype=dtype, device=device))
         else:
             self.fa = OnlineFactorAnalysis(D, self.rank, self.method, self._warmup, dtype=dtype, device=device,
-                                           **self._fa_kwargs)
+                                           process_group=self._sharding, **self._fa_kwargs)
         if self.window > 1:
-            self.register_buffer("_window_sum", torch.zeros(D, dtype=dtype, device=device))
+            self.register_buffer("_window_sum", torch.zeros(rows, dtype=dtype, device=device))
 
     @property
     def _ref(self) -> Tensor:
@@ -370,13 +393,8 @@ class SWAG(nn.Module):
         flat = getattr(self, "_flat", None)
         if flat is None or flat.dtype != ref.dtype or flat.device != ref.device:
             flat = self._flat = torch.empty_like(ref)
-        offset = 0
-        with torch.no_grad():
-            for _, p in named:
-                n = p.numel()
-                flat[offset:offset + n].copy_(p.reshape(-1))
-                offset += n
-        return flat
+        lo, hi = (0, self.dim) if self._sharding is None else (self._sharding.lo, self._sharding.hi)
+        return flatten_slice([p for _, p in named], lo, hi, flat)  # this rank's coordinates
 
     @torch.no_grad()
     def collect(self) -> bool:
@@ -447,6 +465,8 @@ class SWAG(nn.Module):
 
     def _refusal(self, theta: Tensor) -> Tuple[Optional[str], bool]:
         """Why ``theta`` must not be collected, or None; and whether the reason is the divergence guard."""
+        if self._sharding is not None:
+            return self._sharded_refusal(theta)
         guard = self.max_deviation is not None and self._n >= _GUARD_AFTER
         if guard:
             # the distance in the state's dtype (the mean rounded once is close enough for a guard);
@@ -474,6 +494,8 @@ class SWAG(nn.Module):
             self.fa.update(theta)
             self._n = self.fa.n_updates
             return
+        if self._sharding is not None:
+            return self._sharded_classic_update(theta)
         # running mean / squared deviations, then the deviation from the new mean (Maddox et al. Alg. 1),
         # formed in float64 and rounded once
         moments = self._moments
@@ -531,7 +553,9 @@ class SWAG(nn.Module):
                 "got one that is attached already. Call handle.remove() on the first handle to attach again."
             )
         handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: self.step())
-        attached[id(optimizer)] = (optimizer, handle)
+        # the optimizer is held weakly: optimizer -> hook -> SWAG -> optimizer would be a reference cycle,
+        # freed only by the garbage collector (under DDP possibly at exit, after the process group is gone)
+        attached[id(optimizer)] = (weakref.ref(optimizer), handle)
         return handle
 
     # ---------------------------------------------------------------- posterior
@@ -598,12 +622,15 @@ class SWAG(nn.Module):
         if self.method != "swag":
             return self.fa.cov_diag
         var = self._moments.variance(self._n).to(self._mean.dtype)
-        floor = self.min_variance * var.mean().clamp_min(torch.finfo(var.dtype).tiny)
+        floor = self.min_variance * self._mean_variance(var).clamp_min(torch.finfo(var.dtype).tiny)
         return 0.5 * var.clamp_min(floor)
 
     def distribution(self) -> LowRankMultivariateNormal:
         r"""The posterior :math:`N(c, s(FF^\top + \Psi))` over the flattened parameters, :math:`s` = :attr:`scale`."""
         self._check_ready("distribution()")
+        if self._sharding is not None:  # this rank's rows; log_prob, entropy and sample are collective
+            s = self._scale
+            return ShardedLowRankNormal(self.loc, self.cov_factor * math.sqrt(s), self.cov_diag * s, self._sharding)
         if self._scale == 1.0:
             return LowRankMultivariateNormal(self.loc, self.cov_factor, self.cov_diag)
         return LowRankMultivariateNormal(self.loc, self.cov_factor * math.sqrt(self._scale),
@@ -646,10 +673,8 @@ class SWAG(nn.Module):
     @torch.no_grad()
     def _deviations(self, num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
         # unscaled draws F h + psi^(1/2) eps of shape (S, D)
-        ref = self.loc
         S = num_samples
-        h = torch.randn(S, self.rank, generator=generator, dtype=ref.dtype, device=ref.device)
-        eps = torch.randn(S, self.dim, generator=generator, dtype=ref.dtype, device=ref.device)
+        h, eps = self._draw_noise(S, generator)  # sharded: h shared by the ranks, eps (S, D_r) this rank's
         if self.method == "swag":
             k = min(self._n, self.rank)
             low = (h @ self._dev).mul_(1.0 / math.sqrt(2 * max(k - 1, 1)))
@@ -678,6 +703,7 @@ class SWAG(nn.Module):
         if self._scale != 1.0:
             out.mul_(math.sqrt(self._scale))
         out.add_(self.loc)
+        out = self._gather_full(out)  # sharded: whole vectors from every rank's rows
         return out[0] if num_samples is None else out
 
     def _split(self, theta: Tensor) -> List[Tensor]:
@@ -708,6 +734,7 @@ class SWAG(nn.Module):
             after an exception.
         """
         cls = type(self).__name__
+        theta = self._full_theta(theta)  # sharded: this rank's rows (e.g. swag.loc) are gathered
         if theta is None:
             theta = self.sample_parameters(generator=generator)
         elif not torch.is_tensor(theta) or theta.shape != (self.dim,):
@@ -827,8 +854,11 @@ class SWAG(nn.Module):
 
     # ------------------------------------------------------------------ state
     def get_extra_state(self):
-        return {"n_steps": self._n_steps, "n": self._n, "n_window": self._n_window, "n_refused": self._n_refused,
-                "scale": self._scale, "shapes": [tuple(s) for s in self._shapes] if self._shapes is not None else None}
+        state = {"n_steps": self._n_steps, "n": self._n, "n_window": self._n_window, "n_refused": self._n_refused,
+                 "scale": self._scale, "shapes": [tuple(s) for s in self._shapes] if self._shapes is not None else None}
+        if self._sharding is not None:
+            state["shard"] = self._sharding.descriptor()
+        return state
 
     def _check_extra_state(self, state) -> None:
         cls = type(self).__name__
@@ -850,6 +880,7 @@ class SWAG(nn.Module):
         if state["n_window"] >= self.window:
             raise ValueError(f"{cls}: the saved state's 'n_window' must be < window={self.window}, got "
                              f"{state['n_window']!r}; nothing was loaded.")
+        self._check_shard_state(state)
 
     def set_extra_state(self, state):
         self._check_extra_state(state)
@@ -869,10 +900,11 @@ class SWAG(nn.Module):
         """
         if self.dim is None:  # param-store source not yet resolved: resolve now to build the buffers
             self._named()
-        check_state_dict(self, state_dict, strict=strict)
+        total = self._check_loadable(state_dict, strict)  # sharded: agreed by every rank (collective)
         state_dict = dict(state_dict)
         opt_state = state_dict.pop("fa._optimizer_state", None)  # SGA's Adam moments (OnlineFactorAnalysis)
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self._loaded_total(total)
         if opt_state is not None and self.method == "sga":
             self.fa._optimizer.load_state_dict(opt_state)
             self.fa._cache = None

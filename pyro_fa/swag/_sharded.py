@@ -1,0 +1,203 @@
+r"""SWAG over ``torch.distributed`` ranks: each rank collects one coordinate shard of the replicated weights.
+
+Under data parallelism (``DistributedDataParallel``) every rank holds the same
+:math:`\theta \in \mathbb{R}^D` after each step. Collecting it on every rank would store
+the posterior :math:`W` times; instead rank :math:`r` collects rows :math:`[lo_r, hi_r)`
+(:func:`~pyro_fa.fa._sharding.shard_bounds`) and fits them with a sharded
+:class:`~pyro_fa.OnlineFactorAnalysis` (or keeps its rows of classic SWAG's deviations),
+so the posterior's memory per rank is :math:`O(DK/W)`. Sampled weights are assembled by
+an all-gather, so every rank runs the same sampled network.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from pyro_fa.fa._sharding import (agree, check_loadable, check_shard_state, checksum, flatten_slice, make_sharding,
+                                  resolve_group, weak_group)
+
+__all__ = ["ShardedSWAG", "unwrap_ddp", "flatten_slice"]
+
+
+def unwrap_ddp(obj) -> Tuple[Any, Any]:
+    """``(module, process_group)`` of a ``DistributedDataParallel`` wrapper; anything else as is, with None."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return obj, None
+    if isinstance(obj, DistributedDataParallel):
+        return obj.module, obj.process_group
+    return obj, None
+
+
+def _param_descriptor(obj) -> Any:
+    """What the ranks' parameters must share (sizes, shapes, dtypes, device kinds), or why it cannot be read."""
+    if obj is None:
+        return None  # Pyro's param store: read at the first collection (see ShardedSWAG._agree_params)
+    try:
+        if isinstance(obj, nn.Module):
+            named = [(n, p) for n, p in obj.named_parameters() if p.requires_grad]
+        else:
+            named = [(str(i), p) for i, p in enumerate(obj)]
+        return _describe(named)
+    except Exception as exc:  # the local checks of SWAG raise it alike on every rank
+        return f"unreadable ({type(exc).__name__})"
+
+
+def _describe(named) -> Dict[str, Any]:
+    tensors = [p for _, p in named if torch.is_tensor(p)]
+    return {
+        "D": sum(p.numel() for p in tensors),
+        "shapes": checksum([(n, tuple(p.shape) if torch.is_tensor(p) else type(p).__name__) for n, p in named]),
+        "dtypes": sorted({str(p.dtype) for p in tensors}),
+        "devices": (len({p.device for p in tensors}), sorted({p.device.type for p in tensors})),
+        "leaves": all(p.is_leaf for p in tensors),
+    }
+
+
+class ShardedSWAG:
+    """The collectives of a sharded :class:`~pyro_fa.SWAG` (a mixin over its state)."""
+
+    _distributed = False  # built with a process group (or a DDP model's)
+    _group = None  # that group; None for the default one (see weak_group)
+    _sharding = None
+    _sq_dev_total = 0.0  # classic SWAG: sum over all D of the running squared deviations
+
+    # ------------------------------------------------------------- set-up
+    def _agree_args(self, obj, process_group, fields: Dict[str, Any]):
+        """Detect DDP, then agree with the other ranks on every argument (collective when sharded).
+
+        Returns ``(module_or_params, seed)``: the unwrapped module (a list for an iterable of
+        tensors, read once) and the seed the ranks share (rank 0's when ``seed`` is None).
+        """
+        cls = type(self).__name__
+        obj, ddp_group = unwrap_ddp(obj)
+        group = process_group if process_group is not None else ddp_group
+        if group is None:
+            return obj, fields["seed"]
+        self._group = weak_group(resolve_group(group, cls))
+        self._distributed = True
+        if obj is not None and not isinstance(obj, nn.Module) and not torch.is_tensor(obj):
+            try:
+                obj = list(obj)
+            except TypeError:
+                pass  # not iterable: SWAG raises on every rank alike
+        import secrets
+
+        owns = agree(self._group, cls, dict(fields, params=_param_descriptor(obj)),
+                     own={"seed": secrets.randbits(62)})
+        return obj, fields["seed"] if fields["seed"] is not None else owns[0]["seed"]
+
+    def _agree_params(self, named) -> None:
+        """Param-store sources, read at the first collection: the ranks must hold the same parameters."""
+        if self._distributed and self._source.from_param_store:
+            agree(self._group, type(self).__name__, {"params": _describe(named)})
+
+    def _shard_rows(self, D: int) -> int:
+        """Set this rank's rows of the D coordinates; their number."""
+        if not self._distributed:
+            return D
+        import torch.distributed as dist
+
+        W = dist.get_world_size(self._group)
+        self._sharding = make_sharding(self._group, type(self).__name__, D, [None] * W, self._fa_kwargs["seed"])
+        return self._sharding.size
+
+    @property
+    def sharding(self):
+        """The :class:`~pyro_fa.distributed.Sharding` of the collected coordinates, or None."""
+        return self._sharding
+
+    def _sq_dev_global(self) -> float:
+        return self._sq_dev_total if self.method == "swag" else self.fa._sq_dev_total
+
+    def _mean_variance(self, var: Tensor) -> Tensor:
+        """Mean over all D of the running variances (classic SWAG's relative floor)."""
+        if self._sharding is None:
+            return var.mean()
+        return var.new_tensor(self._sq_dev_total / (max(self._n, 1) * self.dim))
+
+    # ------------------------------------------------------------- collect
+    def _sharded_refusal(self, theta: Tensor) -> Tuple[Optional[str], bool]:
+        """:meth:`SWAG._refusal` with the distance and the finiteness summed over the ranks (one all-reduce)."""
+        from pyro_fa.swag.swag import _GUARD_AFTER
+
+        guard = self.max_deviation is not None and self._n >= _GUARD_AFTER
+        dist2 = float(torch.linalg.vector_norm(theta - self.loc)) ** 2 if guard else 0.0
+        bad = 0.0 if guard and math.isfinite(dist2) else float((~torch.isfinite(theta)).sum())
+        table, (total,) = self._sharding.reduce([bad], torch.tensor([dist2], dtype=torch.float64))
+        dist2, bad = float(total[0]), int(sum(row[0] for row in table))
+        if guard:
+            spread2 = self._sq_dev_global() / self._n
+            if math.isfinite(dist2) and (spread2 == 0.0 or dist2 <= self.max_deviation ** 2 * spread2):
+                return None, False
+        if bad:
+            self._streak.clear()
+            return f"the parameter vector must be finite, got NaN or inf in {bad} entries.", False
+        if not guard:
+            return None, False
+        self._streak.append(math.sqrt(dist2))
+        return (f"the parameter vector must lie within max_deviation={self.max_deviation:g} times the collected "
+                f"spread of the running mean, got a distance of {math.sqrt(dist2):.3g} against a spread of "
+                f"{math.sqrt(spread2):.3g} (the run looks diverged; if it only changed regime, pass a larger "
+                "max_deviation, or None)."), True
+
+    def _sharded_classic_update(self, theta: Tensor) -> None:
+        """Classic SWAG's update of this rank's rows; the overflow check and the spread over all ranks."""
+        moments = self._moments
+        t, tmax = moments.deviation(theta)
+        tmax = tmax if self._n else 0.0
+        n_old, n = self._n, self._n + 1
+        sq_new = float(moments.sq_dev.sum()) + n_old / n * float(torch.dot(t, t))
+        table, (total,) = self._sharding.reduce([tmax], torch.tensor([sq_new], dtype=torch.float64))
+        tmax = max(row[0] for row in table)
+        if not tmax * tmax <= torch.finfo(self._dev.dtype).max / 8:
+            raise ValueError(f"{type(self).__name__}: the parameter vector must keep the running variances within "
+                             f"{self._dev.dtype}, got one at {tmax:.3g} from the mean whose update would overflow them.")
+        moments.add_deviation(t, n_old)
+        torch.mul(t, n_old / n, out=self._dev[n_old % self.rank])
+        self._mean.copy_(moments.mean)
+        self._n = n
+        self._sq_dev_total = float(total[0])
+
+    # ------------------------------------------------------------- sample
+    def _draw_noise(self, num_samples: int, generator: Optional[torch.Generator]) -> Tuple[Tensor, Tensor]:
+        """Latent draws (S, K), shared by the ranks when sharded, and this rank's coordinate noise (S, D_r)."""
+        ref = self.loc
+        if self._sharding is None:
+            h = torch.randn(num_samples, self.rank, generator=generator, dtype=ref.dtype, device=ref.device)
+            eps = torch.randn(num_samples, self.dim, generator=generator, dtype=ref.dtype, device=ref.device)
+            return h, eps
+        self._sharding.agree_sizes(type(self).__name__, "number of samples", num_samples)
+        h, gen = self._sharding.shared_normal(num_samples, self.rank, generator, ref.dtype, ref.device)
+        eps = torch.randn(num_samples, ref.shape[-1], generator=gen, dtype=ref.dtype, device=ref.device)
+        return h, eps
+
+    def _gather_full(self, local: Tensor) -> Tensor:
+        """Whole vectors (..., D) from this rank's rows (..., D_r) (an all-gather when sharded)."""
+        return local if self._sharding is None else self._sharding.all_gather(local)
+
+    def _full_theta(self, theta):
+        """A whole vector to load: one of shape (D_r,) (this rank's rows, e.g. ``swag.loc``) is gathered."""
+        sh = self._sharding
+        if sh is not None and torch.is_tensor(theta) and theta.shape == (sh.size,) and sh.size != self.dim:
+            return sh.all_gather(theta)
+        return theta
+
+    # ------------------------------------------------------------- state
+    def _check_shard_state(self, state) -> None:
+        check_shard_state(type(self).__name__, state, self._sharding)
+
+    def _check_loadable(self, state_dict, strict: bool) -> Optional[float]:
+        return check_loadable(self, state_dict, strict, self._sharding)
+
+    def _loaded_total(self, total: Optional[float]) -> None:
+        if total is None:
+            return
+        if self.method == "swag":
+            self._sq_dev_total = total
+        else:
+            self.fa._sq_dev_total = total
