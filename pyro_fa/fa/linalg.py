@@ -410,8 +410,12 @@ def orthogonal_init(
     gen_device = generator.device if generator is not None else device
     A = torch.randn(dim, rank, generator=generator, dtype=dtype or torch.get_default_dtype(), device=gen_device)
     Q, R = torch.linalg.qr(A, mode="reduced")
-    Q = Q * torch.sign(torch.sign(R.diagonal()) + 0.5)
-    return (scale * Q).to(device=device) if device is not None else scale * Q
+    del A
+    Q.mul_(torch.sign(torch.sign(R.diagonal()) + 0.5).mul_(scale))
+    # row-major (QR returns column-major Q): the online fits pass over F in blocks of rows
+    F = torch.empty(dim, rank, dtype=Q.dtype, device=Q.device).copy_(Q)
+    del Q
+    return F.to(device=device) if device is not None else F
 
 
 def fa_distribution(loc: Tensor, cov_factor: Tensor, cov_diag: Tensor, validate_args=None) -> LowRankMultivariateNormal:
