@@ -26,6 +26,7 @@ EXPERIMENTS = {
     "linreg-ensembles": "pyro_fa.experiments.linreg_ensembles",
     "uci": "pyro_fa.experiments.uci",
     "classify": "pyro_fa.experiments.classify",
+    "revrand": "pyro_fa.experiments.revrand",
 }
 
 _HELP = {
@@ -40,6 +41,8 @@ _HELP = {
     "uci": "The UCI Bayesian-neural-network benchmark: VIFA / VIPPCA vs Pyro's guides and SWAG on the standard splits.",
     "classify": "Classification on MNIST-1D and digits: calibration and OOD detection of SWAG, MultiSWAG, VIFA, "
                 "deep ensembles, MC dropout, Laplace and IVON.",
+    "revrand": "Steinberg et al., revrand technical report, Tables 2-4: random-feature SLM and GLM (FA posterior) "
+               "vs scikit-learn's GPs, SVMs and random forests on Boston, digits 3 vs 5 and UCI protein.",
 }
 
 
