@@ -131,8 +131,21 @@ def _finite(x):
     return not isinstance(x, float) or math.isfinite(x)
 
 
+def _have_uci(*names):
+    from pyro_fa.datasets import load_uci_raw
+
+    try:
+        for name in names:
+            load_uci_raw(name)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 @pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path, capsys):
+    if not _have_uci("boston", "protein"):
+        pytest.skip("needs the UCI boston and protein data (PYRO_FA_DATA)")
     assert cli.main(["revrand", "--quick", "--no-progress", "--output-dir", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results["tables"]) == {"2", "3", "4"}
