@@ -121,29 +121,17 @@ class ShardedSWAG:
         return var.new_tensor(self._sq_dev_total / (max(self._n, 1) * self.dim))
 
     # ------------------------------------------------------------- collect
-    def _sharded_refusal(self, theta: Tensor) -> Tuple[Optional[str], bool]:
-        """:meth:`SWAG._refusal` with the distance and the finiteness summed over the ranks (one all-reduce)."""
-        from pyro_fa.swag.swag import _GUARD_AFTER
+    def _sharded_distance(self, theta: Tensor, guard: bool) -> Tuple[float, float, int]:
+        """The divergence guard's squared distance and spread and the non-finite count, over all ranks.
 
-        guard = self.max_deviation is not None and self._n >= _GUARD_AFTER
+        One all-reduce; the count is taken only where the guard cannot accept (as :meth:`SWAG._refusal`).
+        """
         dist2 = float(torch.linalg.vector_norm(theta - self.loc)) ** 2 if guard else 0.0
         bad = 0.0 if guard and math.isfinite(dist2) else float((~torch.isfinite(theta)).sum())
         table, (total,) = self._sharding.reduce([bad], torch.tensor([dist2], dtype=torch.float64))
         dist2, bad = float(total[0]), int(sum(row[0] for row in table))
-        if guard:
-            spread2 = self._sq_dev_global() / self._n
-            if math.isfinite(dist2) and (spread2 == 0.0 or dist2 <= self.max_deviation ** 2 * spread2):
-                return None, False
-        if bad:
-            self._streak.clear()
-            return f"the parameter vector must be finite, got NaN or inf in {bad} entries.", False
-        if not guard:
-            return None, False
-        self._streak.append(math.sqrt(dist2))
-        return (f"the parameter vector must lie within max_deviation={self.max_deviation:g} times the collected "
-                f"spread of the running mean, got a distance of {math.sqrt(dist2):.3g} against a spread of "
-                f"{math.sqrt(spread2):.3g} (the run looks diverged; if it only changed regime, pass a larger "
-                "max_deviation, or None)."), True
+        spread2 = self._sq_dev_global() / self._n if guard else 0.0
+        return dist2, spread2, bad
 
     def _sharded_classic_update(self, theta: Tensor) -> None:
         """Classic SWAG's update of this rank's rows; the overflow check and the spread over all ranks."""

@@ -465,21 +465,25 @@ class SWAG(ShardedSWAG, nn.Module):
 
     def _refusal(self, theta: Tensor) -> Tuple[Optional[str], bool]:
         """Why ``theta`` must not be collected, or None; and whether the reason is the divergence guard."""
-        if self._sharding is not None:
-            return self._sharded_refusal(theta)
         guard = self.max_deviation is not None and self._n >= _GUARD_AFTER
-        if guard:
-            # the distance in the state's dtype (the mean rounded once is close enough for a guard);
-            # a non-finite distance sends us to the finiteness check below
-            dist2 = float(torch.linalg.vector_norm(theta - self.loc)) ** 2
-            moments = self._moments if self.method == "swag" else self.fa._moments
-            spread2 = float(moments.sq_dev.sum()) / self._n
-            # no spread yet (identical vectors, e.g. after a schedule that ended at rate 0): no judgement
-            if math.isfinite(dist2) and (spread2 == 0.0 or dist2 <= self.max_deviation ** 2 * spread2):
-                return None, False
-        if not bool(torch.isfinite(theta).all()):
+        if self._sharding is not None:
+            dist2, spread2, bad = self._sharded_distance(theta, guard)  # summed over the ranks
+            count_bad = lambda: bad  # noqa: E731
+        else:
+            dist2 = spread2 = 0.0
+            if guard:
+                # the distance in the state's dtype (the mean rounded once is close enough for a guard);
+                # a non-finite distance sends us to the finiteness check below
+                dist2 = float(torch.linalg.vector_norm(theta - self.loc)) ** 2
+                moments = self._moments if self.method == "swag" else self.fa._moments
+                spread2 = float(moments.sq_dev.sum()) / self._n
+            count_bad = lambda: int((~torch.isfinite(theta)).sum())  # noqa: E731
+        # no spread yet (identical vectors, e.g. after a schedule that ended at rate 0): no judgement
+        if guard and math.isfinite(dist2) and (spread2 == 0.0 or dist2 <= self.max_deviation ** 2 * spread2):
+            return None, False
+        bad = count_bad()
+        if bad:
             self._streak.clear()
-            bad = int((~torch.isfinite(theta)).sum())
             return f"the parameter vector must be finite, got NaN or inf in {bad} entries.", False
         if not guard:
             return None, False
