@@ -92,7 +92,7 @@ def test_bad_input_is_refused_with_the_argument_named():
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"predictive_entropy: probs must be finite"):
         metrics.predictive_entropy(bad)
-    with pytest.raises(ValueError, match=r"mutual_information: probs must have shape \(S, N, C\)"):
+    with pytest.raises(ValueError, match=r"mutual_information: samples must have shape \(S, N, C\)"):
         metrics.mutual_information(p)
     with pytest.raises(ValueError, match=r"ood_auroc: scores_out must have shape \(N,\) with N >= 1"):
         metrics.ood_auroc(torch.ones(3), torch.ones(0))

@@ -161,3 +161,71 @@ def test_bad_input():
         calibration(means, variances, y, levels=[0.5, 1.0])
     with pytest.raises(ValueError, match=r"levels must be a non-empty set"):
         calibration(means, variances, y, levels=[])
+
+
+# ---------------------------------------------------------------------------------------
+# non-finite input: every public metric refuses NaN and inf in every tensor argument, naming it
+
+
+def _finite_cases():
+    """For each public metric: a function of its valid keyword arguments, and those arguments."""
+    means, variances, y = _problem(S=3, N=6)
+    g = torch.Generator().manual_seed(1)
+    probs = torch.rand(4, 6, 3, generator=g).softmax(-1)
+    labels = torch.randint(0, 3, (6,), generator=g)
+    F1, F2 = torch.randn(5, 2, generator=g), torch.randn(5, 3, generator=g)
+    p1, p2 = torch.rand(5, generator=g) + 0.1, torch.rand(5, generator=g) + 0.1
+    S1, S2 = F1 @ F1.T + torch.diag(p1), F2 @ F2.T + torch.diag(p2)
+    mixture = dict(pred_means=means, pred_vars=variances, y=y)
+    return {
+        "rmse": (rmse, dict(pred_mean=means, y=y)),
+        "gaussian_log_likelihood": (gaussian_log_likelihood, mixture),
+        "calibration": (calibration, mixture),
+        "mixture_cdf": (mixture_cdf, mixture),
+        "relative_frobenius_distance": (
+            metrics.relative_frobenius_distance, dict(cov_factor1=F1, cov_diag1=p1, cov_factor2=F2, cov_diag2=p2)),
+        "gaussian_wasserstein2": (
+            metrics.gaussian_wasserstein2, dict(loc1=torch.zeros(5), cov1=S1, loc2=torch.ones(5), cov2=S2)),
+        "bma_probs": (metrics.bma_probs, dict(probs=probs)),
+        "accuracy": (metrics.accuracy, dict(probs=probs, targets=labels)),
+        "negative_log_likelihood": (metrics.negative_log_likelihood, dict(probs=probs, targets=labels)),
+        "brier_score": (metrics.brier_score, dict(probs=probs, targets=labels)),
+        "expected_calibration_error": (metrics.expected_calibration_error, dict(probs=probs, targets=labels)),
+        "predictive_entropy": (metrics.predictive_entropy, dict(probs=probs)),
+        "mutual_information": (metrics.mutual_information, dict(samples=probs)),
+        "ood_auroc": (metrics.ood_auroc, dict(scores_in=torch.randn(5, generator=g), scores_out=torch.randn(4, generator=g))),
+    }
+
+
+def test_every_public_metric_is_checked_for_non_finite_input():
+    functions = {n for n in metrics.__all__ if callable(getattr(metrics, n)) and n != "Calibration"}
+    assert functions == set(_finite_cases())
+
+
+@pytest.mark.parametrize("metric", sorted(_finite_cases()))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_metrics_refuse_non_finite_input(metric, bad):
+    fn, kwargs = _finite_cases()[metric]
+    assert torch.isfinite(torch.as_tensor(fn(**kwargs)[0] if metric == "calibration" else fn(**kwargs))).all()
+    for name, value in kwargs.items():
+        if not value.is_floating_point():
+            continue  # integer class labels cannot hold NaN
+        spoiled = value.clone()
+        spoiled.view(-1)[1] = bad
+        with pytest.raises(ValueError, match=rf"{metric}: {name} must be finite, got NaN or inf in 1 of "):
+            fn(**{**kwargs, name: spoiled})
+
+
+def test_calibration_with_nan_targets_or_infinite_means_is_refused_not_a_number():
+    """The reported failure: a NaN target or an infinite mean used to give a finite calibration error."""
+    means, variances, y = _problem(S=1, N=4)
+    y[0] = float("nan")
+    with pytest.raises(ValueError, match=r"calibration: y must be finite, got NaN or inf in 1 of 4 entries\."):
+        calibration(means, variances, y)
+    means[0, 1] = float("inf")
+    with pytest.raises(ValueError, match=r"rmse: pred_mean must be finite"):
+        rmse(means, y)
+    with pytest.raises(ValueError, match=r"gaussian_log_likelihood: y_mean must be a finite number, got inf"):
+        gaussian_log_likelihood(means.nan_to_num(posinf=0.0), variances, y.nan_to_num(), y_mean=float("inf"))
+    with pytest.raises(TypeError, match=r"rmse: y_std must be a positive finite number, got 'big'"):
+        rmse(means[0].nan_to_num(posinf=0.0), y.nan_to_num(), y_std="big")

@@ -42,6 +42,8 @@ __all__ = [
     "frobenius_norm",
     "gaussian_wasserstein2",
     "dense_covariance",
+    "check_dense_dim",
+    "MAX_DENSE_DIM",
     "orthogonal_init",
     "fa_distribution",
 ]
@@ -304,6 +306,8 @@ def relative_frobenius_distance(
     """
     _check_pair(cov_factor1, cov_diag1, "relative_frobenius_distance")
     _check_pair(cov_factor2, cov_diag2, "relative_frobenius_distance")
+    _check_finite("relative_frobenius_distance", cov_factor1=cov_factor1, cov_diag1=cov_diag1,
+                  cov_factor2=cov_factor2, cov_diag2=cov_diag2)
     if cov_factor1.shape[-2] != cov_factor2.shape[-2]:
         raise ValueError(
             "relative_frobenius_distance: both covariances must have the same dimension D, "
@@ -355,10 +359,69 @@ def gaussian_wasserstein2(loc1: Tensor, cov1: Tensor, loc2: Tensor, cov2: Tensor
             "gaussian_wasserstein2: loc1, loc2 must have shape (D,) matching cov1, cov2 of shape (D, D), got "
             f"{tuple(loc1.shape)}, {tuple(loc2.shape)}, {tuple(cov1.shape)}, {tuple(cov2.shape)}."
         )
+    _check_finite("gaussian_wasserstein2", loc1=loc1, cov1=cov1, loc2=loc2, cov2=cov2)
     s2 = _sqrtm_psd(cov2)
     cross = _sqrtm_psd(s2 @ cov1 @ s2)
     w2 = (loc1 - loc2).pow(2).sum() + torch.trace(cov1) + torch.trace(cov2) - 2 * torch.trace(cross)
     return w2.clamp_min(0).sqrt()
+
+
+def _check_finite(fn: str, **tensors: Tensor) -> None:
+    """Refuse NaN or inf in the arguments of an evaluation function (a distance of NaN is no distance)."""
+    for name, value in tensors.items():
+        finite = torch.isfinite(value)
+        if not bool(finite.all()):
+            raise ValueError(
+                f"{fn}: {name} must be finite, got NaN or inf in {int((~finite).sum())} of {value.numel()} entries."
+            )
+
+
+#: The largest D for which a dense D x D matrix is built without being asked for a larger one
+#: (3.2 GB in float64): past it, :func:`check_dense_dim` refuses.
+MAX_DENSE_DIM = 20_000
+
+
+def check_dense_dim(owner: str, what: str, dim: int, dtype: torch.dtype, alternative: str,
+                    max_dim: Optional[int] = MAX_DENSE_DIM, argument: str = "D") -> None:
+    r"""Refuse, before allocating, to build a dense :math:`D\times D` matrix when :math:`D` > ``max_dim``.
+
+    Parameters
+    ----------
+    owner : str
+        The class or function whose call is refused (starts the message).
+    what : str
+        What would be built, e.g. ``"get_covariance()"``.
+    dim : int
+        :math:`D`.
+    dtype : torch.dtype
+        The matrix's dtype, for its size in GB.
+    alternative : str
+        The :math:`O(DK)` way to get what the caller wants, appended to the message.
+    max_dim : int or None, default :data:`MAX_DENSE_DIM` (20 000)
+        The largest :math:`D` allowed; ``None`` allows any.
+    argument : str, default "D"
+        How the message names :math:`D` (e.g. ``"n_features"``).
+
+    Raises
+    ------
+    ValueError
+        If ``dim > max_dim``, naming the size of one :math:`D\times D` matrix in GB and ``alternative``.
+
+    Examples
+    --------
+    >>> check_dense_dim("Model", "covariance()", 100, torch.float64, "Use distribution().")
+    >>> check_dense_dim("Model", "covariance()", 30_000, torch.float64, "Use distribution().")
+    Traceback (most recent call last):
+    ...
+    ValueError: Model: covariance() forms a dense D x D matrix (7.2 GB in torch.float64) and needs D <= 20000, got 30000. Use distribution().
+    """
+    if max_dim is None or dim <= max_dim:
+        return
+    gb = dim * dim * (torch.finfo(dtype).bits // 8) / 1e9
+    raise ValueError(
+        f"{owner}: {what} forms a dense {argument} x {argument} matrix ({gb:.3g} GB in {dtype}) and needs "
+        f"{argument} <= {max_dim}, got {dim}. {alternative}"
+    )
 
 
 def dense_covariance(cov_factor: Tensor, cov_diag: Tensor) -> Tensor:

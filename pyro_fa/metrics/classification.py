@@ -16,30 +16,31 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pyro_fa.metrics._checks import check_finite
+
 __all__ = [
     "bma_probs", "accuracy", "negative_log_likelihood", "brier_score", "expected_calibration_error",
     "predictive_entropy", "mutual_information", "ood_auroc",
 ]
 
 
-def _probs(probs, fn: str, *, samples: bool = False) -> Tensor:
+def _probs(probs, fn: str, *, samples: bool = False, name: str = "probs") -> Tensor:
     """Validate probabilities of shape (N, C) or (S, N, C); return them as given (float)."""
     if not isinstance(probs, Tensor):
-        raise TypeError(f"{fn}: probs must be a torch.Tensor of shape (N, C) or (S, N, C), got {type(probs).__name__}.")
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor of shape (N, C) or (S, N, C), got {type(probs).__name__}.")
     shapes = "(S, N, C)" if samples else "(N, C) or (S, N, C)"
     if probs.dim() not in ((3,) if samples else (2, 3)) or probs.shape[-1] < 2 or probs.shape[-2] < 1:
-        raise ValueError(f"{fn}: probs must have shape {shapes} with C >= 2 classes, got {tuple(probs.shape)!r}.")
+        raise ValueError(f"{fn}: {name} must have shape {shapes} with C >= 2 classes, got {tuple(probs.shape)!r}.")
     if not probs.is_floating_point():
-        raise TypeError(f"{fn}: probs must be floating point, got dtype {probs.dtype}.")
-    if not bool(torch.isfinite(probs).all()):
-        raise ValueError(f"{fn}: probs must be finite, got NaN or inf in {int((~torch.isfinite(probs)).sum())} entries.")
+        raise TypeError(f"{fn}: {name} must be floating point, got dtype {probs.dtype}.")
+    check_finite(probs, name, fn)
     if bool((probs < 0).any()) or bool((probs > 1).any()):
-        raise ValueError(f"{fn}: probs must lie in [0, 1], got values from {float(probs.min()):.4g} to "
+        raise ValueError(f"{fn}: {name} must lie in [0, 1], got values from {float(probs.min()):.4g} to "
                          f"{float(probs.max()):.4g}. Pass probabilities (e.g. logits.softmax(-1)), not logits.")
     tol = max(1e-4, 50 * torch.finfo(probs.dtype).eps * probs.shape[-1])
     err = float((probs.sum(-1) - 1).abs().max())
     if err > tol:
-        raise ValueError(f"{fn}: probs must sum to 1 over the last axis (classes), got sums off by up to {err:.3g}.")
+        raise ValueError(f"{fn}: {name} must sum to 1 over the last axis (classes), got sums off by up to {err:.3g}.")
     return probs
 
 
@@ -149,7 +150,7 @@ def mutual_information(samples: Tensor) -> Tensor:
     the epistemic part of the predictive entropy (Houlsby et al. 2011, "BALD"); needs
     predictive samples of shape (S, N, C). It is zero when all samples agree.
     """
-    p = _probs(samples, "mutual_information", samples=True)
+    p = _probs(samples, "mutual_information", samples=True, name="samples")
     return (_entropy(p.mean(0)) - _entropy(p).mean(0)).clamp_min(0.0)
 
 
@@ -173,8 +174,7 @@ def ood_auroc(scores_in: Tensor, scores_out: Tensor) -> Tensor:
             raise TypeError(f"{fn}: {name} must be a torch.Tensor of shape (N,), got {type(s).__name__}.")
         if s.dim() != 1 or s.shape[0] == 0:
             raise ValueError(f"{fn}: {name} must have shape (N,) with N >= 1, got {tuple(s.shape)!r}.")
-        if not bool(torch.isfinite(s).all()):
-            raise ValueError(f"{fn}: {name} must be finite, got NaN or inf.")
+        check_finite(s, name, fn)
     dtype = torch.float64
     scores = torch.cat([scores_in.to(dtype), scores_out.to(dtype).to(scores_in.device)])
     # average ranks (ties share the mean of their ranks), then the Mann-Whitney U of the OOD scores

@@ -12,7 +12,10 @@ Predictions are passed as tensors ``pred_means`` and ``pred_vars`` of shape
 broadcasts, e.g. a scalar noise variance or (S, 1) per-sample noise), in the
 standardised units of :func:`pyro_fa.datasets.load_uci`; ``y_mean`` and ``y_std``
 turn the numbers into the original units of y, as the UCI benchmark reports
-them (Hernández-Lobato & Adams 2015).
+them (Hernández-Lobato & Adams 2015). Every metric refuses NaN or infinite
+predictions, variances and targets with a ``ValueError`` naming the argument
+(as the classification metrics do): a non-finite prediction is a failure to
+report, not a number to average.
 
 :func:`relative_frobenius_distance` and :func:`gaussian_wasserstein2` are those
 of :mod:`pyro_fa.fa.linalg`, re-exported here.
@@ -26,6 +29,7 @@ import torch
 from torch import Tensor
 
 from pyro_fa.fa.linalg import gaussian_wasserstein2, relative_frobenius_distance
+from pyro_fa.metrics._checks import check_finite, check_finite_number
 
 __all__ = [
     "rmse", "gaussian_log_likelihood", "calibration", "Calibration", "mixture_cdf",
@@ -42,7 +46,10 @@ def _check_tensor(value, name: str, fn: str) -> Tensor:
 
 
 def _check_scale(y_std, fn: str) -> float:
-    y_std = float(y_std)
+    try:
+        y_std = float(y_std)
+    except (TypeError, ValueError):
+        raise TypeError(f"{fn}: y_std must be a positive finite number, got {y_std!r}.") from None
     if not (math.isfinite(y_std) and y_std > 0):
         raise ValueError(f"{fn}: y_std must be a positive finite number, got {y_std!r}.")
     return y_std
@@ -52,6 +59,7 @@ def _mixture(pred_means: Tensor, pred_vars: Tensor, y: Tensor, fn: str):
     """Validate; return means and variances of shape (S, N) and y of shape (N,)."""
     for name, v in (("pred_means", pred_means), ("pred_vars", pred_vars), ("y", y)):
         _check_tensor(v, name, fn)
+        check_finite(v, name, fn)
     if y.dim() != 1:
         raise ValueError(f"{fn}: y must have shape (N,), got {tuple(y.shape)}.")
     if pred_means.dim() == 1:
@@ -91,13 +99,22 @@ def rmse(pred_mean: Tensor, y: Tensor, y_std: float = 1.0) -> Tensor:
     -------
     Tensor, a scalar.
 
+    Raises
+    ------
+    TypeError
+        If ``pred_mean`` or ``y`` is not a tensor.
+    ValueError
+        If the shapes do not match, an entry is NaN or infinite, or ``y_std`` is
+        not positive and finite.
+
     Examples
     --------
     >>> round(float(rmse(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0]), y_std=2.0)), 4)
     2.8284
     """
-    _check_tensor(pred_mean, "pred_mean", "rmse")
-    _check_tensor(y, "y", "rmse")
+    for name, v in (("pred_mean", pred_mean), ("y", y)):
+        _check_tensor(v, name, "rmse")
+        check_finite(v, name, "rmse")
     y_std = _check_scale(y_std, "rmse")
     if pred_mean.dim() == 2:
         pred_mean = pred_mean.mean(0)
@@ -140,6 +157,15 @@ def gaussian_log_likelihood(pred_means: Tensor, pred_vars: Union[Tensor, float],
     -------
     Tensor, a scalar or of shape (N,). Higher is better.
 
+    Raises
+    ------
+    TypeError
+        If ``pred_means`` or ``y`` is not a tensor.
+    ValueError
+        If the shapes do not broadcast, an entry (or ``y_mean``) is NaN or
+        infinite, a variance is not positive, or ``y_std`` is not positive and
+        finite.
+
     Examples
     --------
     >>> ll = gaussian_log_likelihood(torch.zeros(1, 1), torch.ones(1, 1), torch.zeros(1))
@@ -153,7 +179,7 @@ def gaussian_log_likelihood(pred_means: Tensor, pred_vars: Union[Tensor, float],
         raise ValueError(f"{fn}: reduction must be 'mean' or 'none', got {reduction!r}.")
     y_std = _check_scale(y_std, fn)
     means, variances, y = _mixture(pred_means, pred_vars, y, fn)
-    y_mean = float(y_mean)
+    y_mean = check_finite_number(y_mean, "y_mean", fn)
     # in original units: y_o = y_std * y + y_mean, mu_o = y_std * mu + y_mean, var_o = y_std^2 var
     resid = (y * y_std + y_mean) - (means * y_std + y_mean)
     var_o = variances * (y_std * y_std)
@@ -166,6 +192,8 @@ def mixture_cdf(pred_means: Tensor, pred_vars: Union[Tensor, float], y: Tensor) 
     r"""CDF of the BMA mixture at the targets (the probability integral transform), shape (N,).
 
     .. math:: F_n(y_n) = \frac1S \sum_s \Phi\big((y_n - \mu_{sn}) / \sigma_{sn}\big)
+
+    Arguments and errors are those of :func:`calibration`.
     """
     return _pit(pred_means, pred_vars, y, "mixture_cdf")
 
@@ -216,6 +244,15 @@ def calibration(pred_means: Tensor, pred_vars: Union[Tensor, float], y: Tensor,
     -------
     Calibration
         ``levels`` (L,), ``coverage`` (L,), ``error`` = mean ``|coverage - levels|``.
+
+    Raises
+    ------
+    TypeError
+        If ``pred_means``, ``pred_vars`` or ``y`` is not a tensor (or a float for
+        ``pred_vars``).
+    ValueError
+        If the shapes do not broadcast, an entry is NaN or infinite, a variance
+        is not positive, or a level is outside (0, 1).
 
     Examples
     --------
