@@ -25,6 +25,7 @@ __all__ = ["OnlineFactorAnalysis"]
 
 _METHODS = ("em", "sga")
 _MAX_DENSE_DIM = 20_000
+_DEFAULT_WARMUP = 100  # warmup=None: max(_DEFAULT_WARMUP, rank)
 _M_STEP_DIM = 100_000  # default m_step_every = max(1, dim // _M_STEP_DIM)
 
 
@@ -84,9 +85,11 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
     rank : int
         :math:`K`, the number of factors, ``1 <= rank < dim``.
     method : {"em", "sga"}, default "em"
-    warmup : int, default 100
+    warmup : int, optional
         Number of observations during which only the running statistics are
-        updated and :math:`F, \psi` stay at their initial values (Brownlie 2021, §5.1).
+        updated and :math:`F, \psi` stay at their initial values (Brownlie 2021, §5.1);
+        default ``max(100, rank)``. At least ``rank`` for EM (an M-step from fewer
+        observations than factors is degenerate), as in :class:`~pyro_fa.SWAG`.
     lr : float, default 1e-3
         Learning rate of the SGA optimizer (Brownlie 2021, §5.1). Ignored by EM.
     optimizer : type or callable, optional
@@ -227,7 +230,7 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
         dim: int,
         rank: int,
         method: str = "em",
-        warmup: int = 100,
+        warmup: Optional[int] = None,
         *,
         lr: float = 1e-3,
         optimizer: Optional[Union[type, Callable[..., torch.optim.Optimizer]]] = None,
@@ -265,8 +268,16 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
             raise ValueError(f"{name}: rank must be an integer in [1, dim) = [1, {dim}), got {rank!r}.")
         if method not in _METHODS:
             raise ValueError(f"{name}: method must be one of {_METHODS}, got {method!r}.")
+        if warmup is None:
+            warmup = max(_DEFAULT_WARMUP, rank)  # rank is checked above
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"{name}: warmup must be a positive integer, got {warmup!r}.")
+        if method == "em" and warmup < rank:
+            raise ValueError(
+                f"{name}: warmup must be >= rank={rank} for method 'em', got {warmup!r}: an M-step from fewer "
+                "vectors than factors is degenerate (psi collapses and the capacitance loses positive-definiteness "
+                "in float32)."
+            )
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
             raise ValueError(f"{name}: lr must be a positive finite number, got {lr!r}.")
         if not (isinstance(step_scale, (int, float)) and math.isfinite(step_scale) and step_scale >= 1):
@@ -294,6 +305,9 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
                 "the factor's statistics (nor factorise them on the CPU): fit a float32 copy of the vectors."
             )
         device = torch.device(device) if device is not None else torch.device("cpu")
+        if device.type == "meta":
+            raise ValueError(f"{name}: device must hold data (e.g. 'cpu' or 'cuda'), got {device!r}: a fit on the "
+                             "meta device has no values to update.")
 
         self.dim = dim
         self._sharding = None if agreed is None else self._make_sharding(dim, *agreed)
@@ -477,7 +491,19 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
         return LowRankMultivariateNormal(self.loc, F, psi)
 
     def log_prob(self, x: Tensor) -> Tensor:
-        """Log-density of ``x`` (shape (..., D)) under the fitted Gaussian."""
+        """Log-density of ``x`` (shape (..., D)) under the fitted Gaussian.
+
+        Raises
+        ------
+        TypeError
+            If ``x`` is not a tensor of the model's dtype (torch distributions do not convert).
+        """
+        if not torch.is_tensor(x):
+            raise TypeError(f"{type(self).__name__}: x must be a torch.Tensor of shape (..., D), got "
+                            f"{type(x).__name__}.")
+        if x.dtype != self.loc.dtype:
+            raise TypeError(f"{type(self).__name__}: x must have dtype {self.loc.dtype} like the model state, got "
+                            f"{x.dtype}. Convert x (x.to({self.loc.dtype})) or call .to({x.dtype}) on the model.")
         return self.distribution().log_prob(x)
 
     def sample(self, n: int = 1) -> Tensor:
@@ -560,26 +586,102 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
         if self.method == "sga" and getattr(self, "_optimizer", None) is not None:
             check_optimizer_state(type(self).__name__, self._optimizer, state)
 
+    def _check_values(self, state_dict, prefix: str = "") -> None:
+        """Refuse saved values no fit can hold (checked after shapes and finiteness): psi <= 0, a capacitance
+        that is not positive definite, negative squared deviations, a non-positive SGA scale."""
+        cls = type(self).__name__
+
+        def get(key):
+            v = state_dict.get(key)
+            return v if torch.is_tensor(v) else None
+
+        for key, what in (("_psi", "the noise variances psi (cov_diag)"), ("_scale", "the SGA coordinate scales")):
+            v = get(key)
+            if v is not None and not bool((v > 0).all()):
+                raise ValueError(f"{cls}: state_dict[{prefix + key!r}] must be positive ({what}), got "
+                                 f"{int((v <= 0).sum())} entries <= 0 (smallest {float(v.min()):.3g}); nothing was "
+                                 "loaded.")
+        v = get("_moments.sq_dev")
+        if v is not None and not bool((v >= 0).all()):
+            raise ValueError(f"{cls}: state_dict[{prefix + '_moments.sq_dev'!r}] must be >= 0 (running squared "
+                             f"deviations), got {int((v < 0).sum())} negative entries; nothing was loaded.")
+        v = get("_cap")
+        if v is not None and self._sharding is None:
+            if int(torch.linalg.cholesky_ex(v.double()).info) != 0:
+                raise ValueError(f"{cls}: state_dict[{prefix + '_cap'!r}] must be positive definite (the "
+                                 "capacitance I + F^T Psi^-1 F), got one that is not; nothing was loaded.")
+
+    def _check_state(self, state_dict, strict: bool, prefix: str = ""):
+        """Check a whole saved state (keys relative to this module) before any of it is written.
+
+        Collective when sharded (every rank must call it). Returns the sharded running total of squared
+        deviations (else None).
+        """
+        total = self._check_loadable(state_dict, strict)
+        error = None
+        try:
+            self._check_values(state_dict, prefix)
+        except ValueError as exc:
+            error = exc
+        if self._sharding is not None:
+            from pyro_fa.fa._sharding import agree
+
+            agree(self._sharding.group, type(self).__name__, {}, error=error)  # a refusal stops every rank
+        elif error is not None:
+            raise error
+        return total
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # runs for a direct load_state_dict and for a parent module's alike: the whole state of this fit is
+        # checked before any of it is written (unless a parent, e.g. SWAG, has just checked it)
+        checked = self.__dict__.pop("_load_checked", None)
+        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        hint = self.__dict__.get("_load_strict")
+        if checked is not None:
+            total = checked[0]
+        elif mine or hint is not None:
+            total = self._check_state(mine, True if hint is None else hint, prefix)
+        else:  # a parent's non-strict load without this fit's entries: nothing to load
+            total = None
+        opt_key = prefix + "_optimizer_state"
+        opt_state = state_dict.get(opt_key)
+        if opt_key in state_dict:
+            state_dict = {k: v for k, v in state_dict.items() if k != opt_key}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if total is not None:
+            self._sq_dev_total = total
+        if self.method == "sga":
+            if opt_state is not None:
+                self._optimizer.load_state_dict(opt_state)
+            self._sga_cap = None
+        self._cache = None
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a state saved by :meth:`state_dict`, checked whole first: on error nothing is loaded.
+
+        The same checks run when a parent module (e.g. :class:`~pyro_fa.SWAG`) loads its state.
 
         Raises
         ------
         ValueError, TypeError
             If an entry is missing or unexpected (``strict``), has another shape
-            (another ``dim`` or ``rank``), holds NaN / inf, or the extra or optimizer
-            state does not fit; the model is then unchanged.
+            (another ``dim`` or ``rank``), holds NaN / inf, holds a noise variance
+            :math:`\\psi \\le 0` or a capacitance that is not positive definite, or the
+            extra or optimizer state does not fit; the model is then unchanged.
         """
-        total = self._check_loadable(state_dict, strict)
-        state_dict = dict(state_dict)
-        opt_state = state_dict.pop("_optimizer_state", None)
-        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        if total is not None:
-            self._sq_dev_total = total
-        if self.method == "sga" and opt_state is not None:
-            self._optimizer.load_state_dict(opt_state)
-        self._cache = None
-        return result
+        from collections.abc import Mapping
+
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"{type(self).__name__}: state_dict must be a mapping from names to tensors, got "
+                            f"{type(state_dict).__name__}.")
+        self.__dict__.pop("_load_checked", None)  # a mark left by a parent's load that stopped midway
+        self.__dict__["_load_strict"] = bool(strict)
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        finally:
+            self.__dict__.pop("_load_strict", None)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, rank={self.rank}, method={self.method!r}, warmup={self.warmup}"
@@ -603,6 +705,11 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
             raise TypeError(
                 f"{name}: x must have dtype {self.loc.dtype} like the model state, got {x.dtype}. "
                 f"Convert x or call .to({x.dtype}) on the model."
+            )
+        if x.is_meta or self.loc.is_meta:
+            raise ValueError(
+                f"{name}: x must be on a device that holds data like the model state (on {self.loc.device}), got "
+                f"a tensor on {x.device}: the meta device has shapes but no values to fit."
             )
         if x.device != self.loc.device:
             raise ValueError(
