@@ -257,3 +257,58 @@ def test_batch_noise_floor_is_used():
     floored = BatchFactorAnalysis(5, 2, noise_floor=1e-12, dtype=torch.float64).fit(x)
     assert float(default.cov_diag[0]) > 1e-9
     assert float(floored.cov_diag[0]) == pytest.approx(1e-12)
+
+
+def _pretend_fitted_at(fa, dim, rank=2):
+    """A fitted estimator with cheap O(DK) attributes at a large D (nothing D x D)."""
+    fa.components_ = np.ones((rank, dim))
+    fa.noise_variance_ = np.ones(dim)
+    fa.mean_ = np.zeros(dim)
+    fa.n_features_in_ = dim
+    return fa
+
+
+@pytest.mark.parametrize("method", ["get_covariance", "get_precision"])
+def test_dense_matrices_refused_at_large_n_features_before_allocating(method, monkeypatch):
+    fa = _pretend_fitted_at(FactorAnalysis(2).fit(fa_data(n=50)), 200_000)
+
+    def never(*args, **kwargs):
+        raise AssertionError("a D x D matrix was being built")
+
+    monkeypatch.setattr(linalg, "dense_covariance", never)
+    monkeypatch.setattr(linalg, "solve", never)
+    with pytest.raises(ValueError, match=rf"FactorAnalysis: {method}\(\) forms a dense n_features x n_features matrix "
+                                         r"\(320 GB in torch.float64\) and needs n_features <= 20000, got 200000\. "
+                                         r"Use components_ and noise_variance_.*max_dim=None"):
+        getattr(fa, method)()
+    with pytest.raises(ValueError, match="FactorAnalysis: max_dim must be a positive int or None, got 0"):
+        getattr(fa, method)(max_dim=0)
+
+
+def test_dense_matrices_limit_can_be_lifted_and_the_values_are_sklearns():
+    X = fa_data(n=300)
+    ours = FactorAnalysis(3, random_state=0).fit(X)
+    with pytest.raises(ValueError, match=r"get_covariance\(\) forms a dense .* needs n_features <= 9, got 10"):
+        ours.get_covariance(max_dim=9)
+    cov = ours.get_covariance(max_dim=None)
+    np.testing.assert_allclose(cov, ours.components_.T @ ours.components_ + np.diag(ours.noise_variance_), rtol=1e-12)
+    np.testing.assert_allclose(ours.get_precision(max_dim=10), np.linalg.inv(cov), rtol=1e-8, atol=1e-10)
+    ref = SKFactorAnalysis(3, random_state=0).fit(X)
+    np.testing.assert_allclose(ours.get_covariance(), ref.get_covariance(), rtol=0, atol=1e-2)
+
+
+def test_refused_fit_leaves_the_fitted_model_unchanged():
+    """validate_data records the new feature count before later checks fail: the whole call must be undone."""
+    X = fa_data(n=100)
+    fa = FactorAnalysis(3, random_state=0).fit(X)
+    before = fa.transform(X)
+    with pytest.raises(ValueError, match=r"n_components must be <= n_features=2, got 3"):
+        fa.fit(X[:, :2])
+    with pytest.raises(ValueError, match=r"FactorAnalysis: device must hold data \('cpu' or 'cuda'\), got 'meta'"):
+        fa.set_params(device="meta").fit(X[:, :4])
+    fa.set_params(device=None)
+    assert fa.n_features_in_ == 10
+    np.testing.assert_array_equal(fa.transform(X), before)
+    with pytest.raises(ValueError, match="Input X contains NaN"):
+        fa.partial_fit(np.where(X > 2, np.nan, X))
+    np.testing.assert_array_equal(fa.transform(X), before)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from numbers import Integral, Real
 
@@ -28,6 +29,27 @@ _DTYPES = {
     torch.float64: torch.float64,
     torch.float32: torch.float32,
 }
+
+
+def _transaction(method):
+    """Run a fitting method as one transaction: if it raises, the estimator's attributes are put back as they were.
+
+    scikit-learn's ``validate_data`` records ``n_features_in_`` / ``feature_names_in_`` before
+    later checks (and before the model is built) can fail; without this, a refused call
+    would leave a fitted estimator expecting the refused data's features.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        saved = dict(self.__dict__)
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+            raise
+
+    return wrapper
 
 
 class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
@@ -127,7 +149,9 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
     randomized SVD of the :math:`N \times D` data; transform and scoring cost
     :math:`O(NDK + DK^2)` through the Woodbury identity. Only
     :meth:`get_covariance` and :meth:`get_precision` form :math:`D\times D`
-    matrices, as in scikit-learn.
+    matrices, as in scikit-learn; past ``n_features = 20 000`` (3.2 GB in
+    float64) they refuse, naming the size and the :math:`O(DK)` alternative,
+    unless given a larger ``max_dim``.
 
     With ``dtype="float64"`` the batch algorithms floor the noise variances at
     ``1e-12`` as scikit-learn does, so a constant column (e.g. the blank
@@ -222,6 +246,10 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
             raise ValueError(
                 f"{name}: device must name a torch device such as 'cpu' or 'cuda', got {self.device!r}."
             ) from None
+        if device.type == "meta":
+            raise ValueError(
+                f"{name}: device must hold data ('cpu' or 'cuda'), got {self.device!r}: meta tensors have shapes only."
+            )
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"{name}: device must be available, got {self.device!r} but CUDA is not available.")
         return _DTYPES[self.dtype], device
@@ -264,6 +292,7 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
 
     # -------------------------------------------------------------- fitting
     @_fit_context(prefer_skip_nested_validation=True)
+    @_transaction
     def fit(self, X, y=None):
         """Fit the model to ``X``.
 
@@ -280,13 +309,17 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         ------
         ValueError
             If ``X`` has NaN or inf, or ``n_components`` or
-            ``noise_variance_init`` do not fit ``X``.
+            ``noise_variance_init`` do not fit ``X``; a fitted model is then
+            left as it was.
+        TypeError
+            If ``device`` or ``dtype`` is not a torch device or float dtype.
         """
         X = validate_data(self, X, dtype=[np.float64, np.float32])
         self._model = None
         return self._fit_batch(X)
 
     @_fit_context(prefer_skip_nested_validation=True)
+    @_transaction
     def partial_fit(self, X, y=None):
         """Update the model with a batch of samples.
 
@@ -452,26 +485,69 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         """
         return float(np.mean(self.score_samples(X)))
 
-    def get_covariance(self):
+    def get_covariance(self, *, max_dim=linalg.MAX_DENSE_DIM):
         """The model covariance ``components_.T @ components_ + diag(noise_variance_)``.
+
+        Parameters
+        ----------
+        max_dim : int or None, default 20000
+            The largest ``n_features`` for which the dense matrix is built
+            (20 000 features take 3.2 GB in float64); ``None`` lifts the limit.
 
         Returns
         -------
         cov : ndarray of shape (n_features, n_features)
+
+        Raises
+        ------
+        ValueError
+            If ``n_features_in_ > max_dim``, before anything is allocated: use
+            ``components_`` and ``noise_variance_`` (the covariance in
+            :math:`O(DK)` memory), or :meth:`score_samples` / :meth:`transform`,
+            which never form it.
         """
+        self._check_dense("get_covariance()", max_dim)
         _, F, psi = self._fitted_tensors()
         return linalg.dense_covariance(F, psi).cpu().numpy()
 
-    def get_precision(self):
+    def get_precision(self, *, max_dim=linalg.MAX_DENSE_DIM):
         """The model precision (inverse covariance), by the Woodbury identity.
+
+        Parameters
+        ----------
+        max_dim : int or None, default 20000
+            As :meth:`get_covariance`.
 
         Returns
         -------
         precision : ndarray of shape (n_features, n_features)
+
+        Raises
+        ------
+        ValueError
+            If ``n_features_in_ > max_dim``, before anything is allocated: apply
+            the precision to vectors with
+            ``pyro_fa.fa.linalg.solve(components_.T, noise_variance_, rhs)``
+            (Woodbury, :math:`O(DK^2)`) instead.
         """
+        self._check_dense("get_precision()", max_dim)
         _, F, psi = self._fitted_tensors()
         eye = torch.eye(psi.shape[0], dtype=psi.dtype, device=psi.device)
         return linalg.solve(F, psi, eye).cpu().numpy()
+
+    def _check_dense(self, what: str, max_dim) -> None:
+        check_is_fitted(self)
+        name = type(self).__name__
+        if max_dim is not None and (isinstance(max_dim, bool) or not isinstance(max_dim, Integral) or max_dim < 1):
+            raise ValueError(f"{name}: max_dim must be a positive int or None, got {max_dim!r}.")
+        alternative = (
+            "Use components_ and noise_variance_ (the covariance is components_.T @ components_ + "
+            "diag(noise_variance_), O(DK) memory), pyro_fa.fa.linalg.solve(components_.T, noise_variance_, rhs) "
+            "for products with the precision, or score_samples / transform, which never form a D x D matrix; "
+            "or pass max_dim=None to build it anyway."
+        )
+        linalg.check_dense_dim(name, what, self.n_features_in_, self._torch_options()[0], alternative,
+                               max_dim=max_dim, argument="n_features")
 
     @property
     def _n_features_out(self):
