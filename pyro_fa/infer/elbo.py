@@ -226,10 +226,18 @@ class FactorELBO(ELBO):
     loss can be the quieter one (its gradient variance was about equal in
     the tutorial's regression). Priors whose
     parameters depend on other latent variables fall back to Monte Carlo
-    (detected once per site by autograd on the first call). Subsampled plates
-    scale the likelihood by :math:`N/M` as in Pyro. Guides with
-    non-reparameterisable sites fall back to ``Trace_ELBO`` for the whole
-    particle.
+    (detected once per site by autograd on the first call). Latent sites
+    inside (nested) plates get their closed forms elementwise; subsampled
+    plates scale the likelihood and the closed-form prior terms of the
+    sites inside them by :math:`N/M` as in Pyro (the entropy of the packed
+    latent, sampled outside every plate, is not scaled, as in
+    ``Trace_ELBO``). Sites with constrained supports (a ``LogNormal``,
+    ``HalfCauchy``, ``Beta`` prior) keep their Monte-Carlo prior term and
+    log-Jacobian. Guides with non-reparameterisable sites fall back to
+    ``Trace_ELBO`` for the whole particle. Discrete sites the model
+    enumerates are refused (see Raises); :class:`~pyro.infer.TraceEnum_ELBO`
+    handles them with this guide. :class:`~pyro_fa.JitFactorELBO` is the
+    compiled variant.
 
     Parameters
     ----------
@@ -258,7 +266,10 @@ class FactorELBO(ELBO):
     ValueError
         If ``sampling`` is unknown, or is ``"spherical-radial"`` without
         vectorised particles, with fewer than :math:`2d + 1` of them (at the
-        first call), or with a guide that is not one ``AutoContinuous``.
+        first call), or with a guide that is not one ``AutoContinuous``;
+        and (at the call, before any gradient) if the model has sites
+        configured for enumeration that the guide does not sample — use
+        :class:`~pyro.infer.TraceEnum_ELBO` for those.
 
     Notes
     -----
@@ -400,8 +411,10 @@ class FactorELBO(ELBO):
                 mean, variance = fn.mean, fn.variance
             except NotImplementedError:
                 continue
-            for proto, mv in g._unpack_latent(torch.stack([mean, variance])):  # one pass over the sites
-                name, m, v = proto["name"], mv[0], mv[1]
+            # mean and variance unpacked separately: a stacked (2, ..., D) tensor would put its extra
+            # leading dim where the sites' plate dims go (shape (..., D) -> each site's plate + event shape)
+            for (proto, m), (_, v) in zip(g._unpack_latent(mean), g._unpack_latent(variance)):
+                name = proto["name"]
                 site = model_trace.nodes.get(name)
                 if site is None or site["type"] != "sample" or site["is_observed"]:
                     continue
@@ -493,12 +506,45 @@ class FactorELBO(ELBO):
             guide = self._rule(guide)
         return super()._get_vectorized_trace(model, guide, args, kwargs)
 
+    def _check_not_enumerated(self, model_trace, guide_trace) -> None:
+        """Refuse model sites configured for enumeration that the guide does not sample.
+
+        Such a site must be summed out of the likelihood (``TraceEnum_ELBO``'s
+        variable elimination); drawn once from its prior, as a Trace-style
+        estimator would, it biases the ELBO. Raised before any gradient is
+        taken, so the parameters stay as they were.
+        """
+        names = [
+            name
+            for name, site in model_trace.nodes.items()
+            if site["type"] == "sample"
+            and not site["is_observed"]
+            and site["infer"].get("enumerate") in ("parallel", "sequential")
+            and name not in guide_trace.nodes
+        ]
+        if names:
+            raise ValueError(
+                f"FactorELBO: the model's sites must not be configured for enumeration, got {names!r} "
+                "(infer={'enumerate': ...}, e.g. from config_enumerate). FactorELBO does not sum discrete "
+                "sites out: use pyro.infer.TraceEnum_ELBO (or JitTraceEnum_ELBO), which works with "
+                "AutoLowRankFactorGuide, or remove the enumeration."
+            )
+
     def _particles(self, model, guide, args, kwargs) -> Iterable[Tuple[Tensor, Tensor]]:
         self._maybe_detect(model, guide, args, kwargs)
         self._rule = None
         for model_trace, guide_trace in self._get_traces(model, guide, args, kwargs):
+            self._check_not_enumerated(model_trace, guide_trace)
             yield self._elbo_particle(model_trace, guide_trace, guide, self._rule)
             self._rule = None
+
+    def _loss_and_surrogate_loss(self, model, guide, args, kwargs) -> Tuple[Tensor, Tensor]:
+        """The negative ELBO estimate and its surrogate, averaged over the particles (both tensors)."""
+        loss, surrogate_loss = 0.0, 0.0
+        for particle_loss, surrogate in self._particles(model, guide, args, kwargs):
+            loss = loss + particle_loss / self.num_particles
+            surrogate_loss = surrogate_loss + surrogate / self.num_particles
+        return loss, surrogate_loss
 
     def loss(self, model, guide, *args, **kwargs) -> float:
         """An estimate of the negative ELBO, as a float."""

@@ -6,6 +6,7 @@ import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoGuideList, AutoLowRankMultivariateNormal, AutoNormal
+from pyro.ops.indexing import Vindex
 from pyro.optim import SGD, Adam
 
 from pyro_fa import AutoLowRankFactorGuide, FactorELBO, GaussianPrior, LaplacePrior
@@ -352,3 +353,104 @@ def test_resume_with_new_elbo_is_bit_exact(elbo_fn):
     assert straight.keys() == resumed.keys()
     for k in straight:
         assert torch.equal(straight[k], resumed[k]), k
+
+
+# ------------------------------------------------------------------ plates (issue 26, item 1)
+def _plate_models():
+    """(model, {site: (prior scale, Pyro's scale of the site)}) for latent sites inside plates."""
+
+    def plated():
+        with pyro.plate("p", 3):
+            pyro.sample("x", dist.Normal(0.0, 1.5))
+
+    def plate_of_two():  # the plate the stacked (2, D) mean-and-variance tensor collided with
+        with pyro.plate("p", 2):
+            pyro.sample("x", dist.Normal(0.0, 1.5))
+
+    def nested():
+        pyro.sample("g", dist.Normal(0.0, 2.0))
+        with pyro.plate("a", 2, dim=-2), pyro.plate("b", 3, dim=-1):
+            pyro.sample("x", dist.Normal(0.0, 0.5))
+
+    def to_event_in_plate():
+        with pyro.plate("p", 2):
+            pyro.sample("x", dist.Laplace(torch.zeros(3), 0.7).to_event(1))
+
+    def subsampled():
+        pyro.sample("g", dist.Normal(0.0, 2.0))
+        with pyro.plate("p", 10, subsample_size=4):
+            pyro.sample("x", dist.Normal(0.0, 0.5))
+
+    return [
+        (plated, {"x": (dist.Normal(0.0, 1.5), 1.0)}),
+        (plate_of_two, {"x": (dist.Normal(0.0, 1.5), 1.0)}),
+        (nested, {"g": (dist.Normal(0.0, 2.0), 1.0), "x": (dist.Normal(0.0, 0.5), 1.0)}),
+        (to_event_in_plate, {"x": (dist.Laplace(0.0, 0.7), 1.0)}),
+        (subsampled, {"g": (dist.Normal(0.0, 2.0), 1.0), "x": (dist.Normal(0.0, 0.5), 2.5)}),
+    ]
+
+
+def _dense_expected_log_prior(prior, m, v, n=200001):
+    """E_{N(m, v)}[log prior] elementwise, by Gauss-Hermite-free quadrature on a fine grid (independent of priors.py)."""
+    z = torch.linspace(-10, 10, n, dtype=m.dtype)
+    w = torch.exp(-0.5 * z**2) / math.sqrt(2 * math.pi) * (z[1] - z[0])
+    x = m.unsqueeze(-1) + v.sqrt().unsqueeze(-1) * z
+    return (w * prior.log_prob(x)).sum(-1)
+
+
+@pytest.mark.parametrize("guide_cls", GUIDES)
+@pytest.mark.parametrize("case", range(5), ids=["plate", "plate-of-2", "nested", "to_event", "subsampled"])
+@pytest.mark.parametrize("vectorize", [False, True], ids=["sequential", "vectorized"])
+def test_latent_sites_in_plates_closed_form(guide_cls, case, vectorize):
+    """No likelihood: the loss is -H[q] - sum_s scale_s E_q[log p(theta_s)], deterministic, checked densely.
+
+    Used to raise "Attempting to broadcast a dimension of length 2" (the stacked mean and variance);
+    the subsampled plate's prior term carries Pyro's scale N / M = 10 / 4, as Trace_ELBO's does.
+    """
+    model, priors = _plate_models()[case]
+    torch.set_default_dtype(torch.float64)
+    try:
+        guide = guide_cls(model, rank=1)
+        _perturb(guide, scale=0.3)
+        q = guide.get_posterior()
+        with torch.no_grad():
+            cov = q.covariance_matrix
+            expected = dist.MultivariateNormal(q.loc, cov).entropy()
+            pos = 0
+            for name, site in guide.prototype_trace.iter_stochastic_nodes():
+                n = site["value"].numel()
+                prior, scale = priors[name]
+                m, v = q.loc[pos:pos + n], cov.diagonal()[pos:pos + n]
+                expected = expected + scale * _dense_expected_log_prior(prior, m, v).sum()
+                pos += n
+        elbo = FactorELBO(num_particles=3, vectorize_particles=vectorize)
+        losses = [elbo.loss(model, guide) for _ in range(2)]
+        assert losses == pytest.approx([-float(expected)] * 2, rel=1e-7)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+# ------------------------------------------------------------------ enumeration (issue 26, item 2)
+def _enum_model(y):
+    p = pyro.sample("p", dist.Beta(2.0, 2.0))
+    loc = pyro.sample("loc", dist.Normal(torch.zeros(2), 3.0).to_event(1))
+    with pyro.plate("data", y.shape[0]):
+        c = pyro.sample("c", dist.Bernoulli(p), infer={"enumerate": "parallel"})
+        pyro.sample("y", dist.Normal(Vindex(loc)[..., c.long()], 1.0), obs=y)
+
+
+def test_enumerated_model_is_refused_and_parameters_stay():
+    """A model that enumerates a discrete site is refused before any gradient; TraceEnum_ELBO runs it."""
+    from pyro.infer import TraceEnum_ELBO
+
+    y = torch.tensor([-2.0, -1.5, 2.1, 2.4, 1.9])
+    guide = AutoLowRankFactorGuide(pyro.poutine.block(_enum_model, hide=["c"]), rank=1)
+    guide(y)
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    svi = SVI(_enum_model, guide, Adam({"lr": 0.1}), FactorELBO())
+    with pytest.raises(ValueError, match=r"FactorELBO: the model's sites must not be configured for enumeration, "
+                                         r"got \['c'\].*use pyro.infer.TraceEnum_ELBO"):
+        svi.step(y)
+    after = dict(pyro.get_param_store().items())
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert math.isfinite(TraceEnum_ELBO(max_plate_nesting=1).loss(_enum_model, guide, y))
