@@ -53,7 +53,7 @@ def make_problem(hidden, N=512, D_in=8, seed=0):
 def make_guide(kind, model, init_values, rank):
     init = init_to_value(values=init_values)
     if kind == "ours":
-        return AutoLowRankFactorGuide(model, rank=rank, init_loc_fn=init), FactorELBO()
+        return AutoLowRankFactorGuide(model, rank=rank, init_loc_fn=init, init_scale=0.01), FactorELBO()
     if kind == "pyro_lowrank":
         return AutoLowRankMultivariateNormal(model, rank=rank, init_loc_fn=init, init_scale=0.01), Trace_ELBO()
     return AutoNormal(model, init_loc_fn=init, init_scale=0.01), Trace_ELBO()

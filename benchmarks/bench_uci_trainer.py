@@ -87,7 +87,7 @@ def main():
     print(f"Boston split 0: N = {d.x_train.shape[0]}, {spec}, full batch, one thread, R = {args.replicas}")
     print(f"{'guide':<34} {'Pyro SVI ms/step':>17} {'batched ms/fit-step':>20} {'speed-up':>9}")
     cases = [
-        ("AutoLowRankFactorGuide + FactorELBO", lambda m: AutoLowRankFactorGuide(m, rank=10), FactorELBO(), "fa"),
+        ("AutoLowRankFactorGuide + FactorELBO", lambda m: AutoLowRankFactorGuide(m, rank=10, init_scale=0.01), FactorELBO(), "fa"),
         ("AutoLowRankMVN + Trace_ELBO", lambda m: AutoLowRankMultivariateNormal(m, rank=10, init_scale=0.01),
          Trace_ELBO(), "lowrank"),
         ("AutoNormal + Trace_ELBO", lambda m: AutoNormal(m, init_scale=0.01), Trace_ELBO(), "normal"),

@@ -37,7 +37,7 @@ def main():
     idx = local_indices(N)  # this rank's contiguous share
 
     pyro.set_rng_seed(100 + rank)  # independent Monte Carlo draws per rank: W times the particles
-    guide = AutoLowRankFactorGuide(model, rank=D)
+    guide = AutoLowRankFactorGuide(model, rank=D, init_scale=0.01)
     optim = AllReduceOptim(pyro.optim.ClippedAdam({"lr": 0.05, "lrd": 0.996}))
     svi = pyro.infer.SVI(model, guide, optim, FactorELBO(num_particles=4))
     for step in range(800):

@@ -159,9 +159,9 @@ def _copy_into_guide(guide, family, p):
 
 
 CASES = [
-    ("fa", "gaussian", lambda m: AutoLowRankFactorGuide(m, rank=3), FactorELBO),
-    ("fa", "laplace", lambda m: AutoLowRankFactorGuide(m, rank=3), FactorELBO),
-    ("ppca", "gaussian", lambda m: AutoLowRankFactorGuide(m, rank=3, noise="isotropic"), FactorELBO),
+    ("fa", "gaussian", lambda m: AutoLowRankFactorGuide(m, rank=3, init_scale=0.01), FactorELBO),
+    ("fa", "laplace", lambda m: AutoLowRankFactorGuide(m, rank=3, init_scale=0.01), FactorELBO),
+    ("ppca", "gaussian", lambda m: AutoLowRankFactorGuide(m, rank=3, init_scale=0.01, noise="isotropic"), FactorELBO),
     ("lowrank", "gaussian", lambda m: AutoLowRankMultivariateNormal(m, rank=3), Trace_ELBO),
     ("normal", "laplace", AutoNormal, Trace_ELBO),
     ("delta", "gaussian", AutoDelta, Trace_ELBO),

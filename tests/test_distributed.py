@@ -288,7 +288,7 @@ def _fit_svi(X, y, idx, N, seed, wrap=lambda o: o, steps=300):
 
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
-    guide = AutoLowRankFactorGuide(_linreg_model, rank=3)
+    guide = AutoLowRankFactorGuide(_linreg_model, rank=3, init_scale=0.01)
     optim = wrap(pyro.optim.ClippedAdam({"lr": 0.05, "lrd": 0.995}))
     svi_ = pyro.infer.SVI(_linreg_model, guide, optim, FactorELBO(num_particles=4))
     for _ in range(steps):

@@ -89,7 +89,7 @@ def fit_vifa(X, y, alpha, beta, prior_name, steps, lr, particles, seed):
 
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
-    guide = AutoLowRankFactorGuide(model, rank=min(RANK, X.shape[1]), loc_scale="prior")
+    guide = AutoLowRankFactorGuide(model, rank=min(RANK, X.shape[1]), init_scale=0.01, loc_scale="prior")
     optim = LambdaLR({"optimizer": torch.optim.Adam, "optim_args": {"lr": lr}, "lr_lambda": _schedule(steps)})
     svi = SVI(model, guide, optim, FactorELBO(num_particles=particles, vectorize_particles=True))
     t0 = time.perf_counter()

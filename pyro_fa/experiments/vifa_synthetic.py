@@ -156,7 +156,7 @@ def fit(method: str, X, y, seed: int, steps: int, lr: float, particles: int):
     if method == "pyro_lowrank":
         guide, elbo = AutoLowRankMultivariateNormal(model, rank=1), Trace_ELBO
     else:
-        guide, elbo = AutoLowRankFactorGuide(model, rank=1, loc_scale="prior"), FactorELBO
+        guide, elbo = AutoLowRankFactorGuide(model, rank=1, init_scale=0.01, loc_scale="prior"), FactorELBO
     optim = LambdaLR({"optimizer": torch.optim.Adam, "optim_args": {"lr": lr}, "lr_lambda": _schedule(steps)})
     svi = SVI(model, guide, optim, elbo(num_particles=particles, vectorize_particles=True))
     t0 = time.perf_counter()

@@ -128,7 +128,7 @@ class BayesianNetwork(_Prediction):
         self.module = prior.bayesianize(net)
         init = init_to_value(values=self.module.initial_values, fallback=init_to_median)
         if guide_builder is None:
-            self.guide = AutoLowRankFactorGuide(self.model, rank=rank, init_loc_fn=init)
+            self.guide = AutoLowRankFactorGuide(self.model, rank=rank, init_loc_fn=init, init_scale=0.01)
         else:
             self.guide = guide_builder(self.model, init)
         if isinstance(self.guide, PyroModule):

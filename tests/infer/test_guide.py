@@ -259,6 +259,9 @@ def test_stable_training_at_large_dimension():
         ({"init_scale": "0.1"}, TypeError, r"AutoLowRankFactorGuide: init_scale must be a positive float, got '0\.1'\."),
         ({"noise_scale": 0.1}, ValueError, r"AutoLowRankFactorGuide: noise_scale must be None when noise='diagonal', got 0\.1\. Pass noise='isotropic'"),
         ({"noise": "isotropic", "noise_scale": -1.0}, ValueError, r"AutoLowRankFactorGuide: noise_scale must be a positive finite float, got -1\.0\."),
+        ({"init_loc_fn": 2}, TypeError, r"AutoLowRankFactorGuide: init_loc_fn must be a callable or None, got 2\. "
+                                        r"The positional order is Pyro's \(model, init_loc_fn, init_scale, rank\): pass rank=2\."),
+        ({"init_loc_fn": "median"}, TypeError, r"AutoLowRankFactorGuide: init_loc_fn must be a callable or None, got 'median'\.$"),
     ],
 )
 def test_bad_arguments(kwargs, exc, match):
@@ -266,11 +269,18 @@ def test_bad_arguments(kwargs, exc, match):
         AutoLowRankFactorGuide(_model, **kwargs)
 
 
-def test_rank_larger_than_latent_dimension():
+def test_rank_larger_than_latent_dimension_is_clipped_with_a_warning():
+    """Pyro's low-rank guide accepts rank > D; ours clips it to D and says so."""
     X, y = _data()
     guide = AutoLowRankFactorGuide(_model, rank=7)
-    with pytest.raises(ValueError, match=r"AutoLowRankFactorGuide: rank must be at most the latent dimension D=6, got 7\."):
+    with pytest.warns(UserWarning, match=r"AutoLowRankFactorGuide: rank 7 exceeds the latent dimension D=6; using rank=6\."):
         guide(X, y)
+    assert guide.rank == 6 and guide.factor.shape == (6, 6)
+    q = guide.get_posterior()
+    assert q.cov_factor.shape == (6, 6) and torch.isfinite(q.log_prob(q.loc))
+    pyro_guide = AutoLowRankMultivariateNormal(_model, rank=7)
+    pyro_guide(X, y)
+    assert pyro_guide.cov_factor.shape == (6, 7)  # what Pyro does with the same argument
 
 
 def test_latent_sites_on_two_devices():
@@ -389,3 +399,99 @@ def test_load_state_dict_keeps_param_store_in_step(assign, store_restored):
     assert (moved - loaded["loc"]).abs().max() < 0.2  # ... by one small step from the loaded value
     store = dict(pyro.get_param_store().named_parameters())
     assert torch.equal(store["AutoLowRankFactorGuide.loc"].detach(), moved)
+
+
+# ------------------------------------------------------------------ use before the first call, load transactions
+@pytest.mark.parametrize("call", ["get_posterior", "get_transform", "get_base_dist", "cov_factor", "cov_diag", "median"])
+def test_use_before_the_guide_has_run(call):
+    guide = AutoLowRankFactorGuide(_model, rank=2)
+    with pytest.raises(RuntimeError, match=r"AutoLowRankFactorGuide: .* needs the guide's parameters, which are created "
+                                           r"from a first trace of the model; call the guide once .* or run one SVI step first\."):
+        attr = getattr(guide, call)
+        attr() if callable(attr) else None
+
+
+def _fitted(rank=2, **kwargs):
+    pyro.clear_param_store()  # guides of one class share the store's names
+    X, y = _data()
+    guide = AutoLowRankFactorGuide(_model, rank=rank, **kwargs)
+    svi = SVI(_model, guide, Adam({"lr": 0.05}), Trace_ELBO(max_plate_nesting=2))
+    for _ in range(3):
+        svi.step(X, y)
+    return guide, X, y
+
+
+def _snapshot(guide):
+    return {k: v.detach().clone() for k, v in guide.state_dict().items()}
+
+
+def _assert_unchanged(guide, before):
+    after = guide.state_dict()
+    assert set(after) == set(before)
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+
+
+@pytest.mark.parametrize(
+    "other, match",
+    [
+        (dict(rank=3), r"saved with rank=3, D=6, noise='diagonal', loc_scale=None .* but this guide has rank=2, D=6, "
+                       r"noise='diagonal', loc_scale=None"),
+        (dict(rank=2, noise="isotropic"), r"saved with rank=2, D=6, noise='isotropic'"),
+        (dict(rank=2, noise="isotropic", noise_scale=0.3), r"saved with rank=2, D=6, noise='isotropic', noise_scale fixed"),
+        (dict(rank=2, loc_scale=2.0), r"saved with rank=2, D=6, noise='diagonal', loc_scale set"),
+    ],
+    ids=["rank", "noise", "fixed-noise", "loc_scale"],
+)
+def test_load_state_dict_with_other_settings_refused_before_any_write(other, match):
+    guide, X, y = _fitted()
+    before = _snapshot(guide)
+    source, _, _ = _fitted(**other)
+    state = {k: v.detach() + 1.0 for k, v in source.state_dict().items()}
+    with pytest.raises(RuntimeError, match=match + r".*Build the guide with the settings the state was saved with\."):
+        guide.load_state_dict(state)
+    _assert_unchanged(guide, before)
+    # nested in a parent module: the same check, the same transaction
+    parent = torch.nn.Module()
+    parent.guide = guide
+    with pytest.raises(RuntimeError, match=match):
+        parent.load_state_dict({f"guide.{k}": v for k, v in state.items()})
+    _assert_unchanged(guide, before)
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("loc", float("nan"), r"'loc' must be finite"),
+        ("factor", float("inf"), r"'factor' must be finite"),
+        ("scale_unconstrained", float("nan"), r"'scale_unconstrained' must be finite"),
+        ("scale_unconstrained", -1e4, r"the noise scale must be positive and finite"),  # exp underflows to 0
+    ],
+)
+def test_load_state_dict_non_finite_or_non_positive_refused(key, value, match):
+    guide, X, y = _fitted()
+    before = _snapshot(guide)
+    state = _snapshot(guide)
+    state["loc"] = state["loc"] + 1.0  # a change that must not be written
+    state[key] = state[key].clone()
+    state[key].view(-1)[0] = value
+    with pytest.raises(ValueError, match=r"AutoLowRankFactorGuide: load_state_dict: " + match):
+        guide.load_state_dict(state)
+    _assert_unchanged(guide, before)
+
+
+def test_load_state_dict_non_positive_fixed_noise_refused():
+    guide, X, y = _fitted(noise="isotropic", noise_scale=0.3)
+    before = _snapshot(guide)
+    state = _snapshot(guide)
+    state["scale"] = torch.tensor(-0.3)
+    with pytest.raises(ValueError, match=r"AutoLowRankFactorGuide: load_state_dict: 'scale' must be positive, got tensor\(-0\.3"):
+        guide.load_state_dict(state)
+    _assert_unchanged(guide, before)
+
+
+def test_load_state_dict_before_the_guide_has_run():
+    guide, X, y = _fitted()
+    fresh = AutoLowRankFactorGuide(_model, rank=2)
+    with pytest.raises(RuntimeError, match=r"load_state_dict\(\) needs the guide's parameters"):
+        fresh.load_state_dict(guide.state_dict())
