@@ -10,7 +10,9 @@ average is taken over the mixture
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import math
+from collections.abc import Mapping
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -54,9 +56,13 @@ class MultiSWAG(nn.Module):
         members = list(members)
         if not members:
             raise ValueError(f"{cls}: members must hold at least one SWAG, got none.")
-        for m in members:
+        for i, m in enumerate(members):
             if not isinstance(m, SWAG):
                 raise TypeError(f"{cls}: members must be SWAG posteriors, got {type(m).__name__}.")
+            first = next(j for j, other in enumerate(members) if other is m)
+            if first != i:
+                raise ValueError(f"{cls}: members must be distinct posteriors, got the same SWAG as members {first} "
+                                 f"and {i} (it would be weighted twice). Pass each independently trained run once.")
             if m._distributed:
                 raise ValueError(f"{cls}: members must not be sharded over a process group (not supported), got a "
                                  f"SWAG sharded as {m.sharding!r}. Use SWAG.predict on each sharded member instead.")
@@ -167,6 +173,12 @@ class MultiSWAG(nn.Module):
         """Class probabilities of the mixture's model average for modules that return logits (..., C)."""
         return self.predict(*args, num_samples=num_samples, fn=lambda z: z.softmax(-1), **kwargs)
 
+    def predict_log_proba(self, *args, num_samples: int = 30, **kwargs) -> Tensor:
+        """Log class probabilities of the mixture's model average, computed stably (see
+        :meth:`SWAG.predict_log_proba`): ``num_samples`` draws from each member, equally weighted."""
+        logp = self.predictive_samples(*args, num_samples=num_samples, fn=lambda z: z.log_softmax(-1), **kwargs)
+        return torch.logsumexp(logp, 0) - math.log(logp.shape[0])
+
     def log_likelihood(self, inputs, targets, likelihood="categorical", *, num_samples: int = 30,
                        noise_std=None, seed: int = 0) -> float:
         """Test log-likelihood per point of the mixture's model average (draws split evenly over the members)."""
@@ -178,3 +190,67 @@ class MultiSWAG(nn.Module):
     def to_guide(self, model: Callable) -> FactorPosteriorGuide:
         """A Pyro guide drawing the model's latent sites from the mixture (a member per call)."""
         return FactorPosteriorGuide(model, list(self.members))
+
+    # ------------------------------------------------------------------ state
+    def _check_state(self, state_dict, strict: bool, prefix: str = "") -> List[Tuple[nn.Module, tuple]]:
+        """Check the whole saved mixture (keys relative to this module) before any member is written."""
+        cls = type(self).__name__
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"{cls}: state_dict must be a mapping from names to tensors, got "
+                            f"{type(state_dict).__name__}.")
+        if strict:
+            own = set(self.state_dict(keep_vars=True))
+            missing, unexpected = sorted(own - set(state_dict)), sorted(set(state_dict) - own)
+            if missing or unexpected:
+                saved = sorted({k.split(".")[1] for k in state_dict if k.startswith("members.")}, key=str)
+                raise ValueError(
+                    f"{cls}: state_dict must hold the entries of this mixture's {len(self)} members, got entries "
+                    f"for members {saved!r} (missing keys {missing[:6]!r}{' ...' if len(missing) > 6 else ''}, "
+                    f"unexpected keys {unexpected[:6]!r}{' ...' if len(unexpected) > 6 else ''}); nothing was "
+                    "loaded."
+                )
+        marks = []
+        for i, member in enumerate(self.members):
+            head = f"members.{i}."
+            sub = {k[len(head):]: v for k, v in state_dict.items() if k.startswith(head)}
+            if not sub and not strict:
+                continue
+            try:
+                total, member_marks = member._check_state(sub, strict, prefix + head)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{cls}: member {i} (the entries under {prefix + head!r}) cannot be loaded, so "
+                                f"no member was: {exc}") from exc
+            marks += member_marks + [(member, (total,))]
+        return marks
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # runs for a direct load_state_dict and for a parent module's alike, before any member loads: every
+        # member's state is checked first, then the members are marked as checked and written
+        hint = self.__dict__.get("_load_strict")
+        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        if mine or hint is not None:
+            for module, mark in self._check_state(mine, True if hint is None else hint, prefix):
+                module.__dict__["_load_checked"] = mark
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a state saved by :meth:`state_dict`, every member checked first: on error no member is loaded.
+
+        The same checks run when a parent module loads its state.
+
+        Raises
+        ------
+        ValueError, TypeError
+            If the state holds another number of members, or any member's state would be
+            refused by :meth:`SWAG.load_state_dict`; every member is then unchanged.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"{type(self).__name__}: state_dict must be a mapping from names to tensors, got "
+                            f"{type(state_dict).__name__}.")
+        self.__dict__["_load_strict"] = bool(strict)
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        finally:
+            self.__dict__.pop("_load_strict", None)

@@ -69,6 +69,11 @@ def _point_log_likelihood(likelihood, noise_std, fn: str) -> Callable[[Tensor, T
             if logits.dim() != 2 or logits.shape[0] != y.shape[0]:
                 raise ValueError(f"{fn}: the model's output must be logits of shape (N, C) with N={y.shape[0]}, got "
                                  f"{tuple(logits.shape)!r}.")
+            C = logits.shape[-1]
+            bad = (y < 0) | (y >= C)
+            if bool(bad.any()):
+                raise ValueError(f"{fn}: targets must be class labels in [0, {C}) for the model's {C} logits, got "
+                                 f"{int(bad.sum())} outside, e.g. {y[bad][:5].tolist()!r}.")
             return logits.log_softmax(-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
         return categorical
     if noise_std is None:
@@ -169,7 +174,8 @@ def tune_scale(posterior, inputs, targets, likelihood: Union[str, Callable] = "c
     Raises
     ------
     ValueError, TypeError
-        Empty or non-positive ``scales``, empty or mis-shaped ``targets``, an unknown
+        Empty or non-positive ``scales``, empty or mis-shaped ``targets`` (or class labels
+        outside the model's logits), an unknown
         ``likelihood``, a missing ``noise_std``; the posterior is then unchanged.
 
     Notes

@@ -19,6 +19,7 @@ import contextlib
 import math
 import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -86,9 +87,11 @@ class SWAG(ShardedSWAG, nn.Module):
         Finite-window iterate averaging (Brownlie 2021, §6.1.2; Mandt et al. 2017): each
         vector handed to the fit is the mean of ``window`` consecutive collected
         iterates.
-    warmup : int, default 100
+    warmup : int, optional
         EM / SGA: vectors that only update the running statistics (Brownlie 2021, §6.2.1);
-        at least ``rank`` for EM.
+        at least ``rank`` for EM. Default ``rank``, the shortest EM accepts: SWAG's recipe
+        collects once per epoch for a few tens of epochs (see the recipe below and
+        ``examples/swag_recipe.py``), and ``pyro-fa classify`` uses it.
     lr, step_scale, init_scale, min_variance, optimizer
         Passed to :class:`~pyro_fa.OnlineFactorAnalysis` (``lr``: SGA learning rate).
         ``step_scale`` defaults to 1 here (2 in ``OnlineFactorAnalysis``): SWAG's
@@ -155,9 +158,9 @@ class SWAG(ShardedSWAG, nn.Module):
     Algorithm 1; the one ``pyro-fa classify`` and the calibration tutorial use):
     train to a good point, then hold the learning rate at a constant, fairly high
     value with ``torch.optim.swa_utils.SWALR`` and collect once per epoch
-    (``start_after`` = pre-training steps, ``collect_every`` = steps per epoch); a run
-    with fewer collections than ``warmup`` ends its warm-up when the posterior is
-    first used. Then choose :attr:`scale` with :meth:`tune_scale` on validation data,
+    (``start_after`` = pre-training steps, ``collect_every`` = steps per epoch); the default
+    ``warmup`` (``rank``) fits such runs, and a run with fewer collections than a larger
+    ``warmup`` ends its warm-up when the posterior is first used. Then choose :attr:`scale` with :meth:`tune_scale` on validation data,
     and the collection rate too where it is cheap::
 
         swag = SWAG(net, rank=10, start_after=75 * steps_per_epoch, collect_every=steps_per_epoch)
@@ -165,6 +168,11 @@ class SWAG(ShardedSWAG, nn.Module):
         swa_sched = SWALR(opt, swa_lr=3e-3, anneal_epochs=1)   # from epoch 75 on, step it per batch
         ...                                                     # train
         swag.tune_scale(x_val, y_val)                           # logits; "gaussian" for regression
+        with swag.sampled_weights(swag.loc):                    # SWA: the mean loaded into the model
+            swa_logits = net(x_test)
+        swag_log_proba = swag.predict_log_proba(x_test)         # SWAG: the model average
+
+    ``examples/swag_recipe.py`` runs it end to end (``docs/swag.md``).
 
     In ``pyro-fa classify`` (results in the README) the tuned SWAG-EM improves on
     SWA's NLL and ECE on MNIST-1D, and gives SWA back on digits, where the
@@ -200,7 +208,7 @@ class SWAG(ShardedSWAG, nn.Module):
         start_after: int = 0,
         collect_every: int = 1,
         window: int = 1,
-        warmup: int = 100,
+        warmup: Optional[int] = None,
         lr: float = 1e-3,
         step_scale: float = 1.0,
         init_scale: float = 1.0,
@@ -230,7 +238,7 @@ class SWAG(ShardedSWAG, nn.Module):
         self.start_after = _positive_int(cls, "start_after", start_after, 0)
         self.collect_every = _positive_int(cls, "collect_every", collect_every)
         self.window = _positive_int(cls, "window", window)
-        self._warmup = _positive_int(cls, "warmup", warmup)
+        self._warmup = self.rank if warmup is None else _positive_int(cls, "warmup", warmup)
         if method == "em" and self._warmup < self.rank:
             raise ValueError(
                 f"{cls}: warmup must be >= rank={self.rank} for method 'em', got {warmup!r}: an M-step from fewer "
@@ -289,9 +297,17 @@ class SWAG(ShardedSWAG, nn.Module):
                     f"{cls}: module_or_params must be an nn.Module or an iterable of tensors, got {obj!r}."
                 ) from None
             module = None
-            for _name, p in named:
+            seen = {}
+            for name, p in named:
                 if not torch.is_tensor(p):
                     raise TypeError(f"{cls}: module_or_params must hold only tensors, got {p!r}.")
+                # the same tensor twice (or two views of one storage) would count its weights twice in D
+                key = id(p) if p.is_meta or p.numel() == 0 else (p.device, p.untyped_storage().data_ptr())
+                if key in seen or id(p) in seen:
+                    raise ValueError(f"{cls}: module_or_params must hold each tensor once, got tensor {name} "
+                                     f"sharing its storage with tensor {seen.get(key, seen.get(id(p)))} (its "
+                                     "weights would be counted twice). Pass each parameter once.")
+                seen[key] = seen[id(p)] = name
         if not named:
             raise ValueError(f"{cls}: module_or_params must hold at least one trainable tensor, got none.")
         return _ParamSource(named=named, module=module)
@@ -338,6 +354,11 @@ class SWAG(ShardedSWAG, nn.Module):
                 raise TypeError(f"{cls}: parameters must be float32 or float64, got {name!r} of dtype {p.dtype}. "
                                 "For a half-precision model, follow float32 master weights (e.g. those of "
                                 "torch.autocast training) instead.")
+        for name, p in named:
+            if p.is_meta:
+                raise ValueError(f"{cls}: parameters must hold data, got {name!r} on the meta device (shapes "
+                                 "without values). Materialise the model first, e.g. module.to_empty(device='cpu') "
+                                 "and initialise it.")
         dtypes = {p.dtype for p in tensors}
         devices = {p.device for p in tensors}
         if len(dtypes) > 1:
@@ -825,6 +846,27 @@ class SWAG(ShardedSWAG, nn.Module):
         return self.predict(*args, num_samples=num_samples, fn=lambda z: z.softmax(-1), generator=generator,
                             **kwargs)
 
+    def predict_log_proba(self, *args, num_samples: int = 30, generator: Optional[torch.Generator] = None,
+                          **kwargs) -> Tensor:
+        r"""Log class probabilities of the Bayesian model average for a module that returns logits (..., C).
+
+        .. math::
+
+            \log \frac1S \sum_{s=1}^S \mathrm{softmax}(z_s) = \mathrm{logsumexp}_s\,
+            \mathrm{log\_softmax}(z_s) - \log S,
+
+        computed in that form, so that a class every draw gives a probability below the
+        dtype's smallest number keeps a finite log-probability (``predict_proba(...).log()``
+        would give ``-inf``).
+
+        Returns
+        -------
+        Tensor of shape (..., C)
+        """
+        logp = self.predictive_samples(*args, num_samples=num_samples, fn=lambda z: z.log_softmax(-1),
+                                       generator=generator, **kwargs)
+        return torch.logsumexp(logp, 0) - math.log(logp.shape[0])
+
     def log_likelihood(self, inputs, targets, likelihood="categorical", *, num_samples: int = 30,
                        noise_std=None, seed: int = 0) -> float:
         """Test log-likelihood per point of the Bayesian model average at the current :attr:`scale`.
@@ -892,27 +934,92 @@ class SWAG(ShardedSWAG, nn.Module):
         self._n_refused = int(state.get("n_refused", 0))
         self._scale = float(state.get("scale", 1.0))
 
+    def _check_state(self, state_dict, strict: bool, prefix: str = ""):
+        """Check a whole saved state (keys relative to this module, its fit's included) before any is written.
+
+        Collective when sharded (every rank must call it). Returns the sharded running total of
+        squared deviations (else None) and the submodules to mark as checked, ``[(module, mark)]``,
+        once the whole load is.
+        """
+        if self.dim is None:  # param-store source not yet resolved: resolve now to build the buffers
+            self._named()
+        total = self._check_loadable(state_dict, strict)  # keys, shapes, finiteness, extra and optimizer states
+        error = None
+        try:
+            self._check_state_values(state_dict, prefix)
+        except ValueError as exc:
+            error = exc
+        if self._sharding is not None:
+            from pyro_fa.fa._sharding import agree
+
+            agree(self._sharding.group, type(self).__name__, {}, error=error)  # a refusal stops every rank
+        elif error is not None:
+            raise error
+        return total, ([] if self.method == "swag" else [(self.fa, (total,))])
+
+    def _check_state_values(self, state_dict, prefix: str) -> None:
+        cls = type(self).__name__
+        if self.method == "swag":
+            v = state_dict.get("_moments.sq_dev")
+            if torch.is_tensor(v) and not bool((v >= 0).all()):
+                raise ValueError(f"{cls}: state_dict[{prefix + '_moments.sq_dev'!r}] must be >= 0 (running squared "
+                                 f"deviations), got {int((v < 0).sum())} negative entries; nothing was loaded.")
+            return
+        self.fa._check_values({k[3:]: v for k, v in state_dict.items() if k.startswith("fa.")}, prefix + "fa.")
+        mine, fit = state_dict.get("_extra_state"), state_dict.get("fa._extra_state")
+        if isinstance(mine, dict) and isinstance(fit, dict) and mine.get("n") != fit.get("n_updates"):
+            raise ValueError(f"{cls}: the saved state's count of collected vectors must agree with its fit's, got "
+                             f"n={mine.get('n')!r} against the fit's n_updates={fit.get('n_updates')!r}; nothing "
+                             "was loaded.")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # runs for a direct load_state_dict and for a parent module's (MultiSWAG, a user's model) alike: the
+        # whole state of this posterior, its fit's included, is checked before any of it is written
+        checked = self.__dict__.pop("_load_checked", None)
+        hint = self.__dict__.get("_load_strict")
+        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        total = None
+        if checked is not None:  # checked whole by a parent (MultiSWAG) with its other members
+            total = checked[0]
+        elif mine or hint is not None:
+            try:
+                total, marks = self._check_state(mine, True if hint is None else hint, prefix)
+            except (TypeError, ValueError) as exc:
+                if not prefix:
+                    raise
+                raise type(exc)(f"{exc} (the entries under {prefix!r})") from exc
+            for module, mark in marks:
+                module.__dict__["_load_checked"] = mark
+        elif self.method != "swag":  # a parent's non-strict load without our entries: nothing to load
+            self.fa.__dict__.pop("_load_checked", None)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        self._loaded_total(total)
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a state saved by :meth:`state_dict`, checked whole first: on error nothing is loaded.
+
+        The same checks run when a parent module (:class:`~pyro_fa.MultiSWAG`, a model
+        holding this posterior) loads its state.
 
         Raises
         ------
         ValueError, TypeError
             If an entry is missing or unexpected (``strict``), has another shape
-            (other parameters, ``rank`` or ``window``), holds NaN / inf, or the
-            extra or optimizer state does not fit; the posterior is then unchanged.
+            (other parameters, ``rank`` or ``window``), holds NaN / inf, a noise
+            variance :math:`\\psi \\le 0` or a capacitance that is not positive definite,
+            or the extra or optimizer state does not fit; the posterior is then unchanged.
         """
-        if self.dim is None:  # param-store source not yet resolved: resolve now to build the buffers
-            self._named()
-        total = self._check_loadable(state_dict, strict)  # sharded: agreed by every rank (collective)
-        state_dict = dict(state_dict)
-        opt_state = state_dict.pop("fa._optimizer_state", None)  # SGA's Adam moments (OnlineFactorAnalysis)
-        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        self._loaded_total(total)
-        if opt_state is not None and self.method == "sga":
-            self.fa._optimizer.load_state_dict(opt_state)
-            self.fa._cache = None
-        return result
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"{type(self).__name__}: state_dict must be a mapping from names to tensors, got "
+                            f"{type(state_dict).__name__}.")
+        self.__dict__.pop("_load_checked", None)  # a mark left by a parent's load that stopped midway
+        self.__dict__["_load_strict"] = bool(strict)
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        finally:
+            self.__dict__.pop("_load_strict", None)
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
