@@ -4,7 +4,7 @@ q(theta) = N(c, F F^T + Psi), got two ways on one core:
 
 * :mod:`pyro_fa.fa` — the core: the FA model's linear algebra, online (EM, SGA) and batch fitting;
 * :mod:`pyro_fa.infer` — road 1, variational inference in Pyro SVI: :class:`AutoLowRankFactorGuide`,
-  :class:`FactorELBO`, :class:`GaussianPrior`, :class:`LaplacePrior`;
+  :class:`FactorELBO` (:class:`JitFactorELBO` compiled), :class:`GaussianPrior`, :class:`LaplacePrior`;
 * :mod:`pyro_fa.swag` — road 2, posteriors from optimizer iterates: :class:`SWAG`, :class:`MultiSWAG`;
 * adapters: :mod:`pyro_fa.nn` (Bayesian torch networks), :mod:`pyro_fa.sklearn` (estimators);
 * :mod:`pyro_fa.metrics`, :mod:`pyro_fa.datasets`; the ``pyro-fa`` command (:mod:`pyro_fa.experiments`).
@@ -12,6 +12,7 @@ q(theta) = N(c, F F^T + Psi), got two ways on one core:
 from pyro_fa import datasets, fa, infer, metrics, swag
 from pyro_fa.fa import BatchFactorAnalysis, OnlineFactorAnalysis
 from pyro_fa.infer import AutoLowRankFactorGuide, FactorELBO, GaussianPrior, LaplacePrior
+from pyro_fa.infer import JitFactorELBO
 from pyro_fa.swag import MultiSWAG, SWAG
 
 __version__ = "0.1.0"
@@ -26,6 +27,7 @@ __all__ = [
     "BatchFactorAnalysis",
     "AutoLowRankFactorGuide",
     "FactorELBO",
+    "JitFactorELBO",
     "SWAG",
     "MultiSWAG",
     "GaussianPrior",

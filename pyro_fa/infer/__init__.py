@@ -3,15 +3,17 @@
 * :class:`AutoLowRankFactorGuide` — what :math:`q` is: N(c, FFᵀ + Ψ) (VIFA) or
   N(c, FFᵀ + σ²I) (VIPPCA) over all latent sites of a model;
 * :class:`FactorELBO` — how it is trained: a ``pyro.infer.ELBO`` with the
-  entropy and Gaussian / Laplace prior terms in closed form;
+  entropy and Gaussian / Laplace prior terms in closed form (:class:`JitFactorELBO`:
+  the same, compiled by the PyTorch JIT);
 * :class:`GaussianPrior`, :class:`LaplacePrior` — the factorised priors whose expected
   log-density under :math:`q` :class:`FactorELBO` knows in closed form.
 """
+from pyro_fa.infer._jit_elbo import JitFactorELBO
 from pyro_fa.infer.elbo import FactorELBO
 from pyro_fa.infer.guide import AutoLowRankFactorGuide
 from pyro_fa.infer.priors import GaussianPrior, LaplacePrior
 
-__all__ = ["AutoLowRankFactorGuide", "FactorELBO", "GaussianPrior", "LaplacePrior"]
+__all__ = ["AutoLowRankFactorGuide", "FactorELBO", "JitFactorELBO", "GaussianPrior", "LaplacePrior"]
 
 _MOVED = {"SWAG": "pyro_fa.swag", "MultiSWAG": "pyro_fa.swag"}
 

@@ -112,12 +112,13 @@ def _noise_dim(fn) -> Optional[int]:
     """Dimension of the standard-normal noise behind a reparameterised Gaussian, or None."""
     if fn.batch_shape != ():
         return None
+    # int(): under the JIT tracer sizes are traced tensors; the structure is static anyway
     if isinstance(fn, LowRankMultivariateNormal):
-        return fn.cov_factor.shape[-1] + fn.loc.shape[-1]
+        return int(fn.cov_factor.shape[-1]) + int(fn.loc.shape[-1])
     if isinstance(fn, MultivariateNormal):
-        return fn.loc.shape[-1]
+        return int(fn.loc.shape[-1])
     if isinstance(fn, Independent) and type(fn.base_dist).__name__ == "Normal":
-        return fn.base_dist.loc.numel()
+        return int(fn.base_dist.loc.numel())
     return None
 
 

@@ -9,8 +9,10 @@ from pyro.infer.autoguide import AutoDelta, AutoGuideList, AutoLowRankMultivaria
 from pyro.ops.indexing import Vindex
 from pyro.optim import SGD, Adam
 
-from pyro_fa import AutoLowRankFactorGuide, FactorELBO, GaussianPrior, LaplacePrior
-from pyro_fa.infer.elbo import spherical_radial_rule
+from pyro.poutine.messenger import Messenger
+
+from pyro_fa import AutoLowRankFactorGuide, FactorELBO, GaussianPrior, JitFactorELBO, LaplacePrior
+from pyro_fa.infer.elbo import _affine, spherical_radial_rule
 
 GUIDES = [AutoLowRankFactorGuide, AutoLowRankMultivariateNormal]
 
@@ -142,7 +144,7 @@ def test_trace_mean_field_drops_log_jacobian_but_factor_elbo_keeps_it():
 
 
 def test_vectorized_particles_match_sequential(linreg):
-    guide = AutoLowRankFactorGuide(linreg.model, rank=2)
+    guide = AutoLowRankFactorGuide(linreg.model, rank=2, init_scale=0.01)  # the tolerances assume a narrow q
     _perturb(guide, linreg.X, linreg.y, scale=0.1)
     q = guide.get_posterior()
     exact = float(linreg.analytic_elbo(q.loc.detach(), q.covariance_matrix.detach()))
@@ -454,3 +456,90 @@ def test_enumerated_model_is_refused_and_parameters_stay():
     after = dict(pyro.get_param_store().items())
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert math.isfinite(TraceEnum_ELBO(max_plate_nesting=1).loss(_enum_model, guide, y))
+
+
+# ------------------------------------------------------------------ compiled (issue 26, item 3)
+class _FixedNoise(Messenger):
+    """Draws the guide's packed latent from fixed standard-normal noise (one draw, differentiable)."""
+
+    def __init__(self, eps):
+        super().__init__()
+        self.eps = eps
+
+    def _pyro_sample(self, msg):
+        if msg["name"].endswith("_latent") and msg["value"] is None:
+            fn = msg["fn"]
+            value = _affine(fn, self.eps)
+            msg["value"] = value.reshape(fn.batch_shape + fn.event_shape)
+
+
+def _jit_model(X, y):
+    w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+    s = pyro.sample("s", dist.LogNormal(0.0, 1.0))
+    with pyro.plate("g", 4):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.Normal((w * X).sum(-1) + z.sum(-1, keepdim=True), s), obs=y)
+
+
+def test_jit_equals_uncompiled_on_the_same_draws():
+    """Loss and every gradient of JitFactorELBO equal FactorELBO's on one fixed draw (float64, to rounding).
+
+    The draw is fixed by a messenger because the compiled graph consumes the RNG differently from eager
+    code (Pyro's JitTrace_ELBO and Trace_ELBO differ on one seed too).
+    """
+    X = torch.randn(20, 3)
+    y = X.sum(-1) + 0.3 * torch.randn(20)
+    guide = AutoLowRankFactorGuide(_jit_model, rank=2)
+    _perturb(guide, X, y, scale=0.2)
+    fixed = _FixedNoise(torch.randn(1, 2 + 8))(guide)
+    results = []
+    for elbo in (FactorELBO(), JitFactorELBO(ignore_jit_warnings=True)):
+        for _ in range(2):  # the compiling call and a compiled one
+            guide.zero_grad()
+            torch.manual_seed(5)
+            loss = elbo.differentiable_loss(_jit_model, fixed, X, y)
+            loss.backward()
+            results.append((loss.item(), torch.cat([p.grad.reshape(-1) for p in guide.parameters()])))
+    (loss0, g0), *rest = results
+    for loss, g in rest:
+        assert loss == pytest.approx(loss0, rel=1e-12)
+        assert torch.allclose(g, g0, rtol=1e-10, atol=1e-12)
+
+
+def test_jit_spherical_radial_exact_and_svi_step(linreg):
+    """Compiled, vectorised, spherical-radial: the exact linear-Gaussian loss (no noise left); SVI steps run."""
+    guide = AutoLowRankFactorGuide(linreg.model, rank=2)
+    _perturb(guide, linreg.X, linreg.y, scale=0.1)
+    q = guide.get_posterior()
+    exact = -float(linreg.analytic_elbo(q.loc.detach(), q.covariance_matrix.detach()))
+    elbo = JitFactorELBO(num_particles=11, vectorize_particles=True, ignore_jit_warnings=True)
+    for _ in range(2):
+        assert elbo.loss(linreg.model, guide, linreg.X, linreg.y) == pytest.approx(exact, rel=1e-12)
+    svi = SVI(linreg.model, guide, Adam({"lr": 0.01}), elbo)
+    losses = [svi.step(linreg.X, linreg.y) for _ in range(3)]
+    assert losses[-1] < losses[0]
+
+
+def test_jit_recompiles_per_model():
+    """A second model gets its own graph (Pyro's JitTrace_ELBO would reuse the first model's closure)."""
+
+    def m1():
+        pyro.sample("w", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+
+    def m2():
+        pyro.sample("v", dist.Normal(torch.zeros(3), 2.0).to_event(1))
+
+    elbo = JitFactorELBO(ignore_jit_warnings=True)
+    for model in (m1, m2):
+        guide = AutoLowRankFactorGuide(model, rank=1)
+        guide()
+        assert elbo.loss(model, guide) == pytest.approx(FactorELBO().loss(model, guide), rel=1e-12)  # exact KL
+        pyro.clear_param_store()
+
+
+def test_jit_bad_options():
+    with pytest.raises(TypeError, match=r"JitFactorELBO: jit_options must be None or a dict, got 'fast'\."):
+        JitFactorELBO(jit_options="fast")
+    with pytest.raises(ValueError, match=r"FactorELBO: sampling must be one of"):
+        JitFactorELBO(sampling="sobol")
