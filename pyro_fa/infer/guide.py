@@ -390,8 +390,9 @@ class AutoLowRankFactorGuide(AutoContinuous):
         has ``noise="diagonal"``, Pyro's rank and ``init_scale``, and shares
         the Pyro guide's model trace, so it needs no call before use.
 
-        To load a Pyro checkpoint, either restore Pyro's guide (run it once,
-        then ``pyro.get_param_store().load(path)``) and convert it, or load
+        To load a Pyro checkpoint, either restore Pyro's guide
+        (``pyro.get_param_store().load(path)``, then call the new Pyro guide
+        once: it takes the stored values) and convert it, or load
         the Pyro guide's ``state_dict()`` straight into a set-up
         :class:`AutoLowRankFactorGuide` with :meth:`load_state_dict`.
 
@@ -427,6 +428,7 @@ class AutoLowRankFactorGuide(AutoContinuous):
             new.loc.copy_(loc)
             new.factor.copy_(cov_factor)
             new.scale_unconstrained.copy_(transform_to(new.scale_constraint).inv(scale))
+        new._drop_stale_param_store_entries()
         return new
 
     def to_pyro(self) -> AutoLowRankMultivariateNormal:
@@ -435,6 +437,10 @@ class AutoLowRankFactorGuide(AutoContinuous):
         The inverse of :meth:`from_pyro`: :math:`c`, :math:`G` and :math:`s`
         (expanded to shape (D,) for ``noise="isotropic"``) are copied
         (detached) into a new Pyro guide that shares this guide's model trace.
+        Entries of the param store under that guide's names
+        (``AutoLowRankMultivariateNormal.loc``, ...) left by another guide are
+        dropped, so the converted values are the ones used; the same holds for
+        the guide :meth:`from_pyro` returns.
 
         Returns
         -------
@@ -456,6 +462,7 @@ class AutoLowRankFactorGuide(AutoContinuous):
         pyro_guide.loc = nn.Parameter(loc.clone())
         pyro_guide.scale = PyroParam(scale.clone(), constraint=pyro_guide.scale_constraint)
         pyro_guide.cov_factor = nn.Parameter(G.clone())
+        _drop_stale_param_store_entries(pyro_guide)  # the converted values win over a same-named guide's
         return pyro_guide
 
     # ------------------------------------------------------------------ serialization
@@ -582,15 +589,25 @@ class AutoLowRankFactorGuide(AutoContinuous):
         return out
 
     def _drop_stale_param_store_entries(self) -> None:
-        if not self._pyro_name:
-            return
-        store = pyro.get_param_store()
-        stored = dict(store.named_parameters())
-        for name, param in self.named_parameters(recurse=False):
-            fullname = self._pyro_get_fullname(name[: -len("_unconstrained")] if name.endswith("_unconstrained")
-                                               else name)
-            if fullname in stored and stored[fullname] is not param:
-                del store[fullname]
+        _drop_stale_param_store_entries(self)
+
+
+def _drop_stale_param_store_entries(module: pyro.nn.PyroModule) -> None:
+    """Drop the param store's entries under ``module``'s names that are not its own Parameters.
+
+    A :class:`~pyro.nn.PyroModule` reads a parameter from the store when the
+    store has its name, so after its Parameters were replaced or written
+    outside the store the stale entries would win.
+    """
+    if not module._pyro_name:
+        return
+    store = pyro.get_param_store()
+    stored = dict(store.named_parameters())
+    for name, param in module.named_parameters(recurse=False):
+        base = name[: -len("_unconstrained")] if name.endswith("_unconstrained") else name
+        fullname = f"{module._pyro_name}.{base}"
+        if fullname in stored and stored[fullname] is not param:
+            del store[fullname]
 
 
 def _unwrap_init(model):
