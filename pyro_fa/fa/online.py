@@ -586,10 +586,12 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
         if self.method == "sga" and getattr(self, "_optimizer", None) is not None:
             check_optimizer_state(type(self).__name__, self._optimizer, state)
 
-    def _check_values(self, state_dict, prefix: str = "") -> None:
+    def _check_values(self, state_dict, prefix: str = "", owner: Optional[str] = None) -> None:
         """Refuse saved values no fit can hold (checked after shapes and finiteness): psi <= 0, a capacitance
-        that is not positive definite, negative squared deviations, a non-positive SGA scale."""
-        cls = type(self).__name__
+        that is not positive definite, negative squared deviations, a non-positive SGA scale.
+
+        ``prefix`` and ``owner`` (the class that loads, e.g. SWAG) name the entries in the message."""
+        cls = owner or type(self).__name__
 
         def get(key):
             v = state_dict.get(key)
