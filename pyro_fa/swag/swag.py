@@ -965,7 +965,7 @@ class SWAG(ShardedSWAG, nn.Module):
                 raise ValueError(f"{cls}: state_dict[{prefix + '_moments.sq_dev'!r}] must be >= 0 (running squared "
                                  f"deviations), got {int((v < 0).sum())} negative entries; nothing was loaded.")
             return
-        self.fa._check_values({k[3:]: v for k, v in state_dict.items() if k.startswith("fa.")}, prefix + "fa.")
+        self.fa._check_values({k[3:]: v for k, v in state_dict.items() if k.startswith("fa.")}, prefix + "fa.", cls)
         mine, fit = state_dict.get("_extra_state"), state_dict.get("fa._extra_state")
         if isinstance(mine, dict) and isinstance(fit, dict) and mine.get("n") != fit.get("n_updates"):
             raise ValueError(f"{cls}: the saved state's count of collected vectors must agree with its fit's, got "
