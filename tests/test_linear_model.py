@@ -1,6 +1,7 @@
 """Standard and generalised linear models: exact Bayesian linear regression, SVI GLMs, scikit-learn estimators."""
 import doctest
 import math
+import warnings
 
 import numpy as np
 import pyro
@@ -17,6 +18,7 @@ from pyro_fa import LaplacePrior
 from pyro_fa.basis import LinearBasis, RandomFourierBasis
 from pyro_fa.linear_model import _sklearn, glm as glm_module, slm as slm_module
 from pyro_fa.linear_model import (
+    DegenerateEvidenceWarning,
     GeneralizedLinearModel,
     GLMClassifier,
     GLMRegressor,
@@ -488,6 +490,117 @@ def test_estimators_refuse_bad_parameters():
         GLMClassifier(dtype=torch.float16).fit(X, y > 0)
     with pytest.raises(ValueError, match="X has 2 features, but SLMRegressor is expecting 1 features"):
         SLMRegressor(n_components=5, n_iter=0).fit(X, y).predict(np.zeros((3, 2)))
+
+
+def test_slm_regressor_refuses_a_dense_posterior_past_max_dim_before_allocating(monkeypatch):
+    X, y = _sine(n=30)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the basis or the D x D posterior was being built")
+
+    fitted = SLMRegressor(n_components=5, random_state=0).fit(X, y)
+    before = fitted.predict(X, return_std=True)
+    monkeypatch.setattr(_sklearn, "RandomFourierBasis", never)
+    monkeypatch.setattr(_sklearn, "StandardLinearModel", never)
+    # D = 2 * 20000 + 1 + 1 = 40002 weights: 40002^2 * 8 bytes = 12.8 GB
+    with pytest.raises(ValueError, match=r"SLMRegressor: the posterior over the weights forms a dense D x D matrix "
+                                         r"\(12\.8 GB in torch\.float64\) and needs D <= 20000, got 40002\. "
+                                         r"n_components=20000 is too many: use fewer, or GLMRegressor .*max_dim=None"):
+        fitted.set_params(n_components=20000).fit(X, y)
+    with pytest.raises(ValueError, match=r"\(6\.4 GB in torch\.float32\) and needs D <= 20000, got 40003"):
+        fitted.set_params(dtype="float32").fit(np.hstack([X, X]), y)  # a refused fit keeps the fitted model
+    assert fitted.n_features_in_ == 1 and fitted.n_components == 20000
+    fitted.set_params(dtype=None)
+    np.testing.assert_array_equal(fitted.predict(X, return_std=True), before)
+    with pytest.raises(ValueError, match=r"'max_dim' parameter of SLMRegressor must be None or an int"):
+        SLMRegressor(max_dim=0).fit(X, y)
+
+
+def test_slm_dense_limit_can_be_lifted():
+    X, y = _sine(n=30)
+    with pytest.raises(ValueError, match=r"needs D <= 20, got 22"):
+        SLMRegressor(n_components=10, max_dim=20).fit(X, y)
+    lifted = SLMRegressor(n_components=10, max_dim=None, random_state=0, n_iter=0).fit(X, y)
+    default = SLMRegressor(n_components=10, random_state=0, n_iter=0).fit(X, y)
+    np.testing.assert_array_equal(lifted.predict(X), default.predict(X))
+    with pytest.raises(ValueError, match=r"StandardLinearModel: the posterior precision forms a dense "
+                                         r"basis.out_features x basis.out_features matrix \(12\.8 GB in "
+                                         r"torch\.float64\) and needs basis.out_features <= 20000, got 40000\. "
+                                         r"Use GeneralizedLinearModel"):
+        StandardLinearModel(RandomFourierBasis(1, 20000, seed=0, dtype=torch.float64))
+    assert StandardLinearModel(LinearBasis(3), max_dim=None).max_dim is None
+    with pytest.raises(ValueError, match="StandardLinearModel: max_dim must be >= 1, got 0"):
+        StandardLinearModel(LinearBasis(3), max_dim=0)
+
+
+def test_slm_regressor_refuses_one_sample_and_warns_on_too_few():
+    X, y = _sine(n=40)
+    with pytest.raises(ValueError, match=r"SLMRegressor: fit needs n_samples >= 2 .* got 1 sample"):
+        SLMRegressor(n_components=5).fit(X[:1], y[:1])
+    with pytest.warns(DegenerateEvidenceWarning, match=r"SLMRegressor: 5 samples are too few to fit 3 hyperparameters "
+                                                       r"by evidence maximisation \(needs n_samples > 5, as "
+                                                       r"standardize=True"):
+        SLMRegressor(n_components=5, random_state=0).fit(X[:5], y[:5])
+    with pytest.warns(DegenerateEvidenceWarning, match=r"3 samples are too few to fit 3 hyperparameters .*needs "
+                                                       r"n_samples > 3\)"):
+        SLMRegressor(n_components=5, random_state=0, standardize=False).fit(X[:3], y[:3])
+    with pytest.warns(DegenerateEvidenceWarning, match=r"6 samples are too few to fit 4 hyperparameters"):
+        SLMRegressor(n_components=5, random_state=0, ard=True).fit(np.hstack([X, X])[:6], y[:6])  # h = 2 + 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SLMRegressor(n_components=5, random_state=0).fit(X[:6], y[:6])  # 6 - 2 > 3
+        SLMRegressor(n_components=5, random_state=0, n_iter=0).fit(X[:1], y[:1])  # nothing fitted, nothing to say
+        SLMRegressor(n_components=5, random_state=0, learn_lengthscale=False).fit(X[:5], y[:5])  # 5 - 2 > 2
+
+
+def test_two_standardised_samples_carry_no_information_for_the_evidence():
+    """Why the mean and scale of y count: standardised, any two targets become (-1, 1), whatever they were."""
+    X, y = _sine(n=2)
+    with pytest.warns(DegenerateEvidenceWarning):
+        fits = [SLMRegressor(n_components=5, random_state=0).fit(X, t)
+                for t in (y, np.array([-3.0, 50.0]) * np.sign(np.diff(y)))]  # same order, other values
+    assert fits[0].prior_precision_ == pytest.approx(fits[1].prior_precision_, rel=1e-9)
+    np.testing.assert_allclose(fits[0].lengthscale_, fits[1].lengthscale_, rtol=1e-9)
+
+
+def test_slm_warns_when_n_is_at_most_the_hyperparameters():
+    X, y = _regression(n=6, d=1)
+    with pytest.warns(DegenerateEvidenceWarning, match=r"StandardLinearModel: the log evidence of N = 2 targets cannot "
+                                                       r"determine the 2 hyperparameters"):
+        StandardLinearModel(LinearBasis(1)).fit(X[:2], y[:2])
+    with pytest.warns(DegenerateEvidenceWarning, match=r"N = 3 targets cannot determine the 3 hyperparameters"):
+        StandardLinearModel(RandomFourierBasis(1, 5, seed=0, dtype=torch.float64)).fit(X[:3], y[:3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        StandardLinearModel(LinearBasis(1)).fit(X[:3], y[:3])
+        StandardLinearModel(LinearBasis(1)).fit(X[:1], y[:1], n_iter=0)
+
+
+@pytest.mark.parametrize("cls", [SLMRegressor, GLMRegressor, GLMClassifier])
+def test_estimators_refuse_a_meta_device_and_keep_their_fit(cls):
+    X, y = _sine(n=30)
+    y = y > 0 if cls is GLMClassifier else y
+    kw = dict(n_iter=0) if cls is SLMRegressor else dict(n_steps=2, n_samples=5)
+    est = cls(n_components=3, random_state=0, **kw).fit(X, y)
+    before = est.predict(X)
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: device must hold data \('cpu' or 'cuda'\), got 'meta'"):
+        est.set_params(device="meta").fit(np.hstack([X, X]), y)
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: device must name a torch device .* got 'gpu0'"):
+        est.set_params(device="gpu0").fit(X, y)
+    est.set_params(device=None)
+    assert est.n_features_in_ == 1
+    np.testing.assert_array_equal(est.predict(X), before)
+    if cls is GLMClassifier:
+        with pytest.raises(ValueError, match="exactly 2 classes"):
+            est.fit(X, np.arange(30) % 3)
+        np.testing.assert_array_equal(est.classes_, [False, True])
+
+
+@pytest.mark.parametrize("cls", [StandardLinearModel, GeneralizedLinearModel])
+def test_models_refuse_a_basis_on_the_meta_device(cls):
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: basis must hold data on a device such as 'cpu' or 'cuda', "
+                                         r"got tensors on the meta device"):
+        cls(RandomFourierBasis(2, 3, seed=0).to("meta"))
 
 
 @pytest.mark.slow

@@ -193,7 +193,8 @@ def _finite_cases():
         "expected_calibration_error": (metrics.expected_calibration_error, dict(probs=probs, targets=labels)),
         "predictive_entropy": (metrics.predictive_entropy, dict(probs=probs)),
         "mutual_information": (metrics.mutual_information, dict(samples=probs)),
-        "ood_auroc": (metrics.ood_auroc, dict(scores_in=torch.randn(5, generator=g), scores_out=torch.randn(4, generator=g))),
+        "ood_auroc": (
+            metrics.ood_auroc, dict(scores_in=torch.randn(5, generator=g), scores_out=torch.randn(4, generator=g))),
     }
 
 

@@ -14,7 +14,7 @@ Steinberg, Tiao, McCalman, Reid & O'Callaghan (2016), *revrand: technical
 report*, CSIRO Data61.
 """
 from pyro_fa.linear_model.glm import GeneralizedLinearModel
-from pyro_fa.linear_model.slm import StandardLinearModel
+from pyro_fa.linear_model.slm import DegenerateEvidenceWarning, StandardLinearModel
 from pyro_fa.linear_model._sklearn import GLMClassifier, GLMRegressor, SLMRegressor
 
 __all__ = [
@@ -23,4 +23,5 @@ __all__ = [
     "SLMRegressor",
     "GLMRegressor",
     "GLMClassifier",
+    "DegenerateEvidenceWarning",
 ]

@@ -2,6 +2,8 @@ r"""scikit-learn estimators for the revrand-style models on random Fourier featu
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 from numbers import Integral, Real
 from typing import Optional
 
@@ -15,13 +17,36 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from pyro_fa import GaussianPrior
 from pyro_fa.basis import KERNELS, LinearBasis, RandomFourierBasis
+from pyro_fa.fa.linalg import MAX_DENSE_DIM, check_dense_dim
+from pyro_fa.linear_model._validation import check_device
 from pyro_fa.linear_model.glm import GeneralizedLinearModel
-from pyro_fa.linear_model.slm import StandardLinearModel
+from pyro_fa.linear_model.slm import DegenerateEvidenceWarning, StandardLinearModel
 
 __all__ = ["SLMRegressor", "GLMRegressor", "GLMClassifier"]
 
 _DTYPES = {None: torch.float64, "float64": torch.float64, "float32": torch.float32,
            torch.float64: torch.float64, torch.float32: torch.float32}
+
+
+def _transaction(fit):
+    """Run ``fit`` as one transaction: if it raises, the estimator's attributes are put back as they were.
+
+    scikit-learn's ``validate_data`` records ``n_features_in_`` before the later checks
+    (device, classes, model size) can fail; without this a refused call would leave a
+    fitted estimator expecting the refused data's features.
+    """
+
+    @functools.wraps(fit)
+    def wrapper(self, *args, **kwargs):
+        saved = dict(self.__dict__)
+        try:
+            return fit(self, *args, **kwargs)
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+            raise
+
+    return wrapper
 
 
 class _RandomFeatureEstimator(BaseEstimator):
@@ -50,12 +75,19 @@ class _RandomFeatureEstimator(BaseEstimator):
             )
         return _DTYPES[self.dtype]
 
+    def _torch_device(self) -> torch.device:
+        return check_device(type(self).__name__, self.device)
+
+    def _n_basis_features(self, n_features: int) -> int:
+        """D: 2 n_components random features, plus n_features + 1 with the linear basis."""
+        return 2 * self.n_components + (n_features + 1 if self.linear else 0)
+
     def _seeds(self):
         rng = check_random_state(self.random_state)
         return [int(s) for s in rng.randint(0, 2 ** 31 - 1, size=3)]
 
     def _make_basis(self, n_features: int, seed: int):
-        kw = dict(dtype=self._torch_dtype(), device=self.device)
+        kw = dict(dtype=self._torch_dtype(), device=self._torch_device())
         basis = RandomFourierBasis(
             n_features, self.n_components, kernel=self.kernel, lengthscale=self.lengthscale, ard=self.ard,
             orthogonal=self.orthogonal, learn_lengthscale=self.learn_lengthscale, seed=seed, **kw,
@@ -76,10 +108,10 @@ class _RandomFeatureEstimator(BaseEstimator):
 
     def _scale_x(self, X: np.ndarray) -> torch.Tensor:
         Z = (X - self.x_mean_) / self.x_scale_
-        return torch.as_tensor(Z, dtype=self._torch_dtype(), device=self.device)
+        return torch.as_tensor(Z, dtype=self._torch_dtype(), device=self._torch_device())
 
     def _devices(self):
-        device = torch.device(self.device) if self.device is not None else torch.device("cpu")
+        device = self._torch_device()
         return [device.index or 0] if device.type == "cuda" else []
 
     def _lengthscale_attr(self, model) -> np.ndarray:
@@ -116,7 +148,8 @@ class SLMRegressor(RegressorMixin, _RandomFeatureEstimator):
     random_state : int, RandomState instance or None, default None
         Seeds the random frequencies.
     device : str or torch.device, optional
-        Torch device of the computation (default CPU). Outputs are NumPy.
+        Torch device of the computation (default CPU); one that holds data
+        (not ``"meta"``) and is available. Outputs are NumPy.
     dtype : {"float64", "float32"} or torch dtype, optional
         Default float64.
     standardize : bool, default True
@@ -125,6 +158,14 @@ class SLMRegressor(RegressorMixin, _RandomFeatureEstimator):
         to the units of ``y``. Length scales, ``prior_precision`` and the
         initial ``noise_variance`` then refer to the standardised data.
         With ``False`` the data are used as given.
+    max_dim : int or None, default 20000
+        The largest number of basis features :math:`D = 2\,n_{\rm components}`
+        (:math:`+\,n_{\rm features} + 1` with ``linear``) accepted: the
+        posterior over the weights is a dense :math:`D\times D` matrix, so
+        ``n_components=10000`` already needs 3.2 GB in float64 and
+        ``n_components=20000`` 12.8 GB. ``None`` lifts the limit; past it use
+        :class:`GLMRegressor`, whose factor-analysis posterior takes
+        :math:`O(DK)` memory.
 
     Attributes
     ----------
@@ -143,6 +184,34 @@ class SLMRegressor(RegressorMixin, _RandomFeatureEstimator):
     y_mean_, y_scale_ : float
     n_features_in_ : int
     feature_names_in_ : ndarray of shape (n_features_in_,)
+
+    Raises
+    ------
+    ValueError
+        In :meth:`fit`: for NaN or inf in ``X`` or ``y``; for a single sample
+        when hyperparameters are fitted (``n_iter > 0``); for ``D > max_dim``
+        (before anything is allocated); for a ``device`` that holds no data
+        or is not available. A refused :meth:`fit` leaves a fitted estimator
+        as it was.
+
+    Warns
+    -----
+    DegenerateEvidenceWarning
+        In :meth:`fit`, when the evidence is maximised on too few targets:
+        :math:`N - 2 \le h` with ``standardize`` (the mean and scale of ``y``
+        use two of its :math:`N` degrees of freedom; :math:`N \le h` without),
+        :math:`h` the number of fitted hyperparameters (prior precision,
+        noise variance and the learnable length scales: 3, or
+        ``n_features + 2`` with ``ard``). Such fits drift to the boundary (a
+        noise variance at its floor, or a prior precision of 1e10 and more)
+        and their predictive standard deviations mean nothing.
+
+    Notes
+    -----
+    Cost: :math:`O(ND\min(N, D) + \min(N, D)^3)` per evidence evaluation,
+    then :math:`O(ND^2 + D^3)` time and :math:`O(D^2)` memory for the
+    posterior, whatever :math:`N` (see
+    :class:`~pyro_fa.linear_model.StandardLinearModel`).
 
     References
     ----------
@@ -166,6 +235,7 @@ class SLMRegressor(RegressorMixin, _RandomFeatureEstimator):
         "n_iter": [Interval(Integral, 0, None, closed="left")],
         "lr": [None, Interval(Real, 0, None, closed="neither")],
         "optimizer": [StrOptions({"lbfgs", "adam"})],
+        "max_dim": [None, Interval(Integral, 1, None, closed="left")],
     }
 
     def __init__(
@@ -186,6 +256,7 @@ class SLMRegressor(RegressorMixin, _RandomFeatureEstimator):
         device=None,
         dtype=None,
         standardize: bool = True,
+        max_dim: Optional[int] = MAX_DENSE_DIM,
     ):
         self.n_components = n_components
         self.kernel = kernel
@@ -203,8 +274,10 @@ class SLMRegressor(RegressorMixin, _RandomFeatureEstimator):
         self.device = device
         self.dtype = dtype
         self.standardize = standardize
+        self.max_dim = max_dim
 
     @_fit_context(prefer_skip_nested_validation=True)
+    @_transaction
     def fit(self, X, y):
         """Fit the hyperparameters by evidence maximisation and the posterior over the weights.
 
@@ -216,14 +289,48 @@ class SLMRegressor(RegressorMixin, _RandomFeatureEstimator):
         Returns
         -------
         self
+
+        Raises
+        ------
+        ValueError
+            See the class's Raises; the estimator is then left as it was.
         """
+        name = type(self).__name__
+        device = self._torch_device()
         X, y = validate_data(self, X, y, dtype=np.float64, y_numeric=True)
+        n, n_features = X.shape
+        check_dense_dim(
+            name, "the posterior over the weights", self._n_basis_features(n_features), self._torch_dtype(),
+            f"n_components={self.n_components} is too many: use fewer, or GLMRegressor (a rank-K factor-analysis "
+            "posterior in O(DK) memory), or pass max_dim=None to build it anyway.",
+            max_dim=self.max_dim, argument="D",
+        )
         Z = self._fit_x_scaling(X)
         self.y_mean_, self.y_scale_ = (float(y.mean()), float(y.std()) or 1.0) if self.standardize else (0.0, 1.0)
-        t = torch.as_tensor((y - self.y_mean_) / self.y_scale_, dtype=Z.dtype, device=Z.device)
+        t = torch.as_tensor((y - self.y_mean_) / self.y_scale_, dtype=Z.dtype, device=device)
         basis_seed, _, _ = self._seeds()
-        model = StandardLinearModel(self._make_basis(X.shape[1], basis_seed), self.prior_precision, self.noise_variance)
-        model.fit(Z, t, n_iter=self.n_iter, lr=self.lr, optimizer=self.optimizer)
+        model = StandardLinearModel(self._make_basis(n_features, basis_seed), self.prior_precision,
+                                    self.noise_variance, max_dim=self.max_dim)
+        n_hyper = model._n_hyperparameters() if self.n_iter > 0 else 0
+        if n_hyper and n < 2:
+            raise ValueError(
+                f"{name}: fit needs n_samples >= 2 to maximise the evidence over the hyperparameters, got 1 sample "
+                "(the evidence of one target has no maximum). Pass n_iter=0 to keep the given hyperparameters."
+            )
+        informative = n - 2 if self.standardize else n
+        if n_hyper and informative <= n_hyper:
+            warnings.warn(
+                f"{name}: {n} samples are too few to fit {n_hyper} hyperparameters by evidence maximisation (needs "
+                f"n_samples > {n_hyper + n - informative}"
+                + (", as standardize=True takes the mean and scale of y from the same samples" if self.standardize
+                   else "")
+                + "); expect a noise variance at its floor or an unbounded prior precision, and predictive standard "
+                "deviations that mean nothing. Fit on more data, or keep the hyperparameters fixed with n_iter=0.",
+                DegenerateEvidenceWarning, stacklevel=4,
+            )
+        with warnings.catch_warnings():  # the model's own warning says the same in the torch layer's words
+            warnings.simplefilter("ignore", DegenerateEvidenceWarning)
+            model.fit(Z, t, n_iter=self.n_iter, lr=self.lr, optimizer=self.optimizer)
         self.model_ = model
         self.prior_precision_ = float(model.prior_precision)
         self.noise_variance_ = float(model.noise_variance) * self.y_scale_ ** 2
@@ -428,6 +535,7 @@ class GLMRegressor(RegressorMixin, _GLMEstimator):
         return {"noise_scale": self.noise_scale} if self.likelihood == "gaussian" else {}
 
     @_fit_context(prefer_skip_nested_validation=True)
+    @_transaction
     def fit(self, X, y):
         """Fit the posterior over the weights (and the noise and length scales) by SVI.
 
@@ -444,8 +552,11 @@ class GLMRegressor(RegressorMixin, _GLMEstimator):
         Raises
         ------
         ValueError
-            For counts that are negative or fractional (Poisson).
+            For NaN or inf in ``X`` or ``y``, counts that are negative or
+            fractional (Poisson), or a ``device`` that holds no data (``"meta"``)
+            or is not available; the estimator is then left as it was.
         """
+        self._torch_device()
         X, y = validate_data(self, X, y, dtype=np.float64, y_numeric=True)
         Z = self._fit_x_scaling(X)
         gaussian = self.likelihood == "gaussian"
@@ -577,6 +688,7 @@ class GLMClassifier(ClassifierMixin, _GLMEstimator):
         self.standardize = standardize
 
     @_fit_context(prefer_skip_nested_validation=True)
+    @_transaction
     def fit(self, X, y):
         """Fit the posterior over the weights (and the length scales) by SVI.
 
@@ -589,7 +701,15 @@ class GLMClassifier(ClassifierMixin, _GLMEstimator):
         Returns
         -------
         self
+
+        Raises
+        ------
+        ValueError
+            For NaN or inf in ``X``, ``y`` without exactly two classes, or a
+            ``device`` that holds no data (``"meta"``) or is not available; the
+            estimator is then left as it was.
         """
+        self._torch_device()
         X, y = validate_data(self, X, y, dtype=np.float64)
         check_classification_targets(y)
         self.classes_, codes = np.unique(y, return_inverse=True)

@@ -40,12 +40,35 @@ def check_basis(cls: str, basis) -> nn.Module:
     return basis
 
 
-def module_dtype_device(module: nn.Module) -> Tuple[torch.dtype, torch.device]:
-    """dtype and device of the first floating parameter or buffer of ``module``, else the defaults."""
+def module_dtype_device(module: nn.Module, cls: str = "", arg: str = "basis") -> Tuple[torch.dtype, torch.device]:
+    """dtype and device of the first floating parameter or buffer of ``module``, else the defaults.
+
+    A module on the ``meta`` device (shapes without data) is refused with a ValueError naming ``cls`` and ``arg``.
+    """
     for t in list(module.parameters()) + list(module.buffers()):
         if t.is_floating_point():
+            if t.device.type == "meta":
+                raise ValueError(f"{cls}: {arg} must hold data on a device such as 'cpu' or 'cuda', got tensors on "
+                                 "the meta device (shapes only). Build it on a real device or call .to_empty().")
             return t.dtype, t.device
     return torch.get_default_dtype(), torch.device("cpu")
+
+
+def check_device(cls: str, device, arg: str = "device") -> torch.device:
+    """``device`` (None: CPU) as a torch.device that holds data and is available, else a TypeError / ValueError."""
+    if device is not None and not isinstance(device, (str, torch.device)):
+        raise TypeError(f"{cls}: {arg} must be a str, a torch.device or None, got {device!r}.")
+    try:
+        dev = torch.device(device if device is not None else "cpu")
+    except RuntimeError:
+        raise ValueError(f"{cls}: {arg} must name a torch device such as 'cpu' or 'cuda', got {device!r}.") from None
+    if dev.type == "meta":
+        raise ValueError(
+            f"{cls}: {arg} must hold data ('cpu' or 'cuda'), got {device!r}: meta tensors have shapes only."
+        )
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{cls}: {arg} must be available, got {device!r} but CUDA is not available.")
+    return dev
 
 
 def as_inputs(cls: str, X, in_features: int, dtype: torch.dtype, device, arg: str = "X") -> Tensor:

@@ -172,7 +172,7 @@ class GeneralizedLinearModel(nn.Module):
         self.learn_noise = learn_noise
         self.num_particles = integer(name, "num_particles", num_particles, 1)
         self.init_scale = positive_float(name, "init_scale", init_scale)
-        dtype, device = module_dtype_device(basis)
+        dtype, device = module_dtype_device(basis, name)
         self.register_buffer(
             "noise_scale", torch.tensor(positive_float(name, "noise_scale", noise_scale), dtype=dtype, device=device)
         )

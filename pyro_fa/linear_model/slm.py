@@ -2,12 +2,14 @@ r"""``StandardLinearModel``: Bayesian linear regression on a basis, with evidenc
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 from torch.distributions import MultivariateNormal
 
+from pyro_fa.fa.linalg import MAX_DENSE_DIM, check_dense_dim
 from pyro_fa.linear_model._validation import (
     as_inputs,
     as_targets,
@@ -17,7 +19,17 @@ from pyro_fa.linear_model._validation import (
     positive_float,
 )
 
-__all__ = ["StandardLinearModel"]
+__all__ = ["StandardLinearModel", "DegenerateEvidenceWarning"]
+
+
+class DegenerateEvidenceWarning(UserWarning):
+    r"""The log evidence was maximised on too few targets to determine the hyperparameters.
+
+    Maximum-likelihood type-II estimates of :math:`h` hyperparameters from
+    :math:`N \le h` informative targets have no unique maximum (or one at the
+    boundary): the noise variance sinks to its floor or the prior precision grows
+    without bound, and predictive standard deviations mean nothing.
+    """
 
 _OPTIMIZERS = ("lbfgs", "adam")
 _LOG_2PI = math.log(2 * math.pi)
@@ -69,6 +81,10 @@ class StandardLinearModel(nn.Module):
         evidence of noiseless data grows without bound as
         :math:`\sigma^2 \to 0`, so :math:`\sigma^2` is clamped here (with
         zero gradient below it).
+    max_dim : int or None, default 20000
+        The largest number of basis features :math:`D` accepted: the posterior
+        is a dense :math:`D\times D` matrix (3.2 GB in float64 at
+        :math:`D = 20\,000`, 12.8 GB at 40 000). ``None`` lifts the limit.
 
     Attributes
     ----------
@@ -91,7 +107,11 @@ class StandardLinearModel(nn.Module):
     TypeError
         If ``basis`` is not a basis module or a hyperparameter not a number.
     ValueError
-        If a hyperparameter is not positive and finite.
+        If a hyperparameter is not positive and finite, the basis lives on the
+        ``meta`` device, or ``basis.out_features > max_dim`` (refused before
+        anything is allocated; the message names the size of the
+        :math:`D\times D` posterior and the :math:`O(DK)` alternative,
+        :class:`~pyro_fa.linear_model.GeneralizedLinearModel`).
 
     Notes
     -----
@@ -132,6 +152,7 @@ class StandardLinearModel(nn.Module):
         noise_variance: float = 1.0,
         *,
         min_noise_variance: float = 1e-8,
+        max_dim: Optional[int] = MAX_DENSE_DIM,
     ):
         super().__init__()
         name = type(self).__name__
@@ -139,7 +160,14 @@ class StandardLinearModel(nn.Module):
         alpha = positive_float(name, "prior_precision", prior_precision)
         sigma2 = positive_float(name, "noise_variance", noise_variance)
         self.min_noise_variance = positive_float(name, "min_noise_variance", min_noise_variance)
-        dtype, device = module_dtype_device(basis)
+        self.max_dim = None if max_dim is None else integer(name, "max_dim", max_dim, 1)
+        dtype, device = module_dtype_device(basis, name)
+        check_dense_dim(
+            name, "the posterior precision", int(basis.out_features), dtype,
+            "Use GeneralizedLinearModel (a rank-K factor-analysis posterior in O(DK) memory) or a basis with fewer "
+            "features, or pass max_dim=None to build it anyway.",
+            max_dim=self.max_dim, argument="basis.out_features",
+        )
         self.log_prior_precision = nn.Parameter(torch.tensor(math.log(alpha), dtype=dtype, device=device))
         self.log_noise_variance = nn.Parameter(torch.tensor(math.log(sigma2), dtype=dtype, device=device))
         self.register_buffer("posterior_mean", None)
@@ -161,6 +189,10 @@ class StandardLinearModel(nn.Module):
     def _log_noise_variance(self) -> Tensor:
         # clamped: the evidence of (nearly) noiseless data grows without bound as sigma^2 -> 0
         return self.log_noise_variance.clamp_min(math.log(self.min_noise_variance))
+
+    def _n_hyperparameters(self) -> int:
+        """The number of scalars :meth:`fit` optimises: log lambda, log sigma^2 and the basis's learnable ones."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
     def _inputs(self, X, arg: str = "X") -> Tensor:
         p = self.log_noise_variance
@@ -274,6 +306,16 @@ class StandardLinearModel(nn.Module):
         TypeError, ValueError
             For bad data (as :meth:`log_evidence`) or options.
 
+        Warns
+        -----
+        DegenerateEvidenceWarning
+            If hyperparameters are optimised (``n_iter > 0``) on
+            :math:`N \le h` targets, :math:`h` the number of scalars optimised
+            (2 plus the basis's learnable length scales): the evidence of
+            :math:`N` numbers cannot determine :math:`h > N - 1` parameters, and
+            the fit drifts to the boundary (one target gave a prior precision of
+            5e52 and the noise variance's floor).
+
         Notes
         -----
         The objective is the log evidence divided by :math:`N`. Every
@@ -295,6 +337,15 @@ class StandardLinearModel(nn.Module):
         y = as_targets(name, y, X.shape[0], X.dtype, X.device)
         N = X.shape[0]
         params = [p for p in self.parameters() if p.requires_grad]
+        n_hyper = self._n_hyperparameters()
+        if n_iter > 0 and N <= n_hyper:
+            warnings.warn(
+                f"{name}: the log evidence of N = {N} target{'s' if N > 1 else ''} cannot determine the {n_hyper} "
+                f"hyperparameters it is maximised over (N must be > {n_hyper}); expect a noise variance at its floor "
+                "or an unbounded prior precision, and predictive standard deviations that mean nothing. Fit on more "
+                "data, or fix the hyperparameters (n_iter=0, or requires_grad_(False) on the basis).",
+                DegenerateEvidenceWarning, stacklevel=2,
+            )
         learn_basis = any(p.requires_grad for p in self.basis.parameters())
         fixed_phi = None if learn_basis else self.basis(X).detach()
 

@@ -27,7 +27,9 @@ __all__ = [
 def _probs(probs, fn: str, *, samples: bool = False, name: str = "probs") -> Tensor:
     """Validate probabilities of shape (N, C) or (S, N, C); return them as given (float)."""
     if not isinstance(probs, Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor of shape (N, C) or (S, N, C), got {type(probs).__name__}.")
+        raise TypeError(
+            f"{fn}: {name} must be a torch.Tensor of shape (N, C) or (S, N, C), got {type(probs).__name__}."
+        )
     shapes = "(S, N, C)" if samples else "(N, C) or (S, N, C)"
     if probs.dim() not in ((3,) if samples else (2, 3)) or probs.shape[-1] < 2 or probs.shape[-2] < 1:
         raise ValueError(f"{fn}: {name} must have shape {shapes} with C >= 2 classes, got {tuple(probs.shape)!r}.")
