@@ -138,6 +138,7 @@ class OnlineSharded:
             error, kind = exc, 1 if isinstance(exc, TypeError) else 2
         moments = self._moments
         n_old = self._n
+        spread_before = self._has_spread()  # agreed: it reads the all-reduced total of the last update
         B = 0 if error is not None else x.shape[0]
         n = n_old + B
         tmax, bad, sq_new = 0.0, 0.0, 0.0
@@ -214,8 +215,4 @@ class OnlineSharded:
             if self._cap_pending:
                 self._commit_cap(out[2])
             self._stash_u = (n, out[1]) if u is not None else None
-            self._em_step(d, n, B)
-        elif n > self.warmup:
-            if n_old <= self.warmup:
-                self._rescale_to_data()
-            self._sga_step(d)
+        self._fit_step(d, n_old, B, spread_before)

@@ -29,6 +29,7 @@ __all__ = [
     "weak_group",
     "agree",
     "agree_on_group",
+    "draw_seed",
     "make_sharding",
     "check_shard_state",
     "check_loadable",
@@ -345,10 +346,25 @@ def agree_on_group(process_group, cls: str, fields: Dict[str, Any], shard=None) 
     if process_group is None:
         raise ValueError(f"{cls}: shard needs a process_group, got shard={shard!r} without one.")
     group = resolve_group(process_group, cls)
-    import secrets
-
-    owns = agree(group, cls, fields, own={"shard": shard, "seed": secrets.randbits(62)})
+    proposal = draw_seed() if fields.get("seed") is None else None  # only a seedless object draws
+    owns = agree(group, cls, fields, own={"shard": shard, "seed": proposal})
     return group, [o["shard"] for o in owns], owns[0]["seed"]
+
+
+def draw_seed() -> int:
+    """A seed for an object built with ``seed=None``: one number from torch's global generator.
+
+    torch's convention (``DataLoader`` seeds its workers so): no seed means the global
+    generator, so that ``torch.manual_seed`` makes a run repeatable, and the global stream
+    moves by one draw whatever the object's size. Sharded objects use rank 0's draw, so
+    the ranks agree however their global generators were seeded.
+
+    Returns
+    -------
+    int
+        In :math:`[0, 2^{62})`.
+    """
+    return int(torch.empty((), dtype=torch.int64).random_(0, 2 ** 62))
 
 
 def make_sharding(group, cls: str, dim: int, shards, seed: Optional[int] = None) -> "Sharding":

@@ -64,7 +64,9 @@ class RunningMoments(nn.Module):
         xw = x.to(self.mean.dtype)
         B = xw.shape[0]
         n = n_old + B
-        batch_mean = xw.mean(0)
+        # shifted by the first vector: identical vectors give exactly their value and zero deviations
+        # (the plain mean of B equal numbers can be an ulp off, a spread that is only rounding)
+        batch_mean = (xw - xw[0]).mean(0).add_(xw[0]) if B > 1 else xw[0]
         delta = batch_mean - self.mean
         mean = torch.add(self.mean, delta, alpha=B / n)
         if B == 1:

@@ -18,7 +18,7 @@ from pyro_fa.fa import linalg
 from pyro_fa._state import check_count, check_optimizer_state
 from pyro_fa.fa._online_sga import OnlineSGA, cholesky as _cholesky
 from pyro_fa.fa._online_sharded import OnlineSharded
-from pyro_fa.fa._sharding import ShardedLowRankNormal, sharded_orthogonal_init
+from pyro_fa.fa._sharding import ShardedLowRankNormal, draw_seed, sharded_orthogonal_init
 from pyro_fa.fa.moments import RunningMoments
 
 __all__ = ["OnlineFactorAnalysis"]
@@ -143,7 +143,8 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
         observed variance of coordinate d (a Heywood case cannot drive the capacitance
         :math:`I + F^\top\Psi^{-1}F` past what float32 can factorise).
     seed : int, optional
-        Seed of the generator used for the initialisation.
+        Seed of the generator used for the initialisation; default one number drawn from
+        torch's global generator, so that ``torch.manual_seed`` makes a fit repeatable.
     dtype, device : optional
         Of the state; default torch's default dtype, CPU.
     process_group : torch.distributed.ProcessGroup, optional
@@ -331,11 +332,10 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
         self.min_variance = float(min_variance)
         self.seed = seed
 
+        # no seed: one draw from torch's global generator (as torch's DataLoader seeds its workers), so that
+        # torch.manual_seed makes the fit repeatable and the global stream moves by one number only
         gen = torch.Generator()
-        if seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(seed)
+        gen.manual_seed(draw_seed() if seed is None else seed)
         if self._sharding is None:
             F0 = linalg.orthogonal_init(dim, rank, scale=init_scale, generator=gen, dtype=dtype).to(device)
         else:  # this rank's rows of the same matrix
@@ -405,6 +405,7 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
         self._A_coef = float(state.get("A_coef", 0.0))
         self._cap_pending = bool(state.get("cap_pending", False))
         self._stash_u = None
+        self.__dict__.pop("_spread_seen", None)  # the loaded moments decide
 
     @torch.no_grad()
     def finish_warmup(self) -> None:
@@ -430,6 +431,9 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
                                f"after warmup={self.warmup} observations. Pass a smaller warmup.")
         if self._n <= self.rank:
             raise RuntimeError(f"{cls}: finish_warmup() needs more than rank={self.rank} observations, got {self._n}.")
+        if not self._has_spread():
+            raise RuntimeError(f"{cls}: finish_warmup() needs observations that differ, got {self._n} identical ones "
+                               "(no spread to fit a factor to). Update with more.")
         self.warmup = self._n - 1  # as if planned: the first M-step follows update warmup + 1
         self._m_step()
         self._since_m_step = 0
@@ -444,9 +448,11 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
         return torch.maximum(psi, self._floor_values(var))
 
     def _floor_values(self, var: Tensor) -> Tensor:
-        # relative to each coordinate's variance; a coordinate that never moved gets a
-        # tiny absolute floor (its row of F is zero, so it does not enter the capacitance)
-        tiny = torch.finfo(var.dtype).eps * self._var_mean(var).clamp_min(torch.finfo(var.dtype).tiny)
+        # relative to each coordinate's variance; a coordinate that never moved gets a tiny floor
+        # relative to the others' (its row of F is zero, so it does not enter the capacitance), never
+        # below the smallest normal number (a denormal psi is 0 under torch.set_flush_denormal(True))
+        info = torch.finfo(var.dtype)
+        tiny = (info.eps * self._var_mean(var)).clamp_min(info.tiny)
         return (self.min_variance * var).clamp_min(tiny)
 
     def _estimate(self):
@@ -742,6 +748,7 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
         n_old = self._n
         n = n_old + B
         moments = self._moments
+        spread_before = self._has_spread()
         # exact running mean and squared deviations (Chan et al. merge) in float64; x is checked on
         # its deviations from the old mean before anything changes
         if B == 1:
@@ -763,8 +770,38 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
             d = (xw - mean).to(self.loc.dtype)
         self._n = n
         self._cache = None
+        self._fit_step(d, n_old, B, spread_before)
+
+    def _has_spread(self) -> bool:
+        r"""Whether the vectors seen so far have spread apart (a fit has something to fit).
+
+        True when the mean running variance times the dtype's epsilon (the relative floor of
+        :math:`\psi`) is a normal number of the state's dtype. Identical vectors, e.g. the
+        iterates of a learning-rate warm-up that starts at 0 or of frozen first steps, have
+        none. Remembered once true (the squared deviations only grow); O(D) until then.
+        """
+        if self.__dict__.get("_spread_seen", False):
+            return True
+        total = float(self._moments.sq_dev.sum()) if self._sharding is None else self._sq_dev_total
+        info = torch.finfo(self.loc.dtype)
+        spread = info.eps * total / (max(self._n, 1) * self.dim) >= info.tiny
+        self.__dict__["_spread_seen"] = spread
+        return spread
+
+    def _fit_step(self, d: Tensor, n_old: int, B: int, spread_before: bool) -> None:
+        r"""The step of the fit after the running moments took a batch of B vectors (centred ``d``).
+
+        While the vectors have not spread apart (all equal so far) there is no scale to fit:
+        the warm-up waits, counting them as one vector (:attr:`warmup` grows by the repeats),
+        and :math:`F, \psi` keep their initial values; EM then rescales at the first vector
+        that differs, and the M-step (or the ascent) starts ``warmup`` vectors after the first.
+        """
+        n = self._n
+        spread = spread_before or self._has_spread()
+        if not spread:
+            self.warmup += n - max(n_old, 1)
         if self.method == "em":
-            self._em_step(d, n, B)
+            self._em_step(d, n, B, first_spread=spread and not spread_before)
         elif n > self.warmup:
             if n_old <= self.warmup:
                 self._rescale_to_data()
@@ -838,11 +875,12 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
                 "the running mean: the statistics would overflow. The update was refused and the model is unchanged."
             )
 
-    def _em_step(self, d: Tensor, n: int, B: int) -> None:
+    def _em_step(self, d: Tensor, n: int, B: int, first_spread: bool = False) -> None:
         K = self.rank
-        if 2 <= n <= self.warmup and n.bit_length() > (n - B).bit_length():
-            # warm-up: each time n passes a power of two, the fixed initial factor is put in
-            # the units of the data seen so far (see _scale_to_variance)
+        if 2 <= n <= self.warmup and (first_spread or (n.bit_length() > (n - B).bit_length() and self._has_spread())):
+            # warm-up: each time n passes a power of two, and at the first vector that differs from the
+            # earlier ones, the fixed initial factor is put in the units of the data seen so far (see
+            # _scale_to_variance); identical vectors have no units to put it in
             self._scale_to_variance()
         # E-step (eq. 4.23): the capacitance I + F^T Psi^-1 F of the current F, psi was
         # formed by the previous M-step; only F^T Psi^-1 d is new (one pass over F)

@@ -16,8 +16,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from pyro_fa.fa._sharding import (agree, check_loadable, check_shard_state, checksum, flatten_slice, make_sharding,
-                                  resolve_group, weak_group)
+from pyro_fa.fa._sharding import (agree, check_loadable, check_shard_state, checksum, draw_seed, flatten_slice,
+                                  make_sharding, resolve_group, weak_group)
 
 __all__ = ["ShardedSWAG", "unwrap_ddp", "flatten_slice"]
 
@@ -85,10 +85,9 @@ class ShardedSWAG:
                 obj = list(obj)
             except TypeError:
                 pass  # not iterable: SWAG raises on every rank alike
-        import secrets
-
+        # seed=None: rank 0's draw from torch's global generator (see draw_seed) is every rank's seed
         owns = agree(self._group, cls, dict(fields, params=_param_descriptor(obj)),
-                     own={"seed": secrets.randbits(62)})
+                     own={"seed": draw_seed() if fields["seed"] is None else None})
         return obj, fields["seed"] if fields["seed"] is not None else owns[0]["seed"]
 
     def _agree_params(self, named) -> None:
