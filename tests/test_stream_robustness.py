@@ -288,13 +288,13 @@ def test_scatter_statistics_refuse_overflow():
 
 
 def test_once_per_epoch_run_shorter_than_the_warmup_ends_it():
-    # 40 epochs, one collection per epoch, with the default warmup=100: distribution() used to refuse
+    # 40 epochs, one collection per epoch, with warmup=100 (the old default): distribution() used to refuse
     torch.manual_seed(0)
     X = torch.randn(64, 3)
     y = X.sum(-1, keepdim=True) + 0.1 * torch.randn(64, 1)
     net = nn.Linear(3, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    swag = SWAG(net, rank=2, method="em", collect_every=8, seed=0)
+    swag = SWAG(net, rank=2, method="em", collect_every=8, warmup=100, seed=0)
     swag.attach(opt)
     record = []
     for epoch in range(40):
@@ -315,11 +315,11 @@ def test_once_per_epoch_run_shorter_than_the_warmup_ends_it():
     assert swag.warmup == 39
     swag.sample_parameters(3)  # no second warning: the warm-up is over
     state = swag.state_dict()
-    again = SWAG(net, rank=2, method="em", collect_every=8, seed=0)
+    again = SWAG(net, rank=2, method="em", collect_every=8, warmup=100, seed=0)
     again.load_state_dict(state)
     again.sample_parameters(2)
     assert again.warmup == 39
-    short = SWAG(net, rank=2, method="em", seed=0)
+    short = SWAG(net, rank=2, method="em", warmup=100, seed=0)
     short.collect()
     short.collect()
     with pytest.raises(RuntimeError, match=r"needs more than warmup=100 collected vectors for method='em', got 2 "
