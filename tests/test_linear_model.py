@@ -170,6 +170,24 @@ def test_slm_refuses_bad_inputs():
         slm.fit(X, torch.zeros(20, dtype=torch.complex128))
 
 
+def test_slm_fit_failing_part_way_leaves_the_fitted_model_unchanged(monkeypatch):
+    X, y = _regression(n=40)
+    slm = StandardLinearModel(RandomFourierBasis(3, 5, seed=0, dtype=torch.float64)).fit(X, y, n_iter=10)
+    before = {k: v.clone() for k, v in slm.state_dict().items()}
+    pred, n_iter, log_ev = slm.predict(X, return_std=True), slm.n_iter_, slm.log_evidence_
+
+    def fail(*args):
+        raise RuntimeError("StandardLinearModel: the posterior precision is not numerically positive definite")
+
+    monkeypatch.setattr(slm, "_set_posterior", fail)
+    with pytest.raises(RuntimeError, match="not numerically positive definite"):
+        slm.fit(X * 3, -y, n_iter=10)  # the optimiser moves the hyperparameters, then the posterior fails
+    for k, v in slm.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    assert (slm.n_iter_, slm.log_evidence_) == (n_iter, log_ev)
+    torch.testing.assert_close(slm.predict(X, return_std=True), pred, rtol=0, atol=0)
+
+
 def test_slm_cholesky_failure_is_explained():
     slm = StandardLinearModel(LinearBasis(1, bias=False))
     with pytest.raises(RuntimeError, match="not numerically positive definite, even with jitter"):

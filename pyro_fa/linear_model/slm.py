@@ -31,6 +31,7 @@ class DegenerateEvidenceWarning(UserWarning):
     without bound, and predictive standard deviations mean nothing.
     """
 
+
 _OPTIMIZERS = ("lbfgs", "adam")
 _LOG_2PI = math.log(2 * math.pi)
 
@@ -304,7 +305,12 @@ class StandardLinearModel(nn.Module):
         Raises
         ------
         TypeError, ValueError
-            For bad data (as :meth:`log_evidence`) or options.
+            For bad data (as :meth:`log_evidence`) or options, before anything
+            changes.
+        RuntimeError
+            If a Cholesky factorisation fails (as :meth:`log_evidence`); the
+            hyperparameters, the posterior, ``n_iter_`` and ``log_evidence_``
+            are then restored to what they were before the call.
 
         Warns
         -----
@@ -353,6 +359,27 @@ class StandardLinearModel(nn.Module):
             Phi = self.basis(X) if fixed_phi is None else fixed_phi
             return -self._log_evidence(Phi, y) / N
 
+        # one transaction: a fit that fails part-way (e.g. a Cholesky factor that fails in float32) leaves the
+        # hyperparameters, the posterior and the recorded numbers as they were
+        saved = ([p.detach().clone() for p in params], self.posterior_mean, self.posterior_precision_cholesky,
+                 self.n_iter_, self.log_evidence_)
+        try:
+            self._optimise(objective, params, n_iter, lr, optimizer, progress)
+            with torch.no_grad():
+                Phi = self.basis(X) if fixed_phi is None else fixed_phi
+                self._set_posterior(Phi, y)
+                self.log_evidence_ = float(self._log_evidence(Phi, y))
+        except BaseException:
+            values, self.posterior_mean, self.posterior_precision_cholesky, self.n_iter_, self.log_evidence_ = saved
+            with torch.no_grad():
+                for p, v in zip(params, values):
+                    p.copy_(v)
+            raise
+        return self
+
+    def _optimise(self, objective, params, n_iter: int, lr: float, optimizer: str, progress: bool) -> None:
+        """Maximise the log evidence in place over ``params``; sets ``n_iter_``."""
+        name = type(self).__name__
         self.n_iter_ = 0
         if n_iter > 0 and params:
             bar = _progress_bar(progress, n_iter, name)
@@ -387,11 +414,6 @@ class StandardLinearModel(nn.Module):
                 self.n_iter_ = n_iter
             if bar is not None:
                 bar.close()
-        with torch.no_grad():
-            Phi = self.basis(X) if fixed_phi is None else fixed_phi
-            self._set_posterior(Phi, y)
-            self.log_evidence_ = float(self._log_evidence(Phi, y))
-        return self
 
     def _set_posterior(self, Phi: Tensor, y: Tensor) -> None:
         """Brownlie (2021) eq. 2.13: m = A^{-1} b, S = A^{-1}, with A and b of eq. 2.11 on the features."""
