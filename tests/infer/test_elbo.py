@@ -410,26 +410,22 @@ def test_latent_sites_in_plates_closed_form(guide_cls, case, vectorize):
     the subsampled plate's prior term carries Pyro's scale N / M = 10 / 4, as Trace_ELBO's does.
     """
     model, priors = _plate_models()[case]
-    torch.set_default_dtype(torch.float64)
-    try:
-        guide = guide_cls(model, rank=1)
-        _perturb(guide, scale=0.3)
-        q = guide.get_posterior()
-        with torch.no_grad():
-            cov = q.covariance_matrix
-            expected = dist.MultivariateNormal(q.loc, cov).entropy()
-            pos = 0
-            for name, site in guide.prototype_trace.iter_stochastic_nodes():
-                n = site["value"].numel()
-                prior, scale = priors[name]
-                m, v = q.loc[pos:pos + n], cov.diagonal()[pos:pos + n]
-                expected = expected + scale * _dense_expected_log_prior(prior, m, v).sum()
-                pos += n
-        elbo = FactorELBO(num_particles=3, vectorize_particles=vectorize)
-        losses = [elbo.loss(model, guide) for _ in range(2)]
-        assert losses == pytest.approx([-float(expected)] * 2, rel=1e-7)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    guide = guide_cls(model, rank=1)
+    _perturb(guide, scale=0.3)
+    q = guide.get_posterior()
+    with torch.no_grad():
+        cov = q.covariance_matrix
+        expected = dist.MultivariateNormal(q.loc, cov).entropy()
+        pos = 0
+        for name, site in guide.prototype_trace.iter_stochastic_nodes():
+            n = site["value"].numel()
+            prior, scale = priors[name]
+            m, v = q.loc[pos:pos + n], cov.diagonal()[pos:pos + n]
+            expected = expected + scale * _dense_expected_log_prior(prior, m, v).sum()
+            pos += n
+    elbo = FactorELBO(num_particles=3, vectorize_particles=vectorize)
+    losses = [elbo.loss(model, guide) for _ in range(2)]
+    assert losses == pytest.approx([-float(expected)] * 2, rel=1e-7)
 
 
 # ------------------------------------------------------------------ enumeration (issue 26, item 2)
