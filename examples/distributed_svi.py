@@ -1,6 +1,9 @@
 """Data-parallel SVI with AutoLowRankFactorGuide + FactorELBO.
 
-    torchrun --nproc_per_node 2 examples/distributed_svi.py
+    .venv/bin/torchrun --nproc_per_node 2 examples/distributed_svi.py
+
+(from the repository root after ``make setup``: ``torchrun``, torch's launcher, is in ``.venv/bin``;
+plain ``torchrun`` works once ``source .venv/bin/activate`` has run.)
 
 Bayesian linear regression, whose exact posterior is known. Every rank holds the whole
 guide and its share of the data; ``pyro.plate("data", N, subsample=idx)`` scales its

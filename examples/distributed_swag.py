@@ -1,6 +1,9 @@
 """Sharded SWAG on a DistributedDataParallel MLP.
 
-    torchrun --nproc_per_node 2 examples/distributed_swag.py          # gloo on CPUs, nccl on GPUs
+    .venv/bin/torchrun --nproc_per_node 2 examples/distributed_swag.py          # gloo on CPUs, nccl on GPUs
+
+(from the repository root after ``make setup``: ``torchrun``, torch's launcher, is in ``.venv/bin``;
+plain ``torchrun`` works once ``source .venv/bin/activate`` has run.)
 
 Every rank trains the same replicated MLP on its share of the data (DDP all-reduces the
 gradients). ``SWAG(ddp_model, ...)`` sees the DDP wrapper and shards the posterior over

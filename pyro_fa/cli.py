@@ -17,6 +17,8 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
+from pyro_fa.experiments._io import output_dir_arg
+
 #: subcommand name -> experiment module (imported only when the subcommand runs)
 EXPERIMENTS = {
     "online-fa": "pyro_fa.experiments.online_fa",
@@ -60,9 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
         mod = importlib.import_module(module)
         p = sub.add_parser(name, help=_HELP.get(name, (mod.__doc__ or "").strip().splitlines()[0]))
         p.add_argument("--quick", action="store_true", help="a small subset that finishes in minutes")
-        p.add_argument("--output-dir", default=None, help=f"where results go (default: results/{name})")
+        p.add_argument("--output-dir", type=output_dir_arg, default=None,
+                       help=f"where results go (default: results/{name}); checked and locked before any work")
         p.add_argument("--seed", type=int, default=0, help="base random seed (default 0)")
-        p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+        p.add_argument("--no-progress", action="store_true",
+                       help="hide progress bars (shown only on a terminal: logs and pipes get one line per unit)")
         mod.add_arguments(p)
         p.set_defaults(_module=mod, _name=name)
     return parser

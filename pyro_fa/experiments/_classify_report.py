@@ -62,6 +62,36 @@ def _mean(combo, method, metric) -> float:
     return mean_se(combo["methods"][method]["per_seed"][metric])[0]
 
 
+#: printed under the bars of a run smaller than the full one (``--quick``, fewer epochs or seeds)
+SMALL_RUN_NOTE = ("(The bars are set for the full run, `pyro-fa classify`: 150 epochs, 3 seeds. This run is smaller "
+                  "(e.g. --quick), so its rows only show the checks at work; a \"NOT met\" here says nothing about "
+                  "the bar.)")
+
+
+def versus(a: float, b: float, digits: int = 3, most: int = 6) -> str:
+    """``"a vs b"`` with enough decimals to tell ``a`` from ``b`` (from ``digits`` up to ``most``).
+
+    Examples
+    --------
+    >>> versus(0.0612, 0.0598, 2)
+    '0.061 vs 0.060'
+    >>> versus(0.25, 0.25, 2)
+    '0.25 vs 0.25'
+    """
+    d = digits
+    while d < most and f"{a:.{d}f}" == f"{b:.{d}f}" and a != b:
+        d += 1
+    return f"{a:.{d}f} vs {b:.{d}f}"
+
+
+def _auroc_versus(a: float, b: float) -> str:
+    """:func:`versus` for two AUROCs, saying which lie below chance (0.5: in-distribution inputs look *more*
+    uncertain than the OOD ones)."""
+    below = [who for who, v in (("ours", a), ("the other", b)) if v < 0.5]
+    note = "" if not below else f" ({'both' if len(below) == 2 else below[0]} below chance, 0.5)"
+    return versus(a, b, 2) + note
+
+
 def bar_checks(combos: Dict[str, dict]) -> List[dict]:
     """The benchmark's bars per dataset × network, on the means over seeds (see ``pyro-fa classify``'s docstring)."""
     checks = []
@@ -76,11 +106,11 @@ def bar_checks(combos: Dict[str, dict]) -> List[dict]:
                 if other in have:
                     for metric in ("nll", "ece"):
                         a, b = _mean(combo, "swag-em", metric), _mean(combo, other, metric)
-                        add(f"SWAG-EM {metric.upper()} < {LABELS[other]}", a < b, f"{a:.3f} vs {b:.3f}")
+                        add(f"SWAG-EM {metric.upper()} < {LABELS[other]}", a < b, versus(a, b))
             if "map" in have:
                 for o in combo["ood"]:
                     a, b = _mean(combo, "swag-em", f"auroc_{o}"), _mean(combo, "map", f"auroc_{o}")
-                    add(f"SWAG-EM OOD AUROC ({o}) > MAP", a > b, f"{a:.2f} vs {b:.2f}")
+                    add(f"SWAG-EM OOD AUROC ({o}) > MAP", a > b, _auroc_versus(a, b))
         ours = [m for m in ("multiswag", "vifa") if m in have]
         if ours and "map" in have:
             acc_map = _mean(combo, "map", "accuracy")
@@ -94,10 +124,10 @@ def bar_checks(combos: Dict[str, dict]) -> List[dict]:
                 if peer in have:
                     for metric in ("nll", "ece"):
                         a, b = _mean(combo, best, metric), _mean(combo, peer, metric)
-                        add(f"{LABELS[best]} {metric.upper()} < {LABELS[peer]}", a < b, f"{a:.3f} vs {b:.3f}")
+                        add(f"{LABELS[best]} {metric.upper()} < {LABELS[peer]}", a < b, versus(a, b))
             if "ensemble" in have:
                 a, b = _mean(combo, best, "nll"), _mean(combo, "ensemble", "nll")
-                add(f"(stretch) {LABELS[best]} NLL < deep ensemble", a < b, f"{a:.3f} vs {b:.3f}")
+                add(f"(stretch) {LABELS[best]} NLL < deep ensemble", a < b, versus(a, b))
     return checks
 
 

@@ -1,4 +1,5 @@
-"""Small helpers shared by the experiment modules: atomic result files and tables."""
+"""Small helpers shared by the experiment modules: atomic result files, tables, and the command line's plumbing
+(the output folder, the device, progress bars)."""
 from __future__ import annotations
 
 import argparse
@@ -77,3 +78,209 @@ def _bounded_int(text: str, low: int, high):
         kind = "a positive integer" if low == 1 else ("a non-negative integer" if low == 0 else f"an integer >= {low}")
         raise argparse.ArgumentTypeError(f"must be {kind}, got {value}")
     return value
+
+
+# ------------------------------------------------------------------ the command line's shared plumbing
+def output_dir_arg(text: str) -> str:
+    """argparse ``type=`` of ``--output-dir``: a non-empty path (``""`` would write into the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must be a folder path, got {text!r} (say '.' for the current folder)")
+    return text
+
+
+class OutputFolder:
+    """The result folder of one ``pyro-fa`` run: checked, created and locked before any work.
+
+    Entering creates the folder (and ``subfolders``), proves that a file can be written there, takes an
+    exclusive, non-blocking ``flock`` on ``<folder>/.lock`` (a second run on the folder is refused, the
+    first is left alone) and removes the ``.part`` temporary files a killed run left. The lock is the
+    kernel's: it goes with the process, so a killed run leaves no stale lock (the file stays, unlocked);
+    where ``fcntl`` is missing (Windows) there is no lock. If the run then fails and the folder was made
+    by this run and holds nothing but the lock file, it is removed again.
+
+    Parameters
+    ----------
+    path : str or Path
+        ``--output-dir``.
+    command : str
+        The command, e.g. ``"pyro-fa classify"``; every message starts with it.
+    subfolders : sequence of str, default ()
+        Folders inside ``path`` the run writes to (created and checked too).
+
+    Raises
+    ------
+    SystemExit
+        With a one-line message naming ``--output-dir``: when it is empty, is (or lies under) a file, cannot
+        be written to, or is in use by another run.
+    """
+
+    def __init__(self, path, command: str, subfolders: Sequence[str] = ()):
+        self.path, self.command, self.subfolders = Path(path), command, tuple(subfolders)
+        self.fd = None
+        self._made: list = []
+
+    def __enter__(self) -> "OutputFolder":
+        import tempfile
+
+        if not str(self.path).strip():
+            raise SystemExit(f"{self.command}: --output-dir must be a folder path, got ''.")
+        folders = [self.path] + [self.path / s for s in self.subfolders]
+        self._made = [p for p in [*reversed(self.path.absolute().parents), *folders] if not p.exists()]
+        try:
+            for folder in folders:
+                folder.mkdir(parents=True, exist_ok=True)
+            for folder in folders:
+                with tempfile.TemporaryFile(dir=folder):
+                    pass
+        except OSError as err:
+            self._remove_made()
+            raise SystemExit(f"{self.command}: --output-dir must be a folder this process can write to, got "
+                             f"{str(self.path)!r} ({err.strerror or err}).") from None
+        self._lock()  # refused: the folder is another run's now, left as it is
+        for folder in folders:
+            for part in folder.glob(".*.part"):
+                try:
+                    part.unlink()
+                except OSError:
+                    pass
+        return self
+
+    def _lock(self) -> None:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows
+            return
+        import os
+
+        lock = self.path / ".lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            except OSError:
+                holder = ""
+            os.close(fd)
+            raise SystemExit(f"{self.command}: --output-dir {str(self.path)!r} is in use by another {self.command} "
+                             f"run{f' (process {holder})' if holder else ''}, which holds {str(lock)!r}; wait for "
+                             "it to end, or choose another --output-dir.") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def _remove_made(self) -> None:
+        """Remove the folders this run made, deepest first, while they are empty (but for the lock file, when
+        this run holds it)."""
+        for folder in reversed(self._made):
+            if not folder.is_dir():
+                continue
+            if folder == self.path and self.fd is not None:
+                if {p.name for p in folder.iterdir()} - {".lock"}:
+                    break
+                (folder / ".lock").unlink(missing_ok=True)
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        self._made = []
+
+    def __exit__(self, exc_type, exc, tb):
+        import os
+
+        if exc_type is not None and not (exc_type is SystemExit and exc.code in (0, None)):
+            self._remove_made()  # a run that failed before writing leaves no empty folder behind
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock
+            self.fd = None
+        return False
+
+
+def check_device(name: str, command: str):
+    """The ``--device`` of ``command`` as a ``torch.device``, refused up front when it cannot hold data.
+
+    Raises
+    ------
+    SystemExit
+        When ``name`` is no torch device, is ``meta`` (shapes only), is CUDA where torch sees none, or cannot
+        hold a tensor here.
+    """
+    import torch
+
+    hint = "e.g. cpu, cuda or cuda:0"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise SystemExit(f"{command}: --device must be a torch device, {hint}, got {name!r}.") from None
+    if dev.type == "meta":
+        raise SystemExit(f"{command}: --device must be a device that holds data, {hint}, got {name!r} "
+                         "(meta tensors have shapes only).")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"{command}: --device {name!r} needs CUDA, which this torch does not see.")
+    try:
+        torch.zeros(1, device=dev).cpu()
+    except (RuntimeError, AssertionError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SystemExit(f"{command}: --device must be a device this torch can use, {hint}, got {name!r} "
+                         f"({first}).") from None
+    return dev
+
+
+def _interactive(stream) -> bool:
+    """Whether progress bars belong on ``stream``: a terminal, or a Jupyter kernel (tqdm.auto draws widgets)."""
+    import sys
+
+    try:
+        if stream.isatty():
+            return True
+    except (AttributeError, ValueError):
+        return False
+    return "ipykernel" in sys.modules and type(stream).__module__.startswith("ipykernel")
+
+
+def progress_bar(*, total=None, desc: str, unit: str = "it", enabled: bool = True, **kwargs):
+    """A tqdm bar where someone watches (a terminal or a notebook), and none otherwise.
+
+    In a log file, a pipe or CI, a bar's carriage returns garble the output; there the bar is disabled
+    (its methods do nothing) and the subcommands' one line per finished unit (written with
+    :meth:`tqdm.tqdm.write`) is the progress report.
+
+    Parameters
+    ----------
+    total : int, optional
+    desc : str
+    unit : str, default "it"
+    enabled : bool, default True
+        ``False`` (``--no-progress``) hides the bar on a terminal too.
+    **kwargs
+        Passed to ``tqdm``.
+    """
+    import sys
+
+    from tqdm.auto import tqdm
+
+    kwargs.setdefault("mininterval", 1.0)
+    stream = kwargs.get("file") or sys.stderr
+    return tqdm(total=total, desc=desc, unit=unit, disable=not (enabled and _interactive(stream)), **kwargs)
+
+
+class quiet_plate_guess:
+    """Silence Pyro's ``INFO Guessed max_plate_nesting = n`` inside the block (restored on exit).
+
+    For an ELBO whose guess must run as Pyro runs it: Pyro's ``Trace_ELBO`` draws from the global
+    random generator while it guesses, so passing ``max_plate_nesting`` would change the fits'
+    random draws. Where the guess leaves the generator alone (:class:`~pyro_fa.FactorELBO`), pass
+    ``max_plate_nesting`` instead.
+    """
+
+    def __enter__(self):
+        import logging
+
+        self.logger = logging.getLogger("pyro.infer.elbo")
+        self.level = self.logger.level
+        self.logger.setLevel(max(self.level, logging.WARNING))
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.setLevel(self.level)
+        return False

@@ -4,12 +4,12 @@ A unit's file is named ``<dataset>__<unit>__<hash of its key>.json``; the key ho
 everything its results depend on (:data:`UNIT_PROTOCOL`, the budget, seed, splits, dataset
 and, for the SWAG family, its methods), so runs of other budgets share the folder. Files
 written before units were keyed (``<dataset>__<unit>.json``, e.g. ``docs/uci/units``) get
-their key from their content. Unreadable or stray files are ignored with a warning; a lock
-refuses a second run on the folder; a killed run's ``.part`` files are removed.
+their key from their content. Unreadable or stray files are ignored with a warning. The folder itself
+(checked before any training, locked against a second run, cleared of a killed run's ``.part`` files) is
+:class:`pyro_fa.experiments._io.OutputFolder`, as for every ``pyro-fa`` subcommand.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
@@ -107,66 +107,3 @@ def read_unit(path, data_dir=None) -> Optional[dict]:
 
 def _same_run(record: Optional[dict], key: dict) -> bool:
     return record is not None and record.get("key") == key
-
-
-class _FolderLock:
-    """An exclusive, non-blocking ``flock`` on ``<folder>/.lock``, held while a run uses the folder.
-
-    The lock is the kernel's: it goes with the process, so a killed run leaves no stale lock (the file
-    stays, unlocked). A no-op where ``fcntl`` is missing (Windows).
-    """
-
-    def __init__(self, folder: Path):
-        self.path = folder / ".lock"
-        self.fd: Optional[int] = None
-
-    def __enter__(self):
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - Windows
-            return self
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            try:
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-            except OSError:
-                holder = ""
-            os.close(fd)
-            raise SystemExit(f"pyro-fa uci: --output-dir {str(self.path.parent)!r} is in use by another "
-                             f"pyro-fa uci run{f' (process {holder})' if holder else ''}, which holds "
-                             f"{str(self.path)!r}; wait for it to end, or choose another --output-dir.") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.fd = fd
-        return self
-
-    def __exit__(self, *exc):
-        if self.fd is not None:
-            os.close(self.fd)  # closing releases the lock
-            self.fd = None
-        return False
-
-
-def _prepare_output(out: Path) -> None:
-    """Create ``out/units`` and check that files can be written there, before any training."""
-    import tempfile
-
-    try:
-        (out / "units").mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out / "units"):
-            pass
-    except OSError as err:
-        raise SystemExit(f"pyro-fa uci: --output-dir must be a folder this process can write to, got "
-                         f"{str(out)!r} ({err.strerror or err}).") from None
-
-
-def _remove_stale_parts(out: Path) -> None:
-    """Remove the ``.part`` temporary files a killed run left (the caller holds the folder's lock)."""
-    for folder in (out, out / "units"):
-        for part in folder.glob(".*.part"):
-            try:
-                part.unlink()
-            except OSError:
-                pass

@@ -57,7 +57,8 @@ import torch
 from pyro_fa.experiments._classify_data import DATASETS, load_classify
 from pyro_fa.experiments._classify_methods import METHODS, NETWORKS, PEERS, Budget, epochs_of, peers_available, \
     run_methods
-from pyro_fa.experiments._io import atomic_write_json, atomic_write_text, mean_se
+from pyro_fa.experiments._io import OutputFolder, atomic_write_json, atomic_write_text, mean_se, positive_int, \
+    progress_bar
 
 #: (dataset, network) pairs the benchmark runs
 COMBOS = (("mnist1d", "mlp"), ("mnist1d", "cnn"), ("digits", "mlp"))
@@ -73,7 +74,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seeds", type=int, default=None, help="seeds per dataset × network (default 3; quick 1)")
     parser.add_argument("--epochs", type=int, default=None,
                         help="training epochs of every method (default 150; quick 12); SWAG collects in the last half")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
 
 
 def _budget(args) -> Budget:
@@ -116,7 +117,7 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
 
     out = Path(output_dir)
     total = len(combos) * len(seeds) * epochs_of(methods, budget)
-    bar = tqdm(total=total, desc="classify", unit="epoch", disable=not progress, mininterval=1.0)
+    bar = progress_bar(total=total, desc="classify", unit="epoch", enabled=progress)
     combos_out: Dict[str, dict] = {}
     probs0: Dict[str, Dict[str, List[torch.Tensor]]] = {}
     targets0: Dict[str, torch.Tensor] = {}
@@ -186,8 +187,8 @@ def write_report(out: Path, combos: dict, checks: list, budget: Budget, seeds, p
         if _paper_line(combo):
             text += [_paper_line(combo).strip(), ""]
     text += ["## The bars", "", rep.bar_summary(checks), ""]
-    if budget != Budget():
-        text += ["(The bars are set for the full run, `pyro-fa classify`; this run's budget is smaller.)", ""]
+    if budget != Budget() or len(seeds) < 3:
+        text += [rep.SMALL_RUN_NOTE, ""]
     atomic_write_text(out / "table.md", "\n".join(text))
     atomic_write_json(out / "results.json", {"budget": asdict(budget), "seeds": list(seeds),
                                              "peers_available": peers_available(), "combos": combos, "bar": checks})
@@ -201,8 +202,37 @@ def write_report(out: Path, combos: dict, checks: list, budget: Budget, seeds, p
         plt.close(fig)
 
 
+def _missing_packages(datasets: Sequence[str], methods: Sequence[str], explicit: bool) -> List[str]:
+    """Refuse, in one line naming what to install, a run that needs a package this Python lacks.
+
+    MNIST-1D needs ``mnist1d``; the peers ``laplace`` and ``ivon`` need laplace-torch and ivon-opt. A peer named
+    in ``--methods`` must import; left to the default method list, a peer that does not import is skipped.
+    Returns the peers skipped.
+
+    Raises
+    ------
+    SystemExit
+        When ``mnist1d`` is in ``datasets`` and does not import, or ``explicit`` and a named peer does not import.
+    """
+    if "mnist1d" in datasets:
+        try:
+            import mnist1d.data  # noqa: F401
+        except ImportError as err:
+            raise SystemExit(f"pyro-fa classify: --datasets mnist1d needs the mnist1d package, which does not "
+                             f"import here ({err}); install it with `pip install 'pyro_fa[classify]'` (or "
+                             "`pip install mnist1d`), or run --datasets digits.") from None
+    have = peers_available()
+    missing = [m for m in methods if m in PEERS and not have.get(m)]
+    if missing and explicit:
+        from pyro_fa.experiments._classify_peers import INSTALL_HINT, unavailable_reasons
+
+        why = "; ".join(f"{m}: {unavailable_reasons()[m]}" for m in missing)
+        raise SystemExit(f"pyro-fa classify: --methods {' '.join(missing)} needs laplace-torch / ivon-opt, which do "
+                         f"not import here ({why}); {INSTALL_HINT}; or leave {' '.join(missing)} out of --methods.")
+    return missing
+
+
 def run(args) -> int:
-    torch.set_num_threads(args.threads)
     budget = _budget(args)
     datasets = args.datasets or list(DATASETS)
     networks = args.networks or list(NETWORKS)
@@ -214,18 +244,25 @@ def run(args) -> int:
     if n_seeds < 1:
         raise SystemExit(f"pyro-fa classify: --seeds must be >= 1, got {n_seeds}.")
     methods = args.methods or list(METHODS)
-    have = peers_available()
-    missing = [m for m in methods if m in PEERS and not have.get(m)]
+    missing = _missing_packages([d for d, _ in combos], methods, explicit=args.methods is not None)
+    with OutputFolder(args.output_dir, "pyro-fa classify"):
+        torch.set_num_threads(args.threads)
+        return _run_locked(args, budget, combos, methods, n_seeds, missing)
+
+
+def _run_locked(args, budget: Budget, combos, methods, n_seeds: int, missing: List[str]) -> int:
+    from pyro_fa.experiments import _classify_report as rep
+
     print(f"pyro-fa classify: {', '.join(f'{d}-{n}' for d, n in combos)} x {len(methods)} method(s), "
           f"{n_seeds} seed(s), {budget.epochs} epochs"
-          + (f"; not installed, skipped: {', '.join(missing)}" if missing else ""))
+          + (f"; not installed, skipped: {', '.join(missing)} (`make setup` installs them)" if missing else ""))
     t0 = time.perf_counter()
     result = run_benchmark(combos, methods, budget, [args.seed + s for s in range(n_seeds)], args.output_dir,
                            progress=not args.no_progress)
-    from pyro_fa.experiments import _classify_report as rep
-
     print()
     print(rep.bar_summary(result["bar"]))
+    if budget != Budget() or n_seeds < 3:
+        print(f"\n{rep.SMALL_RUN_NOTE}")
     out = Path(args.output_dir)
     print(f"\n{time.perf_counter() - t0:.0f} s; wrote {out / 'table.md'}, {out / 'results.json'}, "
           f"{out / 'reliability.png'}, {out / 'entropy.png'}, {out / 'predictions.pt'}")

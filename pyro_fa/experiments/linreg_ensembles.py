@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from pyro_fa.datasets import load_uci_raw
-from pyro_fa.experiments._io import atomic_savefig, atomic_write_json, markdown_table, mean_se
+from pyro_fa.experiments._io import OutputFolder, atomic_savefig, atomic_write_json, markdown_table, mean_se
 from pyro_fa.experiments._io import int_in_range, nonnegative_int, positive_int
 from pyro_fa.swag.swag import SWAG
 
@@ -119,6 +119,12 @@ def run_fold(X, y, test_idx, seed, pretrain_epochs, epochs):
 
 
 def run(args) -> int:
+    """Run ``pyro-fa linreg-ensembles`` with the parsed ``args``; the result folder is checked and locked first."""
+    with OutputFolder(args.output_dir, "pyro-fa linreg-ensembles"):
+        return _run(args)
+
+
+def _run(args) -> int:
     import matplotlib
 
     matplotlib.use("Agg")

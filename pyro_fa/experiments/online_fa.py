@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from pyro_fa.fa import linalg
-from pyro_fa.experiments._io import atomic_savefig, atomic_write_json, atomic_write_text, markdown_table, mean_se
+from pyro_fa.experiments._io import OutputFolder, atomic_savefig, atomic_write_json, atomic_write_text, markdown_table, \
+    mean_se, progress_bar
 from pyro_fa.fa.online import OnlineFactorAnalysis
 
 #: Brownlie (2021), Figure 5.1 narrative / table at T = 100 000: (batch SVD, online EM, online SGA), mean and s.e.
@@ -164,9 +165,15 @@ def _validate(args):
 
 
 def run(args) -> int:
+    """Run ``pyro-fa online-fa`` with the parsed ``args``; the result folder is checked and locked first."""
+    _validate(args)
+    with OutputFolder(args.output_dir, "pyro-fa online-fa"):
+        return _run(args)
+
+
+def _run(args) -> int:
     from tqdm.auto import tqdm
 
-    _validate(args)
     quick = args.quick
     trials = args.trials or (3 if quick else 10)
     dims = tuple(args.dims or ((100,) if quick else (100, 1000)))
@@ -179,7 +186,7 @@ def run(args) -> int:
     cells = [(d, s) for d in dims for s in spectra]
     results = {}
     t_start = time.perf_counter()
-    bar = tqdm(total=len(cells) * trials, desc="online-fa", disable=args.no_progress)
+    bar = progress_bar(total=len(cells) * trials, desc="online-fa", enabled=not args.no_progress)
     for dim, spectrum in cells:
         key = f"D={dim} spectrum={list(spectrum)}"
         runs = []
@@ -196,6 +203,7 @@ def run(args) -> int:
         }
         # the cells done so far, so that an interrupted full run keeps them (complete: false)
         atomic_write_json(out_dir / "partial.json", {"experiment": "online-fa", "complete": False, "results": results})
+        tqdm.write(f"online-fa: {key}, {trials} trial(s) done ({time.perf_counter() - t_start:.0f} s in all)")
     bar.close()
     elapsed = time.perf_counter() - t_start
 

@@ -56,9 +56,17 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from pyro_fa.experiments._io import atomic_write_json, atomic_write_text, int_in_range, positive_int
+from pyro_fa.experiments._io import OutputFolder, atomic_write_json, atomic_write_text, check_device, int_in_range, \
+    positive_int, progress_bar
 
 TABLES = ("2", "3", "4")
+#: the UCI datasets a table reads (Table 3 uses scikit-learn's bundled digits)
+UCI_NEEDED = {"2": "boston", "4": "protein"}
+
+
+#: printed under the bars of a run whose budget is not the full one (e.g. ``--quick``)
+SMALL_RUN_NOTE = ("(The bars are set for the full run, `pyro-fa revrand`; this run's budget differs (e.g. --quick), "
+                  "so its rows only show the checks at work: a \"NOT met\" here says nothing about the bar.)")
 
 
 @dataclass
@@ -112,6 +120,9 @@ def add_arguments(parser) -> None:
                         help="Table 4: GLM components and GP subset sizes (default 256 512 1024 2048)")
     parser.add_argument("--steps", type=positive_int, default=None,
                         help="SVI steps of every GLM fit (default 5000, 3000 and 6000 in Tables 2, 3 and 4)")
+    parser.add_argument("--data-dir", default=None,
+                        help="UCI data folder for Tables 2 (boston) and 4 (protein) (default: $PYRO_FA_DATA, else "
+                             "the download cache)")
     parser.add_argument("--device", default="cpu", help="torch device of our models, e.g. cuda (default cpu)")
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch and BLAS threads (default 1; threads that spin on a loaded machine cost more "
@@ -129,18 +140,28 @@ def budget_from_args(args) -> Budget:
     return b
 
 
-def _device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise SystemExit(f"pyro-fa revrand: --device must be a torch device such as cpu or cuda, got {name!r}.")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"pyro-fa revrand: --device {name} asked for, but CUDA is not available here.")
-    try:
-        torch.zeros(1, device=device)
-    except (RuntimeError, AssertionError) as err:
-        raise SystemExit(f"pyro-fa revrand: --device {name!r} cannot be used: {err}")
-    return device
+def check_data(tables, data_dir=None) -> None:
+    """Refuse, in one line and before any work, a run whose tables need UCI data that cannot be found.
+
+    Tables 2 and 4 read UCI boston and protein (:mod:`pyro_fa.datasets`: ``data_dir``, else ``$PYRO_FA_DATA``,
+    else the download cache, filled from the network where it can be).
+
+    Raises
+    ------
+    SystemExit
+        Naming ``PYRO_FA_DATA`` / ``--data-dir`` and the tables that need the data.
+    """
+    from pyro_fa.datasets import uci_n_splits
+
+    need = {t: UCI_NEEDED[t] for t in sorted(tables) if t in UCI_NEEDED}
+    for table, name in need.items():
+        try:
+            uci_n_splits(name, data_dir)
+        except (OSError, ValueError) as err:
+            which = " and ".join(f"{t} ({n})" for t, n in need.items())
+            raise SystemExit(f"pyro-fa revrand: Tables {which} need the UCI data, and {name} was not found "
+                             f"({err}). Set PYRO_FA_DATA or pass --data-dir to a folder of the UCI benchmark "
+                             "layout (see pyro_fa/data/uci/README.md), or run --tables 3 alone.") from None
 
 
 def _units(tables, b: Budget) -> int:
@@ -164,7 +185,7 @@ def run_tables(tables, budget: Budget, seed: int, output_dir, device="cpu", prog
     from pyro_fa.experiments import _revrand_tables as runs
 
     device = torch.device(device)
-    bar = tqdm(total=_units(tables, budget), desc="revrand", unit="fit", disable=not progress, mininterval=1.0)
+    bar = progress_bar(total=_units(tables, budget), desc="revrand", unit="fit", enabled=progress)
     records: Dict[str, dict] = {}
     t0 = time.perf_counter()
     for table in sorted(tables):
@@ -210,15 +231,21 @@ def write_report(out: Path, result: dict) -> None:
                  "summed over folds (Table 3) or per fit (Table 4), and includes the GLM's prior grid.", ""]
     text += ["## The bars", "", rep.bar_summary(result["bar"]) if result["bar"] else "(no bar applies)", ""]
     if result["budget"] != Budget().record():
-        text += ["(The bars are set for the full run, `pyro-fa revrand`; this run's budget differs.)", ""]
+        text += [SMALL_RUN_NOTE, ""]
     atomic_write_text(out / "report.md", "\n".join(text))
     atomic_write_json(out / "results.json", result)
 
 
 def run(args) -> int:
-    device = _device(args.device)
+    device = check_device(args.device, "pyro-fa revrand")
     budget = budget_from_args(args)
     tables = sorted(set(args.tables))
+    check_data(tables, args.data_dir)
+    with OutputFolder(args.output_dir, "pyro-fa revrand"):
+        return _run_locked(args, device, budget, tables)
+
+
+def _run_locked(args, device, budget: Budget, tables) -> int:
     print(f"pyro-fa revrand: tables {' '.join(tables)}{' (quick)' if args.quick else ''}, device {device}, "
           f"{args.threads} thread(s)")
     from threadpoolctl import threadpool_limits
@@ -226,11 +253,13 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
     with threadpool_limits(args.threads):
         result = run_tables(tables, budget, args.seed, args.output_dir, device=device,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, data_dir=args.data_dir)
     from pyro_fa.experiments import _revrand_report as rep
 
     print()
     print(rep.bar_summary(result["bar"]) if result["bar"] else "(no bar applies)")
+    if result["bar"] and result["budget"] != Budget().record():
+        print(f"\n{SMALL_RUN_NOTE}")
     out = Path(args.output_dir)
     print(f"\n{result['seconds']:.0f} s; wrote {out / 'report.md'}, {out / 'results.json'}")
     return 0

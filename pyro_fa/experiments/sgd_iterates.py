@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from pyro_fa.experiments._io import atomic_savefig, atomic_write_json, markdown_table, mean_se
+from pyro_fa.experiments._io import OutputFolder, atomic_savefig, atomic_write_json, markdown_table, mean_se
 from pyro_fa.experiments._io import nonnegative_int, positive_int
 from pyro_fa.swag.swag import SWAG
 from pyro_fa.fa.linalg import gaussian_wasserstein2
@@ -134,6 +134,12 @@ def _contours(ax, m, S, thetas, pretrained, title, fa=None):
 
 
 def run(args) -> int:
+    """Run ``pyro-fa sgd-iterates`` with the parsed ``args``; the result folder is checked and locked first."""
+    with OutputFolder(args.output_dir, "pyro-fa sgd-iterates"):
+        return _run(args)
+
+
+def _run(args) -> int:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -68,13 +68,13 @@ from typing import List, Optional, Sequence
 import torch
 
 from pyro_fa.datasets import UCI_DATASETS, list_uci, load_uci, uci_n_splits
-from pyro_fa.experiments._io import atomic_write_json, mean_se
+from pyro_fa.experiments._io import OutputFolder, atomic_write_json, check_device, mean_se, positive_int, \
+    progress_bar
 from pyro_fa.experiments._uci_protocol import (DEFAULT_METHODS, METHODS, QUICK_METHODS, SWAG_METHODS, Budget,
                                                Method, SplitData, evaluate, final_data, heldout_ll, n_tune_splits,
                                                run_vi, train, tuning_data)
 from pyro_fa.experiments._uci_swag import run_swag
-from pyro_fa.experiments._uci_units import (_FolderLock, _legacy_path, _prepare_output, _remove_stale_parts,
-                                            _run_key, _same_run, _unit_key, _unit_path, _units, read_unit)
+from pyro_fa.experiments._uci_units import _legacy_path, _run_key, _same_run, _unit_key, _unit_path, _units, read_unit
 
 __all__ = ["Budget", "DEFAULT_METHODS", "METHODS", "Method", "QUICK_METHODS", "SWAG_METHODS", "SplitData",
            "add_arguments", "evaluate", "final_data", "heldout_ll", "keep_freed_memory", "n_tune_splits", "read_unit",
@@ -97,8 +97,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tune-splits", type=int, default=None,
                         help="splits whose training parts carry the search (default: enough for 300 validation "
                              "points, at most 5; quick 1)")
-    parser.add_argument("--jobs", type=int, default=1, help="datasets run in parallel processes (default 1)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    parser.add_argument("--jobs", type=positive_int, default=1, help="datasets run in parallel processes (default 1)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
     parser.add_argument("--report-only", action="store_true",
                         help="only rebuild the table and figures from the result files of earlier runs")
@@ -145,7 +145,7 @@ def run_unit(dataset: str, unit: str, method_names: Sequence[str], budget: Budge
     if budget.tune_splits is not None and budget.tune_splits > len(splits):
         raise SystemExit(f"pyro-fa uci: --tune-splits must be at most the {len(splits)} splits run, "
                          f"got {budget.tune_splits}.")
-    bar = tqdm(desc=f"{dataset}: {unit}", unit="step", disable=not progress, leave=False, mininterval=1.0)
+    bar = progress_bar(desc=f"{dataset}: {unit}", unit="step", enabled=progress, leave=False)
     t0, c0 = time.perf_counter(), time.process_time()
     if unit == "swag-family":
         results = run_swag([METHODS[m] for m in method_names if METHODS[m].swag is not None], splits, budget, seed,
@@ -300,41 +300,17 @@ def report(out_dir: str, budget: Budget, names: Sequence[str], methods: Optional
     return {"results": results, "bar": checks}
 
 
-def _check_device(device: str) -> None:
-    """Refuse a device that is no torch device, or one that holds no data (``meta``) or is not there."""
-    hint = "e.g. cpu, cuda or cuda:0"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError, TypeError):
-        raise SystemExit(f"pyro-fa uci: --device must be a torch device, {hint}, got {device!r}.") from None
-    if dev.type == "meta":
-        raise SystemExit(f"pyro-fa uci: --device must be a device that holds data, {hint}, got {device!r} "
-                         "(meta tensors have shapes only).")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"pyro-fa uci: --device {device!r} needs CUDA, which this torch does not see.")
-    try:
-        torch.zeros(1, device=dev).cpu()
-    except (RuntimeError, AssertionError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise SystemExit(f"pyro-fa uci: --device must be a device this torch can use, {hint}, got {device!r} "
-                         f"({first}).") from None
-
-
 def run(args) -> int:
     budget = _budget(args)
     names = args.datasets or (["yacht"] if args.quick else list(DATASET_ORDER))
     methods = args.methods or list(QUICK_METHODS if args.quick else DEFAULT_METHODS)
     splits = args.splits if args.splits is not None else (2 if args.quick else None)
-    if args.jobs < 1 or args.threads < 1:
-        raise SystemExit(f"pyro-fa uci: --jobs and --threads must be >= 1, got {args.jobs} and {args.threads}.")
-    _check_device(args.device)
+    check_device(args.device, "pyro-fa uci")
     out = Path(args.output_dir)
     if args.report_only and not (out / "units").is_dir():
         raise SystemExit(f"pyro-fa uci: no results of this budget in {out / 'units'}; run without "
                          "--report-only first.")
-    _prepare_output(out)
-    with _FolderLock(out):
-        _remove_stale_parts(out)
+    with OutputFolder(out, "pyro-fa uci", subfolders=("units",)):
         return _run_locked(args, budget, names, methods, splits)
 
 
@@ -365,13 +341,14 @@ def _run_locked(args, budget: Budget, names: List[str], methods: List[str], spli
             import multiprocessing as mp
             from concurrent.futures import ProcessPoolExecutor, as_completed
 
-            from tqdm.auto import tqdm
-
             with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"), initializer=_exit_with_parent,
                                      initargs=(os.getpid(),)) as pool:
                 futures = [pool.submit(_worker, kw) for kw in todo]
-                for f in tqdm(as_completed(futures), total=len(futures), desc="units", disable=args.no_progress):
+                bar = progress_bar(total=len(futures), desc="units", enabled=not args.no_progress)
+                for f in as_completed(futures):
                     f.result()
+                    bar.update()
+                bar.close()
     report(args.output_dir, budget, names, methods, splits, args.seed, args.data_dir)
     return 0
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from pyro_fa.datasets import load_uci
-from pyro_fa.experiments._io import atomic_savefig, atomic_write_json, atomic_write_text, markdown_table
+from pyro_fa.experiments._io import OutputFolder, atomic_savefig, atomic_write_json, atomic_write_text, markdown_table
 from pyro_fa.experiments._io import nonnegative_int, positive_int
 from pyro_fa.experiments.vifa_synthetic import _schedule, laplace_scale
 
@@ -91,7 +91,8 @@ def fit_vifa(X, y, alpha, beta, prior_name, steps, lr, particles, seed):
     pyro.set_rng_seed(seed)
     guide = AutoLowRankFactorGuide(model, rank=min(RANK, X.shape[1]), init_scale=0.01, loc_scale="prior")
     optim = LambdaLR({"optimizer": torch.optim.Adam, "optim_args": {"lr": lr}, "lr_lambda": _schedule(steps)})
-    svi = SVI(model, guide, optim, FactorELBO(num_particles=particles, vectorize_particles=True))
+    # one plate ("data"): named, so that the ELBO need not guess it (nor log its guess)
+    svi = SVI(model, guide, optim, FactorELBO(num_particles=particles, vectorize_particles=True, max_plate_nesting=1))
     t0 = time.perf_counter()
     for _ in range(steps):
         svi.step(X, y)
@@ -136,6 +137,12 @@ def _figure(title, m, S, fits, path):
 
 
 def run(args) -> int:
+    """Run ``pyro-fa vifa-linreg`` with the parsed ``args``; the result folder is checked and locked first."""
+    with OutputFolder(args.output_dir, "pyro-fa vifa-linreg"):
+        return _run(args)
+
+
+def _run(args) -> int:
     names = args.datasets or list(DATASETS)
     steps = args.steps or (1500 if args.quick else 4000)
     out_dir = Path(args.output_dir)
