@@ -307,3 +307,31 @@ def test_predict_log_proba_is_finite_and_matches_float64_reference(members):
         naive = post.predict_proba(x, num_samples=S, generator=gen()).log()
     assert not torch.isfinite(naive).all()
     torch.testing.assert_close(out.exp(), post.predict_proba(x, num_samples=S, generator=gen()))
+
+
+def test_glm_classifier_predict_log_proba_is_stable():
+    # scikit-learn's predict_log_proba on a Monte Carlo classifier: log E sigmoid(f) over the same draws,
+    # finite far from the data, where 1 - E sigmoid(f) of the ruled-out class rounds to 0 in float64
+    import numpy as np
+
+    from pyro_fa.linear_model import GLMClassifier
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(80, 2))
+    y = (X[:, 0] - X[:, 1] > 0).astype(int)
+    clf = GLMClassifier(n_components=10, n_steps=150, lr=0.05, n_samples=50, random_state=0).fit(X, y)
+    far = np.array([[200.0, -200.0], [-200.0, 200.0], [0.3, -0.1]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "divide by zero encountered in log"
+        out = clf.predict_log_proba(far)
+    assert out.shape == (3, 2) and np.isfinite(out).all()
+    # float64 reference over the same seeded draws of the linear predictor
+    with clf._seeded():
+        f = clf.model_.predictive_samples(clf._scale_x(far), n_samples=clf.n_samples).double()
+    ref = torch.stack([torch.logsumexp(-torch.nn.functional.softplus(f), 0),
+                       torch.logsumexp(-torch.nn.functional.softplus(-f), 0)], -1) - math.log(clf.n_samples)
+    np.testing.assert_allclose(out, ref.numpy(), rtol=1e-10, atol=1e-12)
+    assert out.min() < -100
+    with np.errstate(divide="ignore"):  # 1 - p rounds to 0 there: the log of predict_proba is -inf
+        assert not np.isfinite(np.log(clf.predict_proba(far))).all()
+    np.testing.assert_allclose(np.exp(out[2]), clf.predict_proba(far)[2], rtol=1e-10)

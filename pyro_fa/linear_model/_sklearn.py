@@ -747,8 +747,13 @@ class GLMClassifier(ClassifierMixin, _GLMEstimator):
         return proba.cpu().numpy()
 
     def predict_log_proba(self, X):
-        """Log of :meth:`predict_proba`, shape (n_samples, 2)."""
-        return np.log(self.predict_proba(X))
+        """Log of :meth:`predict_proba`, shape (n_samples, 2), computed stably over the same draws (finite
+        where a class's probability is below the smallest float)."""
+        check_is_fitted(self)
+        X = validate_data(self, X, dtype=np.float64, reset=False)
+        with self._seeded():
+            log_proba = self.model_.predict_log_proba(self._scale_x(X), n_samples=self.n_samples)
+        return log_proba.cpu().numpy()
 
     def predict(self, X):
         """The more probable class of each row, shape (n_samples,)."""

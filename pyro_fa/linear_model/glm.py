@@ -486,6 +486,32 @@ class GeneralizedLinearModel(nn.Module):
     def _mc_probability(self, X: Tensor, n_samples: int) -> Tensor:
         return torch.cat([torch.sigmoid(f).mean(0) for f in self._f_samples(X, n_samples)])
 
+    def _mc_log_probability(self, X: Tensor, n_samples: int) -> Tensor:
+        # [log E sigmoid(-f), log E sigmoid(f)] as logsumexp of log-sigmoids over the draws minus log S:
+        # finite where every draw lies far in a tail (the log of the averaged probability is -inf there)
+        logsig = torch.nn.functional.logsigmoid
+        out = torch.cat([torch.stack([torch.logsumexp(logsig(-f), 0), torch.logsumexp(logsig(f), 0)], -1)
+                         for f in self._f_samples(X, n_samples)])
+        return out - math.log(n_samples)
+
+    @torch.no_grad()
+    def predict_log_proba(self, X, n_samples: int = 1000) -> Tensor:
+        r"""Log class probabilities :math:`[\log(1 - p_*), \log p_*]` of :meth:`predict_proba` (Bernoulli).
+
+        Computed as :math:`\log p_* = \mathrm{logsumexp}_s \log\mathrm{sigmoid}(f_*^{(s)}) - \log S` over the
+        same draws, so that a probability below the dtype's smallest number keeps a finite logarithm.
+
+        Returns
+        -------
+        Tensor of shape (M, 2)
+        """
+        if self.likelihood != "bernoulli":
+            raise RuntimeError(
+                f"{type(self).__name__}: predict_log_proba needs likelihood='bernoulli', got {self.likelihood!r}."
+            )
+        self._check_fitted()
+        return self._mc_log_probability(self._inputs(X), self._n_samples(n_samples))
+
     @torch.no_grad()
     def predict_proba(self, X, n_samples: int = 1000) -> Tensor:
         r"""Class probabilities :math:`[1 - p_*, p_*]`, :math:`p_* = \mathbb{E}_q[\mathrm{sigmoid}(f_*)]` (Bernoulli).
