@@ -102,7 +102,8 @@ def compare(name, model, to_funnel, args):
     warped, t_neutra, div_neutra = run_nuts(poutine.reparam(model, config=lambda _: neutra), args.warmup,
                                             args.samples, args.seed)
     u_plain = to_funnel(plain)
-    u_neutra = to_funnel(neutra.transform_sample(warped["x_shared_latent"]))
+    (shared,) = [v for k, v in warped.items() if k.endswith("_shared_latent")]  # named after the first latent site
+    u_neutra = to_funnel(neutra.transform_sample(shared))
     rows = []
     for label, u, t_mcmc, t_extra, div in (("plain NUTS", u_plain, t_plain, 0.0, div_plain),
                                            ("NeuTra NUTS (ours, rank 3)", u_neutra, t_neutra, t_svi, div_neutra)):
