@@ -213,3 +213,65 @@ def test_seedless_fits_draw_their_seed_from_the_global_generator():
     assert torch.equal(f1, f2) and torch.equal(torch.rand(1), after1)
     torch.manual_seed(4)
     assert not torch.equal(OnlineFactorAnalysis(50, 3, warmup=5).cov_factor, f1)
+
+
+# ------------------------------------------------------------------ the float32 capacitance at large D (item 4)
+def _ill_conditioned(D=20000, K=6, seed=0):
+    """float32 F, psi whose F^T Psi^-1 F has eigenvalues near 1e9 beside near-zero ones (rank-deficient F)."""
+    g = torch.Generator().manual_seed(seed)
+    F = (torch.randn(D, 2, generator=g, dtype=torch.float64) @ torch.randn(2, K, generator=g, dtype=torch.float64)
+         * 1e-3 + 1e-9 * torch.randn(D, K, generator=g, dtype=torch.float64))
+    psi = 10 ** (-15 + 6 * torch.rand(D, generator=g, dtype=torch.float64))
+    loc = torch.randn(D, generator=g, dtype=torch.float64)
+    return loc.float(), F.float(), psi.float()
+
+
+def test_stable_normal_matches_a_float64_computation_where_torch_fails():
+    from torch.distributions import LowRankMultivariateNormal
+
+    from pyro_fa.fa.normal import StableLowRankMultivariateNormal
+
+    loc, F, psi = _ill_conditioned()
+    with pytest.raises(RuntimeError, match="positive-definite"):
+        LowRankMultivariateNormal(loc, F, psi)  # torch's float32 capacitance
+    q = StableLowRankMultivariateNormal(loc, F, psi)
+    assert isinstance(q, LowRankMultivariateNormal)
+    # float64 reference: torch's own class on float64 copies of the same numbers
+    ref = LowRankMultivariateNormal(loc.double(), F.double(), psi.double())
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(3, F.shape[1], generator=g, dtype=torch.float64)
+    eps = torch.randn(3, loc.shape[0], generator=g, dtype=torch.float64)
+    x = (loc.double() + h @ F.double().T + psi.double().sqrt() * eps).float()
+    torch.testing.assert_close(q.log_prob(x).double(), ref.log_prob(x.double()), rtol=1e-6, atol=0)
+    torch.testing.assert_close(q.entropy().double(), ref.entropy(), rtol=1e-6, atol=0)
+    assert q.log_prob(x).dtype == torch.float32
+    # the capacitance's factor against a dense float64 capacitance
+    cap = torch.eye(F.shape[1], dtype=torch.float64) + F.double().T @ (F.double() / psi.double().unsqueeze(-1))
+    L = linalg.capacitance_cholesky(F, psi).double()
+    torch.testing.assert_close(L @ L.T, cap, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(q.rsample((2,))).all()
+
+
+@pytest.mark.slow
+def test_swag_of_a_large_linear_layer_gives_a_usable_distribution():
+    # SWAG(nn.Linear(1000, 200), rank=10) after 14 full-batch steps: torch's float32 capacitance was not
+    # positive definite (eigenvalues down to -10); the posterior's log_prob agrees with a float64 one
+    from torch.distributions import LowRankMultivariateNormal
+
+    torch.manual_seed(0)
+    net = nn.Linear(1000, 200).float()
+    x = torch.randn(256, 1000, dtype=torch.float32)
+    y = torch.randn(256, 200, dtype=torch.float32)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    swag = SWAG(net, rank=10, warmup=10, seed=0)
+    swag.attach(opt)
+    for _ in range(14):
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+    q = swag.distribution()
+    F, psi = swag.cov_factor.double(), swag.cov_diag.double()
+    ref = LowRankMultivariateNormal(swag.loc.double(), F, psi)
+    theta = swag.sample_parameters(2, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(q.log_prob(theta).double(), ref.log_prob(theta.double()), rtol=1e-5, atol=0)
+    torch.testing.assert_close(q.entropy().double(), ref.entropy(), rtol=1e-6, atol=0)

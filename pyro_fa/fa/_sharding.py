@@ -553,14 +553,21 @@ class ShardedLowRankNormal:
 
     def marginal(self) -> LowRankMultivariateNormal:
         """The marginal distribution of this rank's coordinates (no collective)."""
-        return LowRankMultivariateNormal(self.loc, self.cov_factor, self.cov_diag)
+        from pyro_fa.fa.normal import StableLowRankMultivariateNormal
+
+        return StableLowRankMultivariateNormal(self.loc, self.cov_factor, self.cov_diag)
 
     def _sums(self, *extra: Tensor) -> Tuple[Tensor, Tensor, List[Tensor]]:
         F, psi = self.cov_factor, self.cov_diag
+        from pyro_fa.fa.normal import whitened_gram
+
+        # the capacitance as the Gram matrix of Psi^-1/2 F summed in float64 (and carried so): positive
+        # definite by construction where float32 sums are not (tiny psi against F)
         _, (logdet_psi, cap, *rest) = self.sharding.reduce(
-            (), psi.log().sum().reshape(1), (F / psi.unsqueeze(-1)).T @ F, *extra)
-        cap = cap + torch.eye(F.shape[-1], dtype=cap.dtype, device=cap.device)
-        return logdet_psi[0], torch.linalg.cholesky(cap), rest
+            (), psi.double().log().sum().reshape(1), whitened_gram(F, psi), *(e.double() for e in extra))
+        cap.diagonal().add_(1.0)
+        L = torch.linalg.cholesky(cap)
+        return logdet_psi[0], L, rest
 
     def log_prob(self, value: Tensor) -> Tensor:
         r"""Log-density of whole vectors given by this rank's rows ``value`` of shape (..., D_r).
@@ -573,20 +580,20 @@ class ShardedLowRankNormal:
                              f"rank's rows), got shape {tuple(value.shape)!r}.")
         batch = value.shape[:-1]
         self.sharding.agree_sizes("ShardedLowRankNormal", "number of vectors to log_prob", int(batch.numel()))
-        r = (value - self.loc).reshape(-1, value.shape[-1])
-        psi = self.cov_diag
-        logdet_psi, L, (maha, u) = self._sums((r.pow(2) / psi).sum(-1), (r / psi) @ self.cov_factor)
+        r = (value - self.loc).reshape(-1, value.shape[-1]).double()  # the sums over D in float64
+        psi = self.cov_diag.double()
+        logdet_psi, L, (maha, u) = self._sums((r.pow(2) / psi).sum(-1), (r / psi) @ self.cov_factor.double())
         v = torch.linalg.solve_triangular(L, u.T, upper=False)  # (K, N)
         quad = maha - v.pow(2).sum(0)
         logdet = logdet_psi + 2 * L.diagonal().log().sum()
         out = -0.5 * (self.sharding.dim * math.log(2 * math.pi) + logdet + quad)
-        return out.reshape(batch)
+        return out.reshape(batch).to(self.loc.dtype)
 
     def entropy(self) -> Tensor:
         """Entropy of the whole distribution (collective: one all-reduce of 1 + K² numbers)."""
         logdet_psi, L, _ = self._sums()
         logdet = logdet_psi + 2 * L.diagonal().log().sum()
-        return 0.5 * self.sharding.dim * (1.0 + math.log(2 * math.pi)) + 0.5 * logdet
+        return (0.5 * self.sharding.dim * (1.0 + math.log(2 * math.pi)) + 0.5 * logdet).to(self.loc.dtype)
 
     def sample(self, sample_shape=torch.Size(), generator: Optional[torch.Generator] = None) -> Tensor:
         r"""This rank's rows of draws :math:`c + Fh + \Psi^{1/2}\varepsilon`, shape ``sample_shape + (D_r,)``.

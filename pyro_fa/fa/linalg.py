@@ -32,6 +32,8 @@ import torch
 from torch import Tensor
 from torch.distributions import LowRankMultivariateNormal
 
+from pyro_fa.fa.normal import StableLowRankMultivariateNormal, capacitance_tril
+
 __all__ = [
     "capacitance_cholesky",
     "logdet",
@@ -76,15 +78,14 @@ def capacitance_cholesky(cov_factor: Tensor, cov_diag: Tensor) -> Tensor:
 
     Notes
     -----
-    Cost :math:`O(DK^2)`. The capacitance has eigenvalues :math:`\ge 1`, so the
-    factorisation is well conditioned whatever the scale of :math:`F`.
+    Cost :math:`O(DK^2)`. The capacitance has eigenvalues :math:`\ge 1`; it is formed as
+    :math:`I + W^\top W`, :math:`W = \Psi^{-1/2}F`, summed in float64 and factorised there
+    (:func:`pyro_fa.fa.normal.capacitance_tril`), so it is positive definite by construction
+    even where float32 sums would not be (tiny :math:`\psi` against :math:`F`). The factor is
+    returned in the dtype of ``cov_factor`` (its diagonal is :math:`\ge 1`).
     """
     _check_pair(cov_factor, cov_diag, "capacitance_cholesky")
-    K = cov_factor.shape[-1]
-    Wt = (cov_factor / cov_diag.unsqueeze(-1)).transpose(-1, -2)  # (..., K, D)
-    cap = Wt @ cov_factor
-    cap = cap + torch.eye(K, dtype=cap.dtype, device=cap.device)
-    return torch.linalg.cholesky(cap)
+    return capacitance_tril(cov_factor, cov_diag).to(cov_factor.dtype)
 
 
 def logdet(cov_factor: Tensor, cov_diag: Tensor) -> Tensor:
@@ -493,6 +494,7 @@ def fa_distribution(loc: Tensor, cov_factor: Tensor, cov_diag: Tensor, validate_
     Returns
     -------
     torch.distributions.LowRankMultivariateNormal
+        A :class:`~pyro_fa.fa.normal.StableLowRankMultivariateNormal` (its capacitance in float64).
     """
-    return LowRankMultivariateNormal(loc, cov_factor, cov_diag, validate_args=validate_args)
+    return StableLowRankMultivariateNormal(loc, cov_factor, cov_diag, validate_args=validate_args)
 

@@ -20,6 +20,7 @@ from pyro_fa.fa._online_sga import OnlineSGA, cholesky as _cholesky
 from pyro_fa.fa._online_sharded import OnlineSharded
 from pyro_fa.fa._sharding import ShardedLowRankNormal, draw_seed, sharded_orthogonal_init
 from pyro_fa.fa.moments import RunningMoments
+from pyro_fa.fa.normal import StableLowRankMultivariateNormal
 
 __all__ = ["OnlineFactorAnalysis"]
 
@@ -489,12 +490,14 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
         Returns
         -------
         torch.distributions.LowRankMultivariateNormal
+            A :class:`~pyro_fa.fa.normal.StableLowRankMultivariateNormal`, whose capacitance is
+            formed in float64 (torch's float32 one fails when :math:`\psi` is tiny against :math:`F`).
         """
         self._check_fitted("distribution()")
         F, psi = self._estimate()
         if self._sharding is not None:
             return ShardedLowRankNormal(self.loc, F, psi, self._sharding)
-        return LowRankMultivariateNormal(self.loc, F, psi)
+        return StableLowRankMultivariateNormal(self.loc, F, psi)
 
     def log_prob(self, x: Tensor) -> Tensor:
         """Log-density of ``x`` (shape (..., D)) under the fitted Gaussian.

@@ -28,6 +28,7 @@ from torch.distributions import LowRankMultivariateNormal
 
 from pyro_fa._state import check_count
 from pyro_fa.fa.moments import RunningMoments
+from pyro_fa.fa.normal import StableLowRankMultivariateNormal
 from pyro_fa.fa.online import OnlineFactorAnalysis
 from pyro_fa.swag._params import ParamSource as _ParamSource, positive_int as _positive_int
 from pyro_fa.swag._sharded import ShardedSWAG, flatten_slice
@@ -656,10 +657,11 @@ class SWAG(ShardedSWAG, nn.Module):
         if self._sharding is not None:  # this rank's rows; log_prob, entropy and sample are collective
             s = self._scale
             return ShardedLowRankNormal(self.loc, self.cov_factor * math.sqrt(s), self.cov_diag * s, self._sharding)
+        # the capacitance in float64: torch's float32 one fails when psi is tiny against F (large D)
         if self._scale == 1.0:
-            return LowRankMultivariateNormal(self.loc, self.cov_factor, self.cov_diag)
-        return LowRankMultivariateNormal(self.loc, self.cov_factor * math.sqrt(self._scale),
-                                         self.cov_diag * self._scale)
+            return StableLowRankMultivariateNormal(self.loc, self.cov_factor, self.cov_diag)
+        return StableLowRankMultivariateNormal(self.loc, self.cov_factor * math.sqrt(self._scale),
+                                               self.cov_diag * self._scale)
 
     @property
     def scale(self) -> float:
