@@ -79,9 +79,9 @@ def main(argv=None):
     for method, kwargs in configs:
         _reset_peak()
         base = _rss_peak_kib()
-        fa = OnlineFactorAnalysis(D, K, method=method, warmup=2, seed=0, dtype=torch.float32, **kwargs)
-        for i in range(4):  # past the warm-up, so the timed updates are full updates
-            fa.update(xs[i])
+        fa = OnlineFactorAnalysis(D, K, method=method, warmup=K, seed=0, dtype=torch.float32, **kwargs)
+        for i in range(K + 2):  # past the warm-up, so the timed updates are full updates
+            fa.update(xs[i % len(xs)] + 0.01 * i)
         stream = itertools.cycle(xs)
         t = _mean_time(lambda fa=fa: fa.update(next(stream)), args.repeats)
         peak = (_rss_peak_kib() - base) * 1024

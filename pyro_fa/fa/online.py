@@ -25,7 +25,6 @@ from pyro_fa.fa.normal import StableLowRankMultivariateNormal
 __all__ = ["OnlineFactorAnalysis"]
 
 _METHODS = ("em", "sga")
-_MAX_DENSE_DIM = 20_000
 _DEFAULT_WARMUP = 100  # warmup=None: max(_DEFAULT_WARMUP, rank)
 _M_STEP_DIM = 100_000  # default m_step_every = max(1, dim // _M_STEP_DIM)
 
@@ -526,11 +525,8 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
         if self._sharding is not None:
             raise RuntimeError(f"{type(self).__name__}: covariance() needs the whole D x D matrix, got a model "
                                "sharded over a process group. Use distribution().marginal() for this rank's block.")
-        if self.dim > _MAX_DENSE_DIM:
-            raise ValueError(
-                f"{type(self).__name__}: covariance() forms a dense D x D matrix and needs dim <= "
-                f"{_MAX_DENSE_DIM}, got {self.dim}. Use distribution() (a LowRankMultivariateNormal) instead."
-            )
+        linalg.check_dense_dim(type(self).__name__, "covariance()", self.dim, self.loc.dtype,
+                               "Use distribution() (a LowRankMultivariateNormal) instead.", argument="dim")
         self._check_fitted("covariance()")
         F, psi = self._estimate()
         return linalg.dense_covariance(F, psi)

@@ -16,7 +16,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.distributions import Categorical, LowRankMultivariateNormal, MixtureSameFamily
+from torch.distributions import Categorical, MixtureSameFamily
+
+from pyro_fa.fa.normal import StableLowRankMultivariateNormal
 
 from pyro_fa.swag.guide import FactorPosteriorGuide
 from pyro_fa.swag.swag import SWAG
@@ -133,9 +135,10 @@ class MultiSWAG(nn.Module):
                           noise_std=noise_std, seed=seed)
 
     def distribution(self) -> MixtureSameFamily:
-        """The mixture over the flattened parameters, a ``MixtureSameFamily`` of LowRankMultivariateNormals."""
+        """The mixture over the flattened parameters, a ``MixtureSameFamily`` of LowRankMultivariateNormals
+        (:class:`~pyro_fa.fa.normal.StableLowRankMultivariateNormal`: the capacitance in float64)."""
         dists = [m.distribution() for m in self.members]
-        comp = LowRankMultivariateNormal(
+        comp = StableLowRankMultivariateNormal(
             torch.stack([d.loc for d in dists]),
             torch.stack([d.cov_factor for d in dists]),
             torch.stack([d.cov_diag for d in dists]),
