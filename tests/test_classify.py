@@ -137,7 +137,10 @@ def test_classify_command(tmp_path, capsys):
     assert set(results["combos"]) == {"digits-mlp"}
     assert set(results["combos"]["digits-mlp"]["methods"]) == {"map", "swa", "swag-em"}
     assert results["budget"]["epochs"] == 4
-    assert "SWAG-EM" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "SWAG-EM" in printed
+    # a run smaller than the full one says so under its bars
+    assert rep.SMALL_RUN_NOTE in printed and "says nothing about the bar" in printed
 
 
 def test_classify_command_bad_input(tmp_path):
@@ -166,3 +169,24 @@ def test_bar_checks():
     assert checks["SWAG-EM NLL < SWA"] and checks["SWAG-EM OOD AUROC (x) > MAP"]
     assert checks["MultiSWAG-EM (5) NLL < MC dropout"] and not checks["MultiSWAG-EM (5) ECE < MC dropout"]
     assert not checks["(stretch) MultiSWAG-EM (5) NLL < deep ensemble"]
+
+
+def test_bar_rows_tell_close_values_apart_and_flag_aurocs_below_chance():
+    """Values equal at the default rounding print with more digits; an AUROC below 0.5 is called below chance."""
+    def combo(nll, ece, auroc):
+        return {"per_seed": {"nll": [nll], "ece": [ece], "accuracy": [0.9], "auroc_rotated": [auroc]}}
+
+    combos = {"digits-mlp": {"ood": ["rotated"], "methods": {
+        "map": combo(0.5004, 0.05, 0.0598), "swag-em": combo(0.5001, 0.04, 0.0612),
+        "swa": combo(0.45, 0.04, 0.7)}}}
+    rows = {c["check"]: c for c in rep.bar_checks(combos)}
+    auroc = rows["SWAG-EM OOD AUROC (rotated) > MAP"]
+    assert auroc["ok"] and auroc["detail"] == "0.061 vs 0.060 (both below chance, 0.5)"
+    nll = rows["SWAG-EM NLL < MAP (Adam)"]
+    assert nll["ok"] and nll["detail"] == "0.5001 vs 0.5004"
+    assert rows["SWAG-EM NLL < SWA"]["detail"] == "0.500 vs 0.450"  # apart at 3 decimals: 3 decimals
+    assert rep.versus(0.25, 0.25, 2) == "0.25 vs 0.25"
+    assert rep.versus(1.0, 1.0 + 1e-9) == "1.000000 vs 1.000000"  # at most 6 decimals
+    above = {"digits-mlp": {"ood": ["rotated"], "methods": {"map": combo(0.5, 0.05, 0.40), "swag-em": combo(0.4, 0.04, 0.7)}}}
+    (row,) = [c for c in rep.bar_checks(above) if "AUROC" in c["check"]]
+    assert row["detail"] == "0.70 vs 0.40 (MAP below chance, 0.5)"

@@ -164,3 +164,18 @@ def test_quick_run_end_to_end(tmp_path, capsys):
     report = (tmp_path / "report.md").read_text()
     assert "0.9018 (0.0134)" in report and "USPS" in report and "SARCOS" in report and "## The bars" in report
     assert "Table 2" in capsys.readouterr().out
+
+
+def test_a_quick_run_says_its_bars_are_not_the_bar(tmp_path, monkeypatch, capsys):
+    """Under the bars, a run of another budget than the full one says its "NOT met" rows are not the bar."""
+    bar = [{"table": "3", "check": "GLM log-loss <= GP classifier (Laplace)", "ok": False, "detail": "0.2 vs 0.1"}]
+
+    def fake_tables(tables, budget, seed, output_dir, device="cpu", progress=True, data_dir=None):
+        return {"budget": budget.record(), "bar": bar, "seconds": 1.0}
+
+    monkeypatch.setattr(revrand, "run_tables", fake_tables)
+    for argv, noted in ((["--quick"], True), ([], False)):
+        assert cli.main(["revrand", *argv, "--tables", "3", "--output-dir", str(tmp_path)]) == 0
+        printed = capsys.readouterr().out
+        assert "NOT met" in printed
+        assert (revrand.SMALL_RUN_NOTE in printed) is noted

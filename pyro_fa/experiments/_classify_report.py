@@ -84,10 +84,10 @@ def versus(a: float, b: float, digits: int = 3, most: int = 6) -> str:
     return f"{a:.{d}f} vs {b:.{d}f}"
 
 
-def _auroc_versus(a: float, b: float) -> str:
-    """:func:`versus` for two AUROCs, saying which lie below chance (0.5: in-distribution inputs look *more*
+def _auroc_versus(a: float, b: float, name_a: str, name_b: str) -> str:
+    """:func:`versus` for two AUROCs, saying which lie below chance (0.5: the in-distribution inputs look *more*
     uncertain than the OOD ones)."""
-    below = [who for who, v in (("ours", a), ("the other", b)) if v < 0.5]
+    below = [who for who, v in ((name_a, a), (name_b, b)) if v < 0.5]
     note = "" if not below else f" ({'both' if len(below) == 2 else below[0]} below chance, 0.5)"
     return versus(a, b, 2) + note
 
@@ -110,7 +110,7 @@ def bar_checks(combos: Dict[str, dict]) -> List[dict]:
             if "map" in have:
                 for o in combo["ood"]:
                     a, b = _mean(combo, "swag-em", f"auroc_{o}"), _mean(combo, "map", f"auroc_{o}")
-                    add(f"SWAG-EM OOD AUROC ({o}) > MAP", a > b, _auroc_versus(a, b))
+                    add(f"SWAG-EM OOD AUROC ({o}) > MAP", a > b, _auroc_versus(a, b, "SWAG-EM", "MAP"))
         ours = [m for m in ("multiswag", "vifa") if m in have]
         if ours and "map" in have:
             acc_map = _mean(combo, "map", "accuracy")

@@ -159,8 +159,10 @@ def check_data(tables, data_dir=None) -> None:
             uci_n_splits(name, data_dir)
         except (OSError, ValueError) as err:
             which = " and ".join(f"{t} ({n})" for t, n in need.items())
-            raise SystemExit(f"pyro-fa revrand: Tables {which} need the UCI data, and {name} was not found "
-                             f"({err}). Set PYRO_FA_DATA or pass --data-dir to a folder of the UCI benchmark "
+            reason = str(err).split(". ", 1)[0]  # what failed; the rest of the loader's message is the advice below
+            raise SystemExit(f"pyro-fa revrand: Table{'s' if len(need) > 1 else ''} {which} need"
+                             f"{'' if len(need) > 1 else 's'} the UCI data, and {name} was not found ({reason}). "
+                             f"Set PYRO_FA_DATA or pass --data-dir to a folder of the UCI benchmark "
                              "layout (see pyro_fa/data/uci/README.md), or run --tables 3 alone.") from None
 
 

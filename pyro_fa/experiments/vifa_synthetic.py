@@ -236,7 +236,8 @@ def _run(args) -> int:
     out_dir = Path(args.output_dir)
     torch.set_num_threads(1)  # tiny tensors: one thread is fastest
     results = {(k, r): {"mean": [], "cov": [], "w2": [], "seconds": []} for k, r in ROWS}
-    bar = progress_bar(total=trials * len(METHODS), desc="vifa-synthetic", enabled=not args.no_progress)
+    bar = progress_bar(total=trials * len(METHODS), desc="vifa-synthetic",
+                       enabled=not getattr(args, "no_progress", False))
     for trial in range(trials):
         seed = args.seed + trial
         X, y, m, S = make_data(seed)
