@@ -134,7 +134,9 @@ def test_scale_and_tuning_errors():
         swag.tune_scale(X, y, "poisson")
     with pytest.raises(ValueError, match=r"tune_scale: noise_std must be given for likelihood='gaussian'"):
         swag.tune_scale(X, y.double(), "gaussian")
-    with pytest.raises(TypeError, match=r"tune_scale: posterior must be a SWAG or a MultiSWAG"):
+    with pytest.raises(TypeError, match=r"tune_scale: posterior must have a scale and a predictive\(\) returning a "
+                                        r"SampledPredictive \(a SWAG\), or hold such posteriors as members \(a "
+                                        r"MultiSWAG\), got Sequential\."):
         tune_scale(net, X, y)
     with pytest.raises(ValueError, match=r"bma_log_likelihood: the model's output must be means of shape"):
         bma_log_likelihood(swag, X, y.double(), "gaussian", noise_std=1.0)

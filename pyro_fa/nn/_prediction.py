@@ -1,13 +1,14 @@
 r"""What a trained :class:`~pyro_fa.nn.BayesianNetwork` predicts: draws, probabilities, test metrics.
 
 Posterior samples for prediction are drawn one at a time under ``torch.no_grad``
-(``Predictive(..., parallel=True)`` fails on ``nn.Linear`` networks in Pyro 1.9); a
-loader's batches go through the same draws. The guide is built on first use from
+(``Predictive(..., parallel=True)`` fails on ``nn.Linear`` networks in Pyro 1.9) and run
+through :class:`~pyro_fa.predictive.SampledPredictive`, the predictive every posterior shares;
+a loader's batches go through the same draws. The guide is built on first use from
 Pyro's param store when it was trained elsewhere (a user's own SVI loop, a saved store).
 """
 from __future__ import annotations
 
-import math
+import contextlib
 import numbers
 from typing import Dict, Optional
 
@@ -19,6 +20,7 @@ from pyro.infer.autoguide import AutoGuide
 from torch import Tensor
 
 from pyro_fa import metrics
+from pyro_fa.predictive import SampledPredictive, log_mean_exp
 
 __all__ = []
 
@@ -36,6 +38,21 @@ class _Prediction:
             for p in self.guide.parameters():
                 return p.device
         return None
+
+    def predictive(self) -> SampledPredictive:
+        """The network's predictive by sampled networks: guide draws of the weights, the module conditioned on each.
+
+        Returns
+        -------
+        SampledPredictive
+            ``sample(S, generator)`` calls the guide ``S`` times (Pyro's global RNG: the
+            generator is not used); ``network(draw)`` is the module with its weight sites
+            conditioned on the draw.
+        """
+        module = self.module
+        return SampledPredictive(lambda S, generator=None: [self.guide() for _ in range(S)],
+                                 lambda draw: contextlib.nullcontext(poutine.condition(module, data=draw)),
+                                 module=module)
 
     def _placeholder_targets(self, x: Tensor) -> Tensor:
         # observed values for the guide's first trace of the model: only their shape matters
@@ -149,18 +166,19 @@ class _Prediction:
         """
         if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral) or num_samples < 1:
             raise ValueError(f"{fn}: num_samples must be a positive int, got {num_samples!r}.")
+        predictive = self.predictive()
         weights, device, outs, ys = None, None, [], []
         if self._built():  # draw before iterating: a DataLoader's iterator takes a seed from torch's RNG
             device = self._device()
-            weights = [self.guide() for _ in range(num_samples)]
+            weights = predictive.sample(num_samples, None)
         for i, (x, yb) in enumerate(self._batches(data, y, fn)):
             if weights is None:
                 self._ready(x, fn)
                 device = self._device()
-                weights = [self.guide() for _ in range(num_samples)]
+                weights = predictive.sample(num_samples, None)
             if device is not None:
                 x = x.to(device)
-            out = torch.stack([poutine.condition(self.module, data=w)(x) for w in weights])
+            out = predictive.outputs(weights, x)
             if targets:
                 name = "y" if isinstance(data, Tensor) else f"the targets of batch {i}"
                 ys.append(self._check_targets(yb, self._likelihood_outputs(out, fn), name, fn))
@@ -315,5 +333,5 @@ class _Prediction:
             bma = probs.mean(0)
             metric = {"accuracy": float(metrics.accuracy(bma, y)), "brier": float(metrics.brier_score(bma, y)),
                       "ece": float(metrics.expected_calibration_error(bma, y))}
-        metric["log_likelihood"] = float((torch.logsumexp(lp, 0) - math.log(S)).mean())
+        metric["log_likelihood"] = float(log_mean_exp(lp).mean())
         return metric

@@ -1,4 +1,4 @@
-"""The second road: a factor-analysis posterior fitted to the iterates of an ordinary optimizer.
+"""Posteriors from optimizer iterates: a factor-analysis posterior fitted to an ordinary optimizer's steps.
 
 * :class:`SWAG` — collects θ_t from a torch or Pyro optimizer and fits N(c, FFᵀ + Ψ) online
   (EM or SGA, O(DK) memory) or as classic SWAG (Maddox et al., "A Simple Baseline for Bayesian
@@ -7,11 +7,12 @@
   (Wilson & Izmailov, "Bayesian Deep Learning and a Probabilistic Perspective of Generalization",
   2020);
 * :class:`FactorPosteriorGuide` — either of them as a guide for ``pyro.infer.Predictive``;
-* :func:`tune_scale` — the posterior's scale chosen by validation log-likelihood.
+* :func:`tune_scale` — the posterior's scale chosen by validation log-likelihood (from
+  :mod:`pyro_fa.predictive`, where prediction lives for every posterior).
 """
+from pyro_fa.predictive import DEFAULT_SCALES, ScaleSearch, bma_log_likelihood, tune_scale
 from pyro_fa.swag.guide import FactorPosteriorGuide
 from pyro_fa.swag.multiswag import MultiSWAG
-from pyro_fa.swag.scale import DEFAULT_SCALES, ScaleSearch, bma_log_likelihood, tune_scale
 from pyro_fa.swag.swag import SWAG
 
 __all__ = ["SWAG", "MultiSWAG", "FactorPosteriorGuide", "tune_scale", "bma_log_likelihood", "ScaleSearch",

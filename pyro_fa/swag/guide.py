@@ -1,13 +1,10 @@
 """SWAG and MultiSWAG posteriors as a Pyro guide, for ``pyro.infer.Predictive``."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:  # pragma: no cover
-    from pyro_fa.swag.swag import SWAG
 
 __all__ = ["FactorPosteriorGuide"]
 
@@ -23,9 +20,16 @@ class FactorPosteriorGuide:
     call, to check that the posterior's sites are latent sites of the model
     with the right sizes; the model's other latent sites (e.g. predictions)
     are left to the model.
+
+    Parameters
+    ----------
+    model : callable
+        The Pyro model whose latent sites the posterior stands for.
+    members : sequence of SWAG
+        The posteriors (one, or a MultiSWAG's members).
     """
 
-    def __init__(self, model: Callable, members: Sequence["SWAG"]):
+    def __init__(self, model: Callable, members: Sequence):
         self.model = model
         self.members = list(members)
         self._supports: Optional[Dict[str, object]] = None

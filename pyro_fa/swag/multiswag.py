@@ -10,7 +10,6 @@ average is taken over the mixture
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -19,7 +18,7 @@ from torch import Tensor, nn
 from torch.distributions import Categorical, MixtureSameFamily
 
 from pyro_fa.fa.normal import StableLowRankMultivariateNormal
-
+from pyro_fa.predictive import bma_log_likelihood, log_mean_exp, tune_scale
 from pyro_fa.swag.guide import FactorPosteriorGuide
 from pyro_fa.swag.swag import SWAG
 
@@ -127,10 +126,8 @@ class MultiSWAG(nn.Module):
                    noise_std=None, seed: int = 0):
         """Choose one scale for all members by the validation log-likelihood of the mixture's model average.
 
-        See :func:`pyro_fa.swag.tune_scale`; the draws are split evenly over the members.
+        See :func:`pyro_fa.predictive.tune_scale`; the draws are split evenly over the members.
         """
-        from pyro_fa.swag.scale import tune_scale
-
         return tune_scale(self, inputs, targets, likelihood, scales=scales, num_samples=num_samples,
                           noise_std=noise_std, seed=seed)
 
@@ -180,13 +177,11 @@ class MultiSWAG(nn.Module):
         """Log class probabilities of the mixture's model average, computed stably (see
         :meth:`SWAG.predict_log_proba`): ``num_samples`` draws from each member, equally weighted."""
         logp = self.predictive_samples(*args, num_samples=num_samples, fn=lambda z: z.log_softmax(-1), **kwargs)
-        return torch.logsumexp(logp, 0) - math.log(logp.shape[0])
+        return log_mean_exp(logp)
 
     def log_likelihood(self, inputs, targets, likelihood="categorical", *, num_samples: int = 30,
                        noise_std=None, seed: int = 0) -> float:
         """Test log-likelihood per point of the mixture's model average (draws split evenly over the members)."""
-        from pyro_fa.swag.scale import bma_log_likelihood
-
         return bma_log_likelihood(self, inputs, targets, likelihood, num_samples=num_samples,
                                   noise_std=noise_std, seed=seed)
 

@@ -30,8 +30,10 @@ from pyro_fa._state import check_count
 from pyro_fa.fa.moments import RunningMoments
 from pyro_fa.fa.normal import StableLowRankMultivariateNormal
 from pyro_fa.fa.online import OnlineFactorAnalysis
+from pyro_fa.predictive import SampledPredictive, bma_log_likelihood, log_mean_exp, tune_scale
 from pyro_fa.swag._params import ParamSource as _ParamSource, positive_int as _positive_int
 from pyro_fa.swag._sharded import ShardedSWAG, flatten_slice
+from pyro_fa.swag.guide import FactorPosteriorGuide
 from pyro_fa.fa._sharding import ShardedLowRankNormal
 
 __all__ = ["SWAG"]
@@ -685,15 +687,13 @@ class SWAG(ShardedSWAG, nn.Module):
                    noise_std=None, seed: int = 0):
         """Choose :attr:`scale` by the validation log-likelihood of the Bayesian model average.
 
-        See :func:`pyro_fa.swag.tune_scale` (this calls it with ``self``); the chosen
+        See :func:`pyro_fa.predictive.tune_scale` (this calls it with ``self``); the chosen
         scale is set on the posterior.
 
         Returns
         -------
         ScaleSearch
         """
-        from pyro_fa.swag.scale import tune_scale
-
         return tune_scale(self, inputs, targets, likelihood, scales=scales, num_samples=num_samples,
                           noise_std=noise_std, seed=seed)
 
@@ -791,6 +791,42 @@ class SWAG(ShardedSWAG, nn.Module):
                     for k, v in buffers.items():
                         current[k].copy_(v)
 
+    def predictive(self, loader=None) -> SampledPredictive:
+        r"""This posterior's predictive by sampled networks: draws of :meth:`sample_parameters` run in the module.
+
+        Parameters
+        ----------
+        loader : iterable, optional
+            Batch-norm refresh per draw (see :meth:`sampled_weights`).
+
+        Returns
+        -------
+        SampledPredictive
+            With ``loc`` :math:`c` and unscaled ``deviations`` :math:`Fh + \Psi^{1/2}\varepsilon`, for
+            :func:`~pyro_fa.predictive.tune_scale`; ``module`` is ``None`` for a posterior over
+            parameters only.
+
+        Raises
+        ------
+        RuntimeError
+            If nothing has been collected yet.
+        """
+        if self._n == 0:
+            self._check_ready("predictive()")
+        module = self._source.module
+
+        @contextlib.contextmanager
+        def network(theta):
+            with self.sampled_weights(theta, loader=loader):
+                yield module
+
+        return SampledPredictive(lambda S, generator: self.sample_parameters(S, generator=generator), network,
+                                 module=module, loc=self.loc, deviations=self._scale_search_deviations)
+
+    def _scale_search_deviations(self, num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
+        self._check_ready("tune_scale()")
+        return self._deviations(num_samples, generator)
+
     @torch.no_grad()
     def predict(self, *args, num_samples: int = 30, fn: Optional[Callable[[Tensor], Tensor]] = None, loader=None,
                 generator: Optional[torch.Generator] = None, **kwargs) -> Tensor:
@@ -814,13 +850,7 @@ class SWAG(ShardedSWAG, nn.Module):
             raise RuntimeError(f"{cls}: predict() needs a SWAG built from an nn.Module; use to_guide() with "
                                "pyro.infer.Predictive for Pyro models.")
         thetas = self.sample_parameters(num_samples, generator=generator)
-        total = None
-        for theta in thetas:
-            with self.sampled_weights(theta, loader=loader):
-                out = module(*args, **kwargs)
-                out = fn(out) if fn is not None else out
-            total = out.clone() if total is None else total.add_(out)
-        return total / num_samples
+        return self.predictive(loader).average(thetas, *args, fn=fn, **kwargs)
 
     @torch.no_grad()
     def predictive_samples(self, *args, num_samples: int = 30, fn: Optional[Callable[[Tensor], Tensor]] = None,
@@ -835,12 +865,8 @@ class SWAG(ShardedSWAG, nn.Module):
         if self._source.module is None:
             raise RuntimeError(f"{cls}: predictive_samples() needs a SWAG built from an nn.Module; use to_guide() "
                                "with pyro.infer.Predictive for Pyro models.")
-        outs = []
-        for theta in self.sample_parameters(num_samples, generator=generator):
-            with self.sampled_weights(theta):
-                out = self._source.module(*args, **kwargs)
-                outs.append(fn(out) if fn is not None else out)
-        return torch.stack(outs)
+        thetas = self.sample_parameters(num_samples, generator=generator)
+        return self.predictive().outputs(thetas, *args, fn=fn, **kwargs)
 
     def predict_proba(self, *args, num_samples: int = 30, generator: Optional[torch.Generator] = None,
                       **kwargs) -> Tensor:
@@ -867,7 +893,7 @@ class SWAG(ShardedSWAG, nn.Module):
         """
         logp = self.predictive_samples(*args, num_samples=num_samples, fn=lambda z: z.log_softmax(-1),
                                        generator=generator, **kwargs)
-        return torch.logsumexp(logp, 0) - math.log(logp.shape[0])
+        return log_mean_exp(logp)
 
     def log_likelihood(self, inputs, targets, likelihood="categorical", *, num_samples: int = 30,
                        noise_std=None, seed: int = 0) -> float:
@@ -876,8 +902,6 @@ class SWAG(ShardedSWAG, nn.Module):
         ``likelihood`` is ``"categorical"`` (logits), ``"gaussian"`` (means, with
         ``noise_std``) or a callable, as in :meth:`tune_scale`.
         """
-        from pyro_fa.swag.scale import bma_log_likelihood
-
         return bma_log_likelihood(self, inputs, targets, likelihood, num_samples=num_samples,
                                   noise_std=noise_std, seed=seed)
 
@@ -891,8 +915,6 @@ class SWAG(ShardedSWAG, nn.Module):
         whose unconstrained values are mapped by ``biject_to(site support)``).
         Use ``Predictive(..., parallel=False)``.
         """
-        from pyro_fa.swag.guide import FactorPosteriorGuide
-
         return FactorPosteriorGuide(model, [self])
 
     def site_names(self) -> List[str]:

@@ -1,0 +1,21 @@
+r"""Predictives: what a posterior over a module's weights predicts, shared by every posterior.
+
+* :class:`SampledPredictive` — draws → networks → outputs, model averages
+  (:meth:`~SampledPredictive.average`, :meth:`~SampledPredictive.log_average_proba`) and
+  :func:`log_mean_exp`; ``SWAG`` / ``MultiSWAG`` and :class:`~pyro_fa.nn.BayesianNetwork`
+  predict through it;
+* :func:`tune_scale`, :func:`bma_log_likelihood`, :class:`ScaleSearch` — the posterior's scale
+  chosen by the validation log-likelihood of the model average, for any posterior with a
+  ``scale`` and a ``predictive()`` (or ``members`` that have them);
+* :func:`point_log_likelihood` — the per-point log-likelihoods by name (``"categorical"``,
+  ``"gaussian"``) or callable.
+
+This layer needs only torch: the posteriors (``pyro_fa.swag``, ``pyro_fa.nn``) import it,
+never the other way round.
+"""
+from pyro_fa.predictive.likelihood import LIKELIHOODS, check_targets, point_log_likelihood
+from pyro_fa.predictive.sampled import SampledPredictive, log_mean_exp
+from pyro_fa.predictive.scale import DEFAULT_SCALES, ScaleSearch, bma_log_likelihood, tune_scale
+
+__all__ = ["SampledPredictive", "log_mean_exp", "tune_scale", "bma_log_likelihood", "ScaleSearch",
+           "DEFAULT_SCALES", "point_log_likelihood", "check_targets", "LIKELIHOODS"]
