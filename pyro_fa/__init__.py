@@ -11,7 +11,7 @@ q(theta) = N(c, F F^T + Psi), got two ways on one core:
 """
 from pyro_fa import datasets, fa, infer, metrics, swag
 from pyro_fa.fa import BatchFactorAnalysis, OnlineFactorAnalysis
-from pyro_fa.infer import AutoLowRankFactorGuide, FactorELBO, GaussianPrior, LaplacePrior
+from pyro_fa.infer import AutoLowRankFactorGuide, FactorELBO, FactorisedPrior, GaussianPrior, LaplacePrior
 from pyro_fa.infer import JitFactorELBO
 from pyro_fa.swag import MultiSWAG, SWAG
 
@@ -30,6 +30,7 @@ __all__ = [
     "JitFactorELBO",
     "SWAG",
     "MultiSWAG",
+    "FactorisedPrior",
     "GaussianPrior",
     "LaplacePrior",
     "__version__",

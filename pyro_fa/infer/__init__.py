@@ -6,17 +6,35 @@
   entropy and Gaussian / Laplace prior terms in closed form (:class:`JitFactorELBO`:
   the same, compiled by the PyTorch JIT);
 * :class:`GaussianPrior`, :class:`LaplacePrior` — the factorised priors whose expected
-  log-density under :math:`q` :class:`FactorELBO` knows in closed form;
+  log-density under :math:`q` :class:`FactorELBO` knows in closed form; a new one subclasses
+  :class:`FactorisedPrior` and plugs in with :func:`register_prior` and
+  :func:`register_expected_log_prob` (:mod:`pyro_fa.infer.priors`);
 * :class:`LowRankAffine` — the map from N(0, I) onto :math:`q` that the guide's
   ``get_transform`` returns, for Pyro's ``NeuTraReparam``.
 """
 from pyro_fa.infer._jit_elbo import JitFactorELBO
 from pyro_fa.infer.elbo import FactorELBO
 from pyro_fa.infer.guide import AutoLowRankFactorGuide
-from pyro_fa.infer.priors import GaussianPrior, LaplacePrior
+from pyro_fa.infer.priors import (
+    FactorisedPrior,
+    GaussianPrior,
+    LaplacePrior,
+    register_expected_log_prob,
+    register_prior,
+)
 from pyro_fa.infer.transforms import LowRankAffine
 
-__all__ = ["AutoLowRankFactorGuide", "FactorELBO", "JitFactorELBO", "GaussianPrior", "LaplacePrior", "LowRankAffine"]
+__all__ = [
+    "AutoLowRankFactorGuide",
+    "FactorELBO",
+    "JitFactorELBO",
+    "FactorisedPrior",
+    "GaussianPrior",
+    "LaplacePrior",
+    "register_prior",
+    "register_expected_log_prob",
+    "LowRankAffine",
+]
 
 _MOVED = {"SWAG": "pyro_fa.swag", "MultiSWAG": "pyro_fa.swag"}
 

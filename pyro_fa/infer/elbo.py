@@ -15,9 +15,9 @@ from pyro.infer.util import is_validation_enabled, torch_item
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_model_guide_match, check_site_shape, warn_if_nan
 from torch import Tensor
-from torch.distributions import Independent, Laplace, LowRankMultivariateNormal, MultivariateNormal, Normal
+from torch.distributions import Independent, LowRankMultivariateNormal, MultivariateNormal
 
-from pyro_fa.infer.priors import laplace_expected_log_prob, normal_expected_log_prob
+from pyro_fa.infer.priors.closed_forms import base_of, closed_form, expected_log_prob
 
 __all__ = ["FactorELBO", "spherical_radial_rule"]
 
@@ -173,19 +173,27 @@ def _auto_continuous_guides(guide) -> List[AutoContinuous]:
 
 
 def _analytic_base(fn):
-    """The Normal or Laplace under ``Independent`` wrappers, or None."""
-    base = fn
-    while isinstance(base, Independent):
-        base = base.base_dist
-    if isinstance(base, (Normal, Laplace)) and type(base).__name__ in ("Normal", "Laplace"):
-        return base
-    return None
+    """The distribution under ``fn``'s ``Independent`` wrappers when its type has a registered closed form, else None.
+
+    The closed forms are those registered with
+    :func:`~pyro_fa.infer.priors.register_expected_log_prob` (``Normal``, ``Laplace`` and any
+    a user adds); the lookup is :func:`~pyro_fa.infer.priors.closed_form`'s.
+    """
+    base = base_of(fn)
+    return base if closed_form(base) is not None else None
 
 
-def _expected_log_prob(base, loc: Tensor, variance: Tensor) -> Tensor:
-    if isinstance(base, Normal):
-        return normal_expected_log_prob(loc, variance, base.loc, base.scale)
-    return laplace_expected_log_prob(loc, variance, base.loc, base.scale)
+def _prior_parameters(base) -> List[Tensor]:
+    """The tensor parameters of a distribution (those its ``arg_constraints`` name)."""
+    params = []
+    for name in getattr(base, "arg_constraints", {}):
+        try:
+            value = getattr(base, name)
+        except Exception:  # a lazily derived parameterisation (probs/logits) may fail; it is not a leaf
+            continue
+        if torch.is_tensor(value):
+            params.append(value)
+    return params
 
 
 class FactorELBO(ELBO):
@@ -207,9 +215,11 @@ class FactorELBO(ELBO):
       :math:`\tfrac12\log|2\pi e(FF^\top+\Psi)|` in :math:`O(DK^2)` — the full
       entropy, including its dependence on :math:`F` that Algorithm 3 of
       Brownlie (2021) drops (Jiang 2023, eqs. 7–8, the :math:`-A + CB^\top` terms);
-    * for each latent site the guide covers whose prior is a ``Normal`` or
-      ``Laplace`` (possibly expanded or ``.to_event``-ed, e.g. from
-      :class:`~pyro_fa.GaussianPrior` or :class:`~pyro_fa.LaplacePrior`)
+    * for each latent site the guide covers whose prior has a registered
+      closed form (:func:`~pyro_fa.infer.priors.register_expected_log_prob`:
+      ``Normal``, ``Laplace`` and any a user registers; possibly expanded or
+      ``.to_event``-ed, e.g. from :class:`~pyro_fa.GaussianPrior`,
+      :class:`~pyro_fa.LaplacePrior` or a :class:`~pyro_fa.infer.priors.FactorisedPrior`)
       with parameters that do not depend on other latent variables,
       :math:`\mathbb{E}_q[\log p]` is computed from the marginals
       :math:`N(c_i, \mathrm{rowsum}(F\odot F)_i + \psi_i)` (Brownlie 2021,
@@ -348,10 +358,10 @@ class FactorELBO(ELBO):
         return model_trace, guide_trace
 
     def _detect_dependencies(self, model, guide, args, kwargs) -> None:
-        """Record, per latent site with a Normal/Laplace prior, whether its parameters depend on latents.
+        """Record, per latent site with a closed-form prior, whether its parameters depend on latents.
 
         Replays the model against a guide trace whose values are fresh leaf
-        tensors and asks autograd whether each prior's loc/scale reaches them.
+        tensors and asks autograd whether each prior's parameters reach them.
         """
         with torch.enable_grad(), poutine.block(), _rng_untouched():
             guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
@@ -367,7 +377,7 @@ class FactorELBO(ELBO):
                 base = _analytic_base(site["fn"])
                 if base is None:
                     continue
-                params = [p for p in (base.loc, base.scale) if torch.is_tensor(p) and p.requires_grad]
+                params = [p for p in _prior_parameters(base) if p.requires_grad]
                 depends = False
                 if params and leaves:
                     grads = torch.autograd.grad(
@@ -389,7 +399,7 @@ class FactorELBO(ELBO):
         if any(name not in self._prior_depends_on_latents for name in names):
             self._detect_dependencies(model, guide, args, kwargs)
             for name in names:
-                self._prior_depends_on_latents.setdefault(name, True)  # not Normal/Laplace: Monte Carlo
+                self._prior_depends_on_latents.setdefault(name, True)  # no closed form: Monte Carlo
 
     # --------------------------------------------------------------- estimator
     def _analytic_terms(self, model_trace, guide_trace, guide) -> Tuple[Tensor, set, set]:
@@ -424,7 +434,7 @@ class FactorELBO(ELBO):
                 base = _analytic_base(site["fn"])
                 if base is None:
                     continue
-                elementwise = _expected_log_prob(base, m, v)
+                elementwise = expected_log_prob(base, m, v)
                 event_dim = site["fn"].event_dim
                 term = elementwise.sum(list(range(-event_dim, 0))) if event_dim else elementwise
                 total = total + scale_and_mask(term, site["scale"], site["mask"]).sum()

@@ -41,7 +41,7 @@ from pyro.nn import PyroModule
 from torch import Tensor
 
 from pyro_fa.infer import AutoLowRankFactorGuide, FactorELBO
-from pyro_fa.infer.priors import GaussianPrior, LaplacePrior, _FactorisedPrior
+from pyro_fa.infer.priors import PRIORS, FactorisedPrior
 from pyro_fa.nn._prediction import _Prediction
 from pyro_fa.nn.batched import BatchedMLP, BatchedVI, fit_batched
 from pyro_fa.nn.batched.mlp import _architecture
@@ -60,7 +60,9 @@ class BayesianNetwork(_Prediction):
     net : torch.nn.Module
         Maps inputs of shape (N, ...) to outputs of shape (N, 1) (Gaussian,
         Bernoulli: the mean or logit) or (N, C) (categorical logits).
-    prior : GaussianPrior or LaplacePrior
+    prior : FactorisedPrior
+        :class:`~pyro_fa.GaussianPrior`, :class:`~pyro_fa.LaplacePrior` or any
+        :class:`~pyro_fa.infer.priors.FactorisedPrior` (``docs/architecture.md``, "Add a prior").
     likelihood : {"gaussian", "bernoulli", "categorical"}, default "gaussian"
     noise_scale : float, optional
         Gaussian likelihood only: a fixed noise standard deviation; learned
@@ -102,8 +104,9 @@ class BayesianNetwork(_Prediction):
     ):
         if not isinstance(net, torch.nn.Module):
             raise TypeError(f"BayesianNetwork: net must be a torch.nn.Module, got {net!r}.")
-        if not isinstance(prior, _FactorisedPrior):
-            raise TypeError(f"BayesianNetwork: prior must be a GaussianPrior or LaplacePrior, got {prior!r}.")
+        if not isinstance(prior, FactorisedPrior):
+            raise TypeError(f"BayesianNetwork: prior must be a GaussianPrior or LaplacePrior, got {prior!r}. "
+                            "Any pyro_fa.infer.priors.FactorisedPrior subclass works.")
         if likelihood not in _LIKELIHOODS:
             raise ValueError(f"BayesianNetwork: likelihood must be one of {_LIKELIHOODS}, got {likelihood!r}.")
         if noise_scale is not None:
@@ -250,7 +253,9 @@ class BayesianNetwork(_Prediction):
         net : torch.nn.Sequential
             ``nn.Sequential(nn.Linear(p, h), nn.ReLU(), …, nn.Linear(h, 1))`` (``nn.Tanh``
             instead of ``nn.ReLU`` also works); its weights are read only with ``init="module"``.
-        priors : GaussianPrior or LaplacePrior, or a sequence of them (all of one kind)
+        priors : FactorisedPrior, or a sequence of them (all of one kind)
+            GaussianPrior, LaplacePrior or any prior registered with
+            :func:`~pyro_fa.infer.priors.register_prior` that has a ``precision`` and a ``batched`` form.
             One prior per group of ``copies`` replicas, e.g. a grid of precisions.
         x : Tensor of shape (N, p)
             Training inputs, shared by all replicas; in ``net``'s dtype and on its device.
@@ -319,11 +324,11 @@ class BayesianNetwork(_Prediction):
         """
         fn = "BayesianNetwork.fit_many"
         mlp = _architecture(net, fn)
-        prior_list = [priors] if isinstance(priors, _FactorisedPrior) else priors
+        prior_list = [priors] if isinstance(priors, FactorisedPrior) else priors
         if not isinstance(prior_list, Sequence) or not prior_list or not all(
-                isinstance(p, (GaussianPrior, LaplacePrior)) for p in prior_list):
+                isinstance(p, FactorisedPrior) for p in prior_list):
             raise TypeError(f"{fn}: priors must be a GaussianPrior or LaplacePrior, or a non-empty sequence of them, "
-                            f"got {priors!r}.")
+                            f"got {priors!r}. Any registered pyro_fa.infer.priors.FactorisedPrior works.")
         if len({type(p) for p in prior_list}) > 1:
             raise ValueError(f"{fn}: priors must all be of one kind (GaussianPrior or LaplacePrior), got "
                              f"{sorted({type(p).__name__ for p in prior_list})}.")
@@ -345,9 +350,12 @@ class BayesianNetwork(_Prediction):
             got = f"one on {generator.device}" if isinstance(generator, torch.Generator) else type(generator).__name__
             raise ValueError(f"{fn}: generator must be a CPU torch.Generator, got {got}.")
         _check_shared_data(net, mlp, x, y, fn)
-        kind = "gaussian" if isinstance(prior_list[0], GaussianPrior) else "laplace"
-        # BatchedVI's Laplace prior is given by the precision of the same variance: b = 1 / sqrt(2 alpha)
-        alphas = [p.precision if kind == "gaussian" else 1.0 / (2.0 * p.scale ** 2) for p in prior_list]
+        kind = type(prior_list[0]).name
+        if PRIORS.get(kind) is not type(prior_list[0]) or not hasattr(prior_list[0], "precision"):
+            raise ValueError(f"{fn}: priors must be of a class registered with register_prior and with a precision, "
+                             f"got {type(prior_list[0]).__name__} (registered name {kind!r}).")
+        # BatchedVI gives every prior by its precision, one over its variance (Laplace: b = 1 / sqrt(2 alpha))
+        alphas = [p.precision for p in prior_list]
         R = len(prior_list) * copies
         vi = BatchedVI(mlp, "fa", kind, x.new_tensor(alphas).repeat_interleave(copies), float(lr), replicas=R,
                        rank=int(rank), init_loc=mlp.flatten(net).to(x) if init == "module" else None,

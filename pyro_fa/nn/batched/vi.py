@@ -9,7 +9,8 @@ Each replica :math:`r` is the model
 
 with :math:`f` a :class:`~pyro_fa.nn.BatchedMLP`, :math:`p_r` a factorised Gaussian
 (precision :math:`\alpha_r`) or Laplace prior of the same variance
-(:math:`b_r = 1/\sqrt{2\alpha_r}`) and :math:`\sigma_r` learned by maximum likelihood
+(:math:`b_r = 1/\sqrt{2\alpha_r}`), or any registered prior with a batched form
+(:func:`~pyro_fa.infer.priors.register_prior`), and :math:`\sigma_r` learned by maximum likelihood
 (a point estimate, as a ``pyro.param``) or fixed, and its guide :math:`q_r(\theta)`, one
 of
 
@@ -41,14 +42,14 @@ from torch import Tensor
 from torch.distributions import Independent, LowRankMultivariateNormal, Normal
 
 from pyro_fa.fa.linalg import orthogonal_init
-from pyro_fa.infer.priors import laplace_expected_log_prob, normal_expected_log_prob
+from pyro_fa.infer.priors import PRIORS, closed_form, get_prior
 from pyro_fa.nn.batched.mlp import BatchedMLP
 
 __all__ = ["BatchedVI", "FAMILIES", "ESTIMATORS", "PRIORS"]
 
 FAMILIES = ("fa", "ppca", "lowrank", "normal", "delta")
 ESTIMATORS = ("factor", "trace")
-PRIORS = ("gaussian", "laplace")
+# PRIORS: the registry of pyro_fa.infer.priors (name -> FactorisedPrior subclass), re-exported
 
 
 class BatchedVI:
@@ -65,9 +66,13 @@ class BatchedVI:
     mlp : BatchedMLP
         The network :math:`f`.
     family : {"fa", "ppca", "lowrank", "normal", "delta"}, default "fa"
-    prior : {"gaussian", "laplace"}, default "gaussian"
+    prior : str, default "gaussian"
+        A registered prior (:data:`~pyro_fa.infer.priors.PRIORS`: ``"gaussian"``,
+        ``"laplace"``, or one added with :func:`~pyro_fa.infer.priors.register_prior`)
+        whose class has a ``batched`` form.
     precision : float or Tensor of shape (R,), default 1.0
-        Prior precision :math:`\alpha_r > 0` of each replica (the Laplace prior gets
+        Prior precision :math:`\alpha_r > 0` of each replica: the prior has variance
+        :math:`1/\alpha_r` (the Laplace prior gets
         the same variance, :math:`b = 1/\sqrt{2\alpha}`).
     lr : float or Tensor of shape (R,), default 1e-3
         Adam learning rate of each replica (replicas with the same rate form one
@@ -108,14 +113,16 @@ class BatchedVI:
     replicas : int
     precision, lr : Tensor of shape (R,)
     prior_scale : Tensor of shape (R, 1)
-        The prior's Normal standard deviation or Laplace :math:`b`.
+        The prior's Normal standard deviation or Laplace :math:`b` (its batched
+        distribution's ``scale``; None for a prior without one).
 
     Raises
     ------
     TypeError
         If ``mlp`` is not a BatchedMLP.
     ValueError
-        For an unknown ``family``, ``prior`` or ``estimator``; a ``rank`` outside
+        For an unknown ``family``, ``prior`` or ``estimator``; a ``prior`` without a
+        batched form or registered closed form; a ``rank`` outside
         :math:`[1, D]`; non-positive or non-finite ``precision``, ``lr``, scales;
         per-replica arguments of different lengths; ``guide_noise_scale`` for a family
         other than ``"ppca"``; an ``init_loc`` of another shape or not finite.
@@ -158,8 +165,7 @@ class BatchedVI:
             raise TypeError(f"BatchedVI: mlp must be a BatchedMLP, got {type(mlp).__name__}.")
         if family not in FAMILIES:
             raise ValueError(f"BatchedVI: family must be one of {FAMILIES}, got {family!r}.")
-        if prior not in PRIORS:
-            raise ValueError(f"BatchedVI: prior must be one of {PRIORS}, got {prior!r}.")
+        prior_cls = get_prior(prior, "BatchedVI")
         estimator = estimator or ("factor" if family in ("fa", "ppca") else "trace")
         if family == "delta":
             estimator = "map"
@@ -204,8 +210,16 @@ class BatchedVI:
         self.mlp, self.family, self.prior, self.estimator = mlp, family, prior, estimator
         self.replicas, self.rank = R, int(rank)
         self.precision = precision
+        try:  # the registered prior of variance 1 / precision per replica, batch shape (R, 1)
+            self._prior = prior_cls.batched(precision.unsqueeze(-1))
+        except NotImplementedError as e:
+            raise ValueError(f"BatchedVI: prior must name a prior with a batched form, got {prior!r}: {e}") from None
+        self._prior_closed_form = closed_form(self._prior)
+        if self._prior_closed_form is None:
+            raise ValueError(f"BatchedVI: prior must have a registered closed form, got {prior!r} whose batched form "
+                             f"is a {type(self._prior).__name__}; register one with register_expected_log_prob.")
         # the prior's scale per replica, shape (R, 1): Normal std or Laplace b with the same variance
-        self.prior_scale = (precision.rsqrt() if prior == "gaussian" else (2 * precision).rsqrt()).unsqueeze(-1)
+        self.prior_scale = getattr(self._prior, "scale", None)
         self._fixed_noise = vectors.get("noise_scale")
         # PPCA's fixed sigma where given, shape (R, 1): those replicas' log_scale gets no gradient
         self._guide_scale = None if fixed is None else fixed.reshape(R, 1)
@@ -306,15 +320,12 @@ class BatchedVI:
         return p["log_noise"].exp()
 
     def _prior_log_prob(self, theta: Tensor) -> Tensor:
-        if self.prior == "gaussian":
-            return Normal(0.0, self.prior_scale, validate_args=False).log_prob(theta).sum(-1)
-        b = self.prior_scale
-        return (-(2 * b).log() - theta.abs() / b).sum(-1)
+        """log p_r(theta) of draws of shape (S, R, D), shape (S, R)."""
+        return self._prior.log_prob(theta).sum(-1)
 
     def _expected_prior(self, loc: Tensor, variance: Tensor) -> Tensor:
         """Closed-form E_q[log p(theta)] of a Gaussian q with these means and marginal variances, shape (R,)."""
-        fn = normal_expected_log_prob if self.prior == "gaussian" else laplace_expected_log_prob
-        return fn(loc, variance, 0.0, self.prior_scale).sum(-1)
+        return self._prior_closed_form(self._prior, loc, variance).sum(-1)
 
     def loss(self, x: Tensor, y: Tensor, dataset_size: int, particles: int = 1) -> Tensor:
         r"""Negative ELBO of every replica, shape (R,) (sum it to train).
