@@ -2,6 +2,8 @@
 
 * :mod:`pyro_fa.fa.linalg` — Woodbury / matrix-determinant-lemma algebra of FFᵀ + Ψ in O(DK²);
 * :class:`OnlineFactorAnalysis` — one vector at a time: online EM or online SGA, O(DK) memory;
+* :mod:`pyro_fa.fa.fitters` — the fitting methods behind one protocol, registered by name
+  (:func:`~pyro_fa.fa.fitters.register_fitter`): :mod:`~pyro_fa.fa.fitters.em`, :mod:`~pyro_fa.fa.fitters.sga`;
 * :class:`BatchFactorAnalysis`, :class:`ScatterStatistics` — batch EM / SVD-based fitting from
   streamed scatter statistics;
 * :class:`RunningMoments` — exact running mean and variance in float64 for any state dtype.
@@ -10,5 +12,6 @@ from pyro_fa.fa import linalg
 from pyro_fa.fa.batch import BatchFactorAnalysis, ScatterStatistics
 from pyro_fa.fa.moments import RunningMoments
 from pyro_fa.fa.online import OnlineFactorAnalysis
+from pyro_fa.fa.fitters import em as _em, sga as _sga  # noqa: F401  the built-in fitters register themselves
 
 __all__ = ["linalg", "BatchFactorAnalysis", "ScatterStatistics", "OnlineFactorAnalysis", "RunningMoments"]

@@ -86,7 +86,7 @@ class OnlineSharded:
 
     def _e_step_inputs(self, d: Tensor) -> Tuple[Tensor, Tensor]:
         r"""EM's E-step inputs: the capacitance's Cholesky factor and :math:`F^\top\Psi^{-1}d^\top` (K, B)."""
-        from pyro_fa.fa._online_sga import cholesky
+        from pyro_fa.fa.fitters import cholesky
 
         if self._sharding is None:
             return cholesky(self._cap), self._F.T @ (d / self._psi).T
@@ -117,7 +117,8 @@ class OnlineSharded:
     def _exact_range(self, t: Tensor) -> Tuple[float, float]:
         r"""The exact range bounds: :math:`4\max_b \sum_d t_{bd}^2/\psi_d` and :math:`4\max|t/s|^2`."""
         rows = (t.square() / self._noise_now()).sum(-1).reshape(-1)
-        tm = float((t / (self._scale if self.method == "sga" else 1.0)).abs().max())
+        scale = self._fitter.range_scale(self)
+        tm = float((t / (scale if scale is not None else 1.0)).abs().max())
         if self._sharding is not None:
             table, (rows,) = self._sharding.reduce([tm], rows)
             tm = max(row[0] for row in table)
@@ -128,8 +129,6 @@ class OnlineSharded:
     def _sharded_update(self, x: Tensor) -> None:
         sh = self._sharding
         cls = type(self).__name__
-        em = self.method == "em"
-        K = self.rank
         error: Optional[Exception] = None
         kind = 0
         try:
@@ -142,8 +141,8 @@ class OnlineSharded:
         B = 0 if error is not None else x.shape[0]
         n = n_old + B
         tmax, bad, sq_new = 0.0, 0.0, 0.0
-        t = d = proposal = u = None
-        rescale = em and 2 <= n <= self.warmup and n.bit_length() > n_old.bit_length()
+        t = d = proposal = None
+        usable = False  # x was read and is finite: the fitter may add its sums
         if error is None:
             if B == 1:
                 t, tmax = moments.deviation(x[0])
@@ -164,15 +163,13 @@ class OnlineSharded:
             if not math.isfinite(tmax):
                 tmax = math.inf
                 bad = float((~torch.isfinite(x)).sum())
-            elif em and B == 1 and not rescale:
-                u = self._F.T @ (d / self._psi).T  # (K, 1) with the current F, psi
+            else:
+                usable = True
         floor = self._noise_floor_now()
-        scale_min = float(self._scale.amin()) if self.method == "sga" else 1.0
-        sums = [torch.tensor([sq_new], dtype=torch.float64)]
-        if em:
-            sums.append(u if u is not None else self._F.new_zeros(K, 1))
-            if self._cap_pending:
-                sums.append(self._cap)
+        scale = self._fitter.range_scale(self)
+        scale_min = float(scale.amin()) if scale is not None else 1.0
+        fit_sums, context = self._fitter.shard_sums(self, d if usable else None, n_old, B)
+        sums = [torch.tensor([sq_new], dtype=torch.float64), *fit_sums]
         table, out = sh.reduce([kind, B, tmax, bad, floor, scale_min], *sums)
 
         # every decision below reads the agreed table: all ranks raise, or none does
@@ -211,8 +208,5 @@ class OnlineSharded:
         self._n = n
         self._cache = None
         self._sq_dev_total = float(out[0][0])
-        if em:
-            if self._cap_pending:
-                self._commit_cap(out[2])
-            self._stash_u = (n, out[1]) if u is not None else None
+        self._fitter.shard_reduced(self, out[1:], n, context)
         self._fit_step(d, n_old, B, spread_before)

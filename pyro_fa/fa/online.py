@@ -7,6 +7,7 @@ without storing them: the state is :math:`O(DK)`.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
@@ -15,21 +16,21 @@ from torch import Tensor, nn
 from torch.distributions import LowRankMultivariateNormal
 
 from pyro_fa.fa import linalg
-from pyro_fa._state import check_count, check_optimizer_state
-from pyro_fa.fa._online_sga import OnlineSGA, cholesky as _cholesky
+from pyro_fa.fa._online_checks import OnlineChecks
 from pyro_fa.fa._online_sharded import OnlineSharded
+from pyro_fa.fa.fitters import fitter_class
 from pyro_fa.fa._sharding import ShardedLowRankNormal, draw_seed, sharded_orthogonal_init
 from pyro_fa.fa.moments import RunningMoments
 from pyro_fa.fa.normal import StableLowRankMultivariateNormal
 
 __all__ = ["OnlineFactorAnalysis"]
 
-_METHODS = ("em", "sga")
+_METHODS = ("em", "sga")  # the built-in fitters (pyro_fa.fa.fitters.em, .sga); register_fitter adds more
 _DEFAULT_WARMUP = 100  # warmup=None: max(_DEFAULT_WARMUP, rank)
 _M_STEP_DIM = 100_000  # default m_step_every = max(1, dim // _M_STEP_DIM)
 
 
-class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
+class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
     r"""Factor analysis fitted online, by EM or by stochastic gradient ascent.
 
     .. math::
@@ -85,6 +86,7 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
     rank : int
         :math:`K`, the number of factors, ``1 <= rank < dim``.
     method : {"em", "sga"}, default "em"
+        The fitting method, a name registered in :data:`pyro_fa.fa.fitters.FITTERS`.
     warmup : int, optional
         Number of observations during which only the running statistics are
         updated and :math:`F, \psi` stay at their initial values (Brownlie 2021, §5.1);
@@ -180,32 +182,11 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
     :math:`D\times K\times K` products and a few passes over :math:`D\times K`
     memory; nothing :math:`D\times D` is formed.
 
-    Why the expanded M-step: plain EM's factor update is the regression of the
-    observations on the E-step's posterior means, :math:`F = \bar A \bar H^{-1}`. Along
-    a direction :math:`u` of the data with variance :math:`\lambda` (noise 1) and a
-    current factor :math:`s u`, the posterior mean shrinks by :math:`s/(1+s^2)` and
-    the regression returns :math:`F \approx (s + 1/s) u`: :math:`s^2` grows by about 2 per
-    EM iteration towards its fixed point :math:`\lambda - 1`, and the contraction rate
-    near it is about :math:`1 - 2/\lambda`, slowest where the signal is strongest.
-    PX-EM (Liu, Rubin & Wu 1998; Rubin & Thayer's FA is their example) lets
-    :math:`h \sim N(0, \Sigma)` during the M-step, estimates :math:`\Sigma = \bar H`, and
-    maps back with :math:`F = \bar A \bar H^{-1} L`: the covariance part becomes
-    :math:`\bar A \bar H^{-1} \bar A^\top`, which has the right scale after one step. The
-    statistics are re-expressed in the new latent coordinates so that later E-steps
-    and the running averages agree.
-
-    Why not :math:`\gamma_t = 1/t`: online EM with step :math:`\gamma_t` follows the
-    ODE :math:`\dot s = \bar s(\theta(s)) - s` in time :math:`\tau = \sum_t \gamma_t`
-    (Cappé & Moulines 2009). With :math:`1/t`, :math:`\tau = \log t`: the
-    statistics computed under the random initial :math:`F` keep the weight
-    :math:`t_0/t` and the error of the transient decays only like
-    :math:`t^{-(1-\lambda)}`, where :math:`\lambda` is the contraction rate of
-    batch EM, close to one when the noise is large and heteroscedastic
-    (spectrum [1, 1000] in Brownlie 2021, §5.2, where the thesis's online EM stalls
-    at 2–3 times the batch error). With :math:`a/(t+a-1)`, :math:`\tau = a\log t`
-    and the transient fades like :math:`t^{-a(1-\lambda)}`. Larger :math:`a`
-    forgets faster but is noisier; :math:`a = 2` is the choice on the models of
-    Brownlie (2021, ch. 5) (``pyro-fa online-fa``).
+    Why the expanded M-step and why not :math:`\gamma_t = 1/t`: see the Notes of
+    :class:`~pyro_fa.fa.fitters.em.OnlineEM`. The fitting methods are registered
+    :class:`~pyro_fa.fa.fitters.Fitter` classes (:mod:`pyro_fa.fa.fitters`): this class keeps
+    the running moments, the refusal of bad input, checkpoints and sharding, the fitter its
+    factor.
 
     References
     ----------
@@ -267,18 +248,12 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
             raise ValueError(f"{name}: dim must be an integer >= 2, got {dim!r}.")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank < dim:
             raise ValueError(f"{name}: rank must be an integer in [1, dim) = [1, {dim}), got {rank!r}.")
-        if method not in _METHODS:
-            raise ValueError(f"{name}: method must be one of {_METHODS}, got {method!r}.")
+        fitter = fitter_class(method, name)()  # the string is checked here, and dispatched once
         if warmup is None:
             warmup = max(_DEFAULT_WARMUP, rank)  # rank is checked above
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"{name}: warmup must be a positive integer, got {warmup!r}.")
-        if method == "em" and warmup < rank:
-            raise ValueError(
-                f"{name}: warmup must be >= rank={rank} for method 'em', got {warmup!r}: an M-step from fewer "
-                "vectors than factors is degenerate (psi collapses and the capacitance loses positive-definiteness "
-                "in float32)."
-            )
+        fitter.check(name, rank=rank, warmup=warmup)
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
             raise ValueError(f"{name}: lr must be a positive finite number, got {lr!r}.")
         if not (isinstance(step_scale, (int, float)) and math.isfinite(step_scale) and step_scale >= 1):
@@ -315,6 +290,7 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
         rows = self._local_dim = dim if self._sharding is None else self._sharding.size
         self.rank = rank
         self.method = method
+        self._fitter = fitter
         self.warmup = warmup
         self.lr = float(lr)
         self.step_scale = float(step_scale)
@@ -342,46 +318,12 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
             F0 = sharded_orthogonal_init(self._sharding, rank, scale=init_scale, generator=gen, dtype=dtype,
                                          device=device)
 
-        def z(*shape):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
         # exact running moments (Chan et al.), accumulated in float64 whatever the state's dtype:
         # late SGD iterates move by 1e-4 around weights of 1, below float32's resolution of the sum
         self._moments = RunningMoments(rows, device)
-        self.register_buffer("loc", z(rows))  # the mean rounded once to the state's dtype
+        self.register_buffer("loc", torch.zeros(rows, dtype=dtype, device=device))  # the mean rounded once to the state's dtype
         self._n = 0  # observations seen (saved through get_extra_state)
-        if method == "em":
-            self.register_buffer("_F", F0)
-            self.register_buffer("_psi", torch.ones(rows, dtype=dtype, device=device))
-            self.register_buffer("_A", z(rows, rank))
-            self.register_buffer("_H", z(rank, rank))
-            # capacitance I + F^T Psi^-1 F of the current (F, psi), kept for the next E-step
-            cap0 = F0.T @ F0
-            self._cap_done(cap0)
-            self.register_buffer("_cap", cap0)
-        else:
-            # the ascent runs in coordinates standardised by the running standard deviation
-            # at the end of the warm-up (F = diag(scale) F~, psi = scale^2 psi~), so that the
-            # optimizer's step size means the same whatever the scale of the data
-            self.register_buffer("_scale", torch.ones(rows, dtype=dtype, device=device))
-            self._F = nn.Parameter(F0, requires_grad=False)
-            self._log_psi = nn.Parameter(z(rows), requires_grad=False)
-            if self.average:
-                self.register_buffer("_F_avg", F0.clone())
-                self.register_buffer("_log_psi_avg", z(rows))
-            opt = optimizer if optimizer is not None else torch.optim.Adam
-            kwargs = dict(optimizer_kwargs or {})
-            kwargs.setdefault("lr", self.lr)
-            self._optimizer = opt([self._F, self._log_psi], **kwargs)
-            # the default Adam runs fused (_sga_fused_step): its state lives in the optimizer's
-            # state dict as torch's Adam keeps it, so the two paths are interchangeable
-            group = self._optimizer.param_groups[0]
-            self._sga_fused = optimizer is None and not (
-                group.get("weight_decay", 0) or group.get("amsgrad", False) or group.get("maximize", False)
-                or group.get("differentiable", False) or group.get("decoupled_weight_decay", False)
-            )
-            self._sga_cap = None  # I + F~^T Psi~^-1 F~ of the current iterate, and its key
-            self._sga_cap_key = None
+        fitter.init(self, F0, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs)
         self._cache = None
 
     # ------------------------------------------------------------------ state
@@ -389,23 +331,6 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
     def n_updates(self) -> int:
         """Number of observations seen."""
         return self._n
-
-    def get_extra_state(self):
-        state = {"n_updates": self._n, "since_m_step": self._since_m_step, "sga_steps": self._sga_steps,
-                 "A_coef": self._A_coef, "warmup": self.warmup}
-        if self._sharding is not None:
-            state.update(shard=self._sharding.descriptor(), cap_pending=self._cap_pending)
-        return state
-
-    def set_extra_state(self, state):
-        self.warmup = int(state.get("warmup", self.warmup))
-        self._n = int(state["n_updates"])
-        self._since_m_step = int(state.get("since_m_step", 0))
-        self._sga_steps = int(state.get("sga_steps", 0))
-        self._A_coef = float(state.get("A_coef", 0.0))
-        self._cap_pending = bool(state.get("cap_pending", False))
-        self._stash_u = None
-        self.__dict__.pop("_spread_seen", None)  # the loaded moments decide
 
     @torch.no_grad()
     def finish_warmup(self) -> None:
@@ -426,17 +351,15 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
         if self._n > self.warmup:
             return
         cls = type(self).__name__
-        if self.method != "em":
-            raise RuntimeError(f"{cls}: finish_warmup() needs method 'em', got {self.method!r}: the ascent only starts "
-                               f"after warmup={self.warmup} observations. Pass a smaller warmup.")
+        if not self._fitter.finishes_warmup:
+            self._fitter.finish_warmup(self)  # raises: this method cannot end its warm-up early
         if self._n <= self.rank:
             raise RuntimeError(f"{cls}: finish_warmup() needs more than rank={self.rank} observations, got {self._n}.")
         if not self._has_spread():
             raise RuntimeError(f"{cls}: finish_warmup() needs observations that differ, got {self._n} identical ones "
                                "(no spread to fit a factor to). Update with more.")
         self.warmup = self._n - 1  # as if planned: the first M-step follows update warmup + 1
-        self._m_step()
-        self._since_m_step = 0
+        self._fitter.finish_warmup(self)
         self._cache = None
 
     @property
@@ -458,12 +381,7 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
     def _estimate(self):
         if self._cache is not None:
             return self._cache
-        if self.method == "sga":
-            scale = self._scale
-            F, log_psi = (self._F_avg, self._log_psi_avg) if self.average else (self._F.detach(), self._log_psi.detach())
-            out = (F * scale.unsqueeze(-1), log_psi.exp() * scale.pow(2))
-        else:
-            out = (self._F, self._psi)
+        out = self._fitter.factors(self)
         self._cache = out
         return out
 
@@ -534,197 +452,24 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         self._cache = None
-        if self.method == "sga":
-            self._sga_cap = None
-            self._repoint_optimizer(fn)
+        self._fitter.moved(self, fn)
         return out
 
-    def _repoint_optimizer(self, fn) -> None:
-        """Point the SGA optimizer at the current ``_F`` / ``_log_psi`` after :meth:`_apply`.
-
-        ``.to()`` may replace the Parameter objects (e.g. under
-        ``torch.__future__.set_overwrite_module_params_on_conversion(True)``); the
-        optimizer would then keep stepping the old tensors. Its param groups and
-        state keys are moved to the new objects, and its state to their device
-        and dtype.
-        """
-        opt = self._optimizer
-        new_params = [self._F, self._log_psi]
-        old_params = [p for group in opt.param_groups for p in group["params"]]
-        if len(old_params) != len(new_params):  # pragma: no cover - the optimizer is built on exactly these two
-            raise RuntimeError(f"{type(self).__name__}: the SGA optimizer holds {len(old_params)} parameters, "
-                               f"expected {len(new_params)}.")
-        moved = {id(old): new for old, new in zip(old_params, new_params)}
-        for group in opt.param_groups:
-            group["params"] = [moved[id(p)] for p in group["params"]]
-        state = {}
-        for p, s in opt.state.items():
-            # keep the optimizer's state on the parameters' device and dtype
-            state[moved.get(id(p), p)] = {
-                k: fn(v) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in s.items()
-            }
-        opt.state.clear()
-        opt.state.update(state)
-
-    def state_dict(self, *args, **kwargs):
-        sd = super().state_dict(*args, **kwargs)
-        if self.method == "sga":
-            prefix = kwargs.get("prefix", "")
-            sd[prefix + "_optimizer_state"] = self._optimizer.state_dict()
-        return sd
-
-    def _check_extra_state(self, state) -> None:
-        cls = type(self).__name__
-        if not isinstance(state, dict) or "n_updates" not in state:
-            raise ValueError(f"{cls}: the saved state's extra state must be a dict with 'n_updates', got {state!r}; "
-                             "nothing was loaded.")
-        for key in ("n_updates", "since_m_step", "sga_steps"):
-            check_count(cls, state, key, 0)
-        check_count(cls, state, "warmup", self.warmup)
-        coef = state.get("A_coef", 0.0)
-        if not (isinstance(coef, (int, float)) and math.isfinite(coef)):
-            raise ValueError(f"{cls}: the saved state's 'A_coef' must be a finite number, got {coef!r}; "
-                             "nothing was loaded.")
-        self._check_shard_state(state)
-
-    def _check_optimizer_state(self, state) -> None:
-        if self.method == "sga" and getattr(self, "_optimizer", None) is not None:
-            check_optimizer_state(type(self).__name__, self._optimizer, state)
-
-    def _check_values(self, state_dict, prefix: str = "", owner: Optional[str] = None) -> None:
-        """Refuse saved values no fit can hold (checked after shapes and finiteness): psi <= 0, a capacitance
-        that is not positive definite, negative squared deviations, a non-positive SGA scale.
-
-        ``prefix`` and ``owner`` (the class that loads, e.g. SWAG) name the entries in the message."""
-        cls = owner or type(self).__name__
-
-        def get(key):
-            v = state_dict.get(key)
-            return v if torch.is_tensor(v) else None
-
-        for key, what in (("_psi", "the noise variances psi (cov_diag)"), ("_scale", "the SGA coordinate scales")):
-            v = get(key)
-            if v is not None and not bool((v > 0).all()):
-                raise ValueError(f"{cls}: state_dict[{prefix + key!r}] must be positive ({what}), got "
-                                 f"{int((v <= 0).sum())} entries <= 0 (smallest {float(v.min()):.3g}); nothing was "
-                                 "loaded.")
-        v = get("_moments.sq_dev")
-        if v is not None and not bool((v >= 0).all()):
-            raise ValueError(f"{cls}: state_dict[{prefix + '_moments.sq_dev'!r}] must be >= 0 (running squared "
-                             f"deviations), got {int((v < 0).sum())} negative entries; nothing was loaded.")
-        v = get("_cap")
-        if v is not None and self._sharding is None:
-            if int(torch.linalg.cholesky_ex(v.double()).info) != 0:
-                raise ValueError(f"{cls}: state_dict[{prefix + '_cap'!r}] must be positive definite (the "
-                                 "capacitance I + F^T Psi^-1 F), got one that is not; nothing was loaded.")
-
-    def _check_state(self, state_dict, strict: bool, prefix: str = ""):
-        """Check a whole saved state (keys relative to this module) before any of it is written.
-
-        Collective when sharded (every rank must call it). Returns the sharded running total of squared
-        deviations (else None).
-        """
-        total = self._check_loadable(state_dict, strict)
-        error = None
+    def __getattr__(self, name: str):
+        # a fitter's private helpers, bound to this model (fa._helper(...)): how tests reach or replace one
         try:
-            self._check_values(state_dict, prefix)
-        except ValueError as exc:
-            error = exc
-        if self._sharding is not None:
-            from pyro_fa.fa._sharding import agree
-
-            agree(self._sharding.group, type(self).__name__, {}, error=error)  # a refusal stops every rank
-        elif error is not None:
-            raise error
-        return total
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        # runs for a direct load_state_dict and for a parent module's alike: the whole state of this fit is
-        # checked before any of it is written (unless a parent, e.g. SWAG, has just checked it)
-        checked = self.__dict__.pop("_load_checked", None)
-        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        hint = self.__dict__.get("_load_strict")
-        if checked is not None:
-            total = checked[0]
-        elif mine or hint is not None:
-            total = self._check_state(mine, True if hint is None else hint, prefix)
-        else:  # a parent's non-strict load without this fit's entries: nothing to load
-            total = None
-        opt_key = prefix + "_optimizer_state"
-        opt_state = state_dict.get(opt_key)
-        if opt_key in state_dict:
-            state_dict = {k: v for k, v in state_dict.items() if k != opt_key}
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        if total is not None:
-            self._sq_dev_total = total
-        if self.method == "sga":
-            if opt_state is not None:
-                self._optimizer.load_state_dict(opt_state)
-            self._sga_cap = None
-        self._cache = None
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a state saved by :meth:`state_dict`, checked whole first: on error nothing is loaded.
-
-        The same checks run when a parent module (e.g. :class:`~pyro_fa.SWAG`) loads its state.
-
-        Raises
-        ------
-        ValueError, TypeError
-            If an entry is missing or unexpected (``strict``), has another shape
-            (another ``dim`` or ``rank``), holds NaN / inf, holds a noise variance
-            :math:`\\psi \\le 0` or a capacitance that is not positive definite, or the
-            extra or optimizer state does not fit; the model is then unchanged.
-        """
-        from collections.abc import Mapping
-
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"{type(self).__name__}: state_dict must be a mapping from names to tensors, got "
-                            f"{type(state_dict).__name__}.")
-        self.__dict__.pop("_load_checked", None)  # a mark left by a parent's load that stopped midway
-        self.__dict__["_load_strict"] = bool(strict)
-        try:
-            return super().load_state_dict(state_dict, strict=strict, assign=assign)
-        finally:
-            self.__dict__.pop("_load_strict", None)
+            return super().__getattr__(name)
+        except AttributeError:
+            fitter = self.__dict__.get("_fitter")
+            helper = getattr(type(fitter), name, None) if name.startswith("_") else None
+            if not callable(helper):
+                raise
+            return functools.partial(helper, fitter, self)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, rank={self.rank}, method={self.method!r}, warmup={self.warmup}"
 
     # ----------------------------------------------------------------- update
-    def _validate(self, x) -> Tensor:
-        name = type(self).__name__
-        if not torch.is_tensor(x):
-            raise TypeError(f"{name}: x must be a torch.Tensor of shape (D,) or (B, D), got {type(x).__name__}.")
-        if x.dim() == 1:
-            x = x.unsqueeze(0)
-        if x.dim() != 2 or x.shape[-1] != self._local_dim:
-            raise ValueError(
-                f"{name}: x must have shape (D,) or (B, D) with D={self._local_dim}"
-                + ("" if self._sharding is None else f" (this rank's rows {self._sharding.lo}:{self._sharding.hi})")
-                + f", got shape {tuple(x.shape)!r}."
-            )
-        if x.shape[0] == 0:
-            raise ValueError(f"{name}: x must hold at least one observation, got shape {tuple(x.shape)!r}.")
-        if x.dtype != self.loc.dtype:
-            raise TypeError(
-                f"{name}: x must have dtype {self.loc.dtype} like the model state, got {x.dtype}. "
-                f"Convert x or call .to({x.dtype}) on the model."
-            )
-        if x.is_meta or self.loc.is_meta:
-            raise ValueError(
-                f"{name}: x must be on a device that holds data like the model state (on {self.loc.device}), got "
-                f"a tensor on {x.device}: the meta device has shapes but no values to fit."
-            )
-        if x.device != self.loc.device:
-            raise ValueError(
-                f"{name}: x must be on device {self.loc.device} like the model state, got {x.device}. "
-                f"Move x or call .to('{x.device}') on the model."
-            )
-        return x  # finiteness is checked with the range, on the deviations (see _check_range)
-
     @torch.no_grad()
     def update(self, x: Tensor) -> None:
         r"""Update the fit with one observation or a batch.
@@ -799,12 +544,7 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
         spread = spread_before or self._has_spread()
         if not spread:
             self.warmup += n - max(n_old, 1)
-        if self.method == "em":
-            self._em_step(d, n, B, first_spread=spread and not spread_before)
-        elif n > self.warmup:
-            if n_old <= self.warmup:
-                self._rescale_to_data()
-            self._sga_step(d)
+        self._fitter.step(self, d, n_old, B, spread and not spread_before)
 
     def _scratch(self, name: str, dtype: torch.dtype) -> Tensor:
         # a persistent length-D work vector (allocating 8 MB per update costs page faults at D = 10^6)
@@ -816,169 +556,10 @@ class OnlineFactorAnalysis(OnlineSharded, OnlineSGA, nn.Module):
 
     def _noise_now(self) -> Tensor:
         # the noise variances the next step divides by (1 before the first M-step or the warm-up's end)
-        if self.method == "em":
-            return self._psi
-        return self._log_psi.detach().exp() * self._scale.pow(2)
+        return self._fitter.noise(self)
 
     def _noise_floor_now(self) -> float:
-        if self.method == "em":
-            return float(self._psi.amin())
-        return self.min_variance * float(self._scale.amin()) ** 2
-
-    def _check_range(self, x: Tensor, tmax: float, B: int, t: Optional[Tensor] = None, *,
-                     floor: Optional[float] = None, scale2: Optional[float] = None) -> None:
-        r"""Refuse a batch that is not finite or whose update would overflow, before anything changes.
-
-        ``tmax`` is the largest :math:`|x_{bd} - c_d|` from the current mean. The deviations
-        from the new mean are at most :math:`2t_{\max}`, the variances grow to at most
-        :math:`\max(\mathrm{var}, 5t_{\max}^2)`, and the step's products are bounded by the
-        squared deviation in units of the noise variances,
-        :math:`q \le 4Dt_{\max}^2/\psi_{\min}`: the E-step's latent mean has
-        :math:`\|m\|^2 \le q/4` (the map :math:`(I + W^\top W)^{-1}W^\top`,
-        :math:`W = \Psi^{-1/2}F`, has norm at most 1/2), the statistics' entries at most
-        :math:`2t_{\max}\sqrt q` and :math:`q`; the ascent's squared gradients (Adam's second
-        moment) grow like :math:`q^2/\psi_{\min}`. A margin of 64 is left for sums over the
-        batch. Legitimate vectors are far inside: overflow in float32 needs a deviation of
-        about :math:`10^{11}` running standard deviations.
-        """
-        name = type(self).__name__
-        if not math.isfinite(tmax):
-            if not bool(torch.isfinite(x).all()):
-                raise ValueError(
-                    f"{name}: x must be finite, got NaN or inf in {int((~torch.isfinite(x)).sum())} entries; "
-                    "the update was refused and the model is unchanged."
-                )
-        limit = torch.finfo(x.dtype).max / 64
-        t2 = tmax * tmax
-        tiny = torch.finfo(x.dtype).tiny
-
-        def worst_case(q: float, t2_std: float) -> float:
-            worst = max(5.0 * t2, q, 2.0 * math.sqrt(t2 * q))
-            if self.method == "sga":  # Adam's squared gradient, entries (2 t/scale)(sqrt(q)/2)/psi~
-                worst = max(worst, t2_std * q / self.min_variance ** 2)
-            return worst
-
-        floor = max(self._noise_floor_now() if floor is None else floor, tiny)  # over all ranks if given
-        if self.method != "sga":
-            scale2 = 1.0
-        elif scale2 is None:
-            scale2 = float(self._scale.amin()) ** 2
-        worst = worst_case(4.0 * self.dim * t2 / floor, 4.0 * t2 / max(scale2, tiny))
-        if math.isfinite(worst) and worst > limit and t is not None:
-            # the cheap bound (every deviation in the coordinate of least noise) failed: the exact q
-            q, t2_std = self._exact_range(t)
-            worst = worst_case(q, t2_std)
-        if not math.isfinite(worst) or worst > limit:
-            raise ValueError(
-                f"{name}: x must stay within the range whose update fits {x.dtype}, got a deviation of {tmax:.3g} from "
-                "the running mean: the statistics would overflow. The update was refused and the model is unchanged."
-            )
-
-    def _em_step(self, d: Tensor, n: int, B: int, first_spread: bool = False) -> None:
-        K = self.rank
-        if 2 <= n <= self.warmup and (first_spread or (n.bit_length() > (n - B).bit_length() and self._has_spread())):
-            # warm-up: each time n passes a power of two, and at the first vector that differs from the
-            # earlier ones, the fixed initial factor is put in the units of the data seen so far (see
-            # _scale_to_variance); identical vectors have no units to put it in
-            self._scale_to_variance()
-        # E-step (eq. 4.23): the capacitance I + F^T Psi^-1 F of the current F, psi was
-        # formed by the previous M-step; only F^T Psi^-1 d is new (one pass over F)
-        L, u = self._e_step_inputs(d)  # (K, B) projection F^T Psi^-1 d^T, summed over the ranks if sharded
-        m = torch.cholesky_solve(u, L)
-        eye = torch.eye(K, dtype=d.dtype, device=d.device)
-        sigma_h = torch.cholesky_solve(eye, L)
-        # statistics (eqs. 4.32, 4.36) with step gamma, A updated in place (one pass)
-        a = 1.0 + (self.step_scale - 1.0) * min(1.0, n / self.step_ramp)
-        gamma = min(1.0, a * B / (n + (a - 1) * B))
-        # the statistic is A = _A_coef * F + _A (see _m_step). The coefficient is exactly 1
-        # only right after an expanded M-step (every update past the warm-up scales it by
-        # 1 - gamma < 1): _A is stale then, and the update writes it without reading it
-        self._A.addmm_(d.T, m.T, beta=0.0 if self._A_coef == 1.0 else 1 - gamma, alpha=gamma / B)
-        self._A_coef *= 1 - gamma
-        self._H.mul_(1 - gamma).add_(sigma_h + m @ m.T / B, alpha=gamma)
-        if n <= self.warmup:
-            return
-        self._since_m_step += 1
-        if self._since_m_step >= self.m_step_every:
-            self._m_step()
-            self._since_m_step = 0
-
-    def _scale_to_variance(self) -> None:
-        r"""Warm-up: rescale the initial factor and :math:`\psi` to the running variances.
-
-        The rows of :math:`F` keep their directions and get the norm
-        :math:`\sqrt{s_d/2}`, :math:`\psi_d = s_d/2` (floored), where :math:`s_d` is the
-        running variance of coordinate d; the capacitance is recomputed. The warm-up's
-        E-steps, which stay in the statistics, are then projections onto random
-        directions in the units of the data (one power iteration at the first
-        M-step) rather than posteriors under a unit-scale model: with the unit
-        initial :math:`F, \psi` and weight variances of 1e-3, the warm-up's
-        :math:`\Sigma_h \approx I/2` dominated :math:`\bar H` and shrank the factor
-        (on short streams of SGD iterates the rescaling roughly halves the covariance
-        error). Called at :math:`n = 2, 4, 8, \dots` up to the
-        warm-up's end: :math:`O(DK^2)` each, in row blocks.
-        """
-        var = self.variance
-        floor = self._floor_values(var)
-        F, psi, cap = self._F, self._psi, self._cap
-        cap.zero_()
-        rows = self._block_rows()
-        work = self._workspace(rows)[0]
-        for lo in range(0, self._local_dim, rows):
-            hi = min(lo + rows, self._local_dim)
-            F_c, w, v, psi_c = F[lo:hi], work[: hi - lo], var[lo:hi], psi[lo:hi]
-            norm2 = torch.mul(F_c, F_c, out=w).sum(-1)
-            # a row that has been zeroed (a coordinate that had not moved) stays zero
-            scale = torch.where(norm2 > 0, (0.5 * v / norm2).sqrt(), torch.zeros_like(norm2))
-            F_c.mul_(scale.unsqueeze(-1))
-            torch.maximum(0.5 * v, floor[lo:hi], out=psi_c)
-            torch.div(F_c, psi_c.unsqueeze(-1), out=w)
-            cap.addmm_(w.T, F_c)
-        self._cap_done(cap)
-
-    def _m_step(self) -> None:
-        r"""M-step (eqs. 4.33, 4.35) fused with the next E-step's capacitance.
-
-        One pass over :math:`\bar A` in row blocks small enough to stay in cache:
-        :math:`F = \bar A \bar H^{-1}` (or, expanded, :math:`\bar A \leftarrow \bar A L^{-\top}`,
-        :math:`F = \bar A`), :math:`\psi = \mathrm{diag}(S) - \mathrm{rowsum}(F \odot \bar A)`
-        (floored) and :math:`I + F^\top \Psi^{-1} F`, without a D x K temporary.
-        """
-        var = self.variance
-        floor = self._floor_values(var)
-        L = _cholesky(self._H)
-        if self.expand:
-            # PX-EM: the working latent covariance H is absorbed into the factor,
-            # F = A H^-1 L = A L^-T, and the statistics move to the new latent
-            # coordinates h' = L^-1 h: A <- A L^-T, H <- L^-1 H L^-T = I
-            eye = torch.eye(self.rank, dtype=L.dtype, device=L.device)
-            M = torch.linalg.solve_triangular(L, eye, upper=False).T
-            self._H.copy_(eye)
-        else:
-            M = torch.cholesky_inverse(L)
-        A, F, psi = self._A, self._F, self._psi
-        cap = self._cap
-        cap.zero_()
-        rows = self._block_rows()
-        work, work_a = self._workspace(rows)
-        coef = self._A_coef
-        for lo in range(0, self._local_dim, rows):
-            hi = min(lo + rows, self._local_dim)
-            A_c, F_c, w = A[lo:hi], F[lo:hi], work[: hi - lo]
-            if coef != 0.0:
-                # the statistic's rows, A = coef * F + _A, formed in cache
-                A_c = torch.add(A_c, F_c, alpha=coef, out=work_a[: hi - lo])
-            torch.mm(A_c, M, out=F_c)
-            psi_c = psi[lo:hi]
-            # diag(A H^-1 A^T): rowsum(F * A) for F = A H^-1, rowsum(F * F) for F = A L^-T
-            torch.sub(var[lo:hi], torch.mul(F_c, F_c if self.expand else A_c, out=w).sum(-1), out=psi_c)
-            torch.maximum(psi_c, floor[lo:hi], out=psi_c)
-            torch.div(F_c, psi_c.unsqueeze(-1), out=w)
-            cap.addmm_(w.T, F_c)
-        self._cap_done(cap)
-        # expanded: the statistic in the new coordinates, A L^-T, is F itself; rather than
-        # writing it into _A (one more pass over D x K memory) hold it as 1 * F + stale _A
-        self._A_coef = 1.0 if self.expand else 0.0
+        return self._fitter.noise_floor(self)
 
     def _block_rows(self) -> int:
         # about 1 MB of rows per block (EM's M-step, SGA's fused pass): a few (rows, K) arrays stay in cache

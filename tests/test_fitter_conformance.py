@@ -1,0 +1,204 @@
+"""The contract every registered fitter of OnlineFactorAnalysis keeps (pyro_fa.fa.fitters).
+
+One suite, parametrised over the fitters in ``FITTERS`` (online EM, online SGA) and the toy fitter
+of docs/architecture.md ("Add a fitter"): state round trip, dtype and device, refusal of bad input
+with the state unchanged, and agreement of the fitted distribution with an independent computation
+(dense algebra; batch factor analysis on the same stream).
+"""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from pyro_fa import OnlineFactorAnalysis
+from pyro_fa.fa.batch import BatchFactorAnalysis
+from pyro_fa.fa.fitters import FITTERS, Fitter, fitter_class, register_fitter
+
+BUILTIN = ["em", "sga"]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+
+
+def _doc_example() -> str:
+    text = DOC.read_text()
+    section = text[text.index("## Add a fitter"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.fixture
+def toy_fitter():
+    """Runs the documented example (it registers "diagonal"), then removes it from the registry."""
+    namespace = {}
+    try:
+        exec(compile(_doc_example(), str(DOC), "exec"), namespace)
+        yield namespace
+    finally:
+        FITTERS.pop("diagonal", None)
+
+
+def _stream(D=8, K=2, T=600, seed=0, dtype=torch.float64, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    F = torch.randn(D, K, generator=g, dtype=torch.float64)
+    psi = 0.1 + torch.rand(D, generator=g, dtype=torch.float64)
+    X = 3.0 + torch.randn(T, K, generator=g, dtype=torch.float64) @ F.T + psi.sqrt() * torch.randn(
+        T, D, generator=g, dtype=torch.float64)
+    return X.to(dtype=dtype, device=device), F @ F.T + torch.diag(psi)
+
+
+def _fit(method, X, seed=0, **kw):
+    kw = dict(dict(warmup=20, seed=seed, dtype=X.dtype, device=X.device), **kw)
+    if method == "sga":
+        kw.setdefault("lr", 1e-2)
+    fa = OnlineFactorAnalysis(X.shape[-1], 2, method=method, **kw)
+    for chunk in X.split(3):
+        fa.update(chunk)
+    return fa
+
+
+def _state(fa):
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in fa.state_dict().items()}
+
+
+def _same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if torch.is_tensor(a[k]):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+@pytest.mark.parametrize("method", BUILTIN)
+def test_registry_holds_the_builtin_fitters(method):
+    cls = fitter_class(method, "OnlineFactorAnalysis")
+    assert issubclass(cls, Fitter) and cls.name == method and FITTERS[method] is cls
+    assert isinstance(OnlineFactorAnalysis(5, 2, method=method, warmup=2)._fitter, cls)
+
+
+def test_unknown_method_is_refused_at_the_boundary():
+    with pytest.raises(ValueError, match=r"OnlineFactorAnalysis: method must be one of \('em', 'sga'\), got 'pca'"):
+        OnlineFactorAnalysis(5, 2, method="pca")
+
+
+def test_register_fitter_refuses_a_taken_name_and_a_non_fitter():
+    with pytest.raises(ValueError, match=r"register_fitter: name must be free, got 'em', taken by OnlineEM"):
+        register_fitter("em")(type("Other", (Fitter,), {}))
+    with pytest.raises(TypeError, match=r"register_fitter: the decorated class must subclass Fitter"):
+        register_fitter("plain")(object)
+    with pytest.raises(ValueError, match=r"register_fitter: name must be a non-empty string, got ''"):
+        register_fitter("")
+    assert "plain" not in FITTERS
+
+
+@pytest.mark.parametrize("method", BUILTIN)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_round_trip_gives_identical_draws_and_updates(method, dtype, device):
+    X, _ = _stream(dtype=dtype, device=device)
+    src = _fit(method, X[:300], seed=0)
+    dst = _fit(method, X[:50], seed=1)  # another seed, another count: everything must come from the state
+    dst.load_state_dict(src.state_dict())
+    for name in ("loc", "cov_factor", "cov_diag"):
+        assert torch.equal(getattr(dst, name), getattr(src, name)), name
+    torch.manual_seed(0)
+    a = src.sample(4)
+    torch.manual_seed(0)
+    b = dst.sample(4)
+    assert torch.equal(a, b)
+    if method == "sga":
+        return  # see test_sga_continues_alike_after_a_load
+    for chunk in X[300:].split(3):  # and the two fits go on alike
+        src.update(chunk)
+        dst.update(chunk)
+    assert torch.equal(dst.cov_factor, src.cov_factor) and torch.equal(dst.cov_diag, src.cov_diag)
+
+
+@pytest.mark.xfail(strict=True, reason="known, also before the fitters moved (f52b2c4): after a load, SGA's next "
+                   "steps differ from the source's by ~1e-3 relative; some ascent state is not saved")
+def test_sga_continues_alike_after_a_load():
+    X, _ = _stream()
+    src, dst = _fit("sga", X[:300], seed=0), _fit("sga", X[:50], seed=1)
+    dst.load_state_dict(src.state_dict())
+    for chunk in X[300:].split(3):
+        src.update(chunk)
+        dst.update(chunk)
+    torch.testing.assert_close(dst.cov_factor, src.cov_factor, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", BUILTIN)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("device", DEVICES)
+def test_factors_and_draws_have_the_state_dtype_and_device(method, dtype, device):
+    X, _ = _stream(T=100, dtype=dtype, device=device)
+    fa = _fit(method, X)
+    for t in (fa.loc, fa.cov_factor, fa.cov_diag, fa.sample(2), fa.log_prob(X[:2])):
+        assert t.dtype == dtype and t.device.type == device
+    assert fa.cov_factor.shape == (8, 2) and fa.cov_diag.shape == (8,)
+    moved = _fit(method, X.double().cpu()).to(dtype=dtype, device=device)  # and .to() moves the whole state
+    moved.update(X[:3])
+    assert moved.cov_factor.dtype == dtype and moved.cov_factor.device.type == device
+
+
+@pytest.mark.parametrize("method", BUILTIN)
+@pytest.mark.parametrize("bad, error, match", [
+    (lambda X: X[:2].clone().index_fill_(1, torch.tensor([3]), float("nan")), ValueError, r"x must be finite"),
+    (lambda X: X[:2, :5], ValueError, r"x must have shape \(D,\) or \(B, D\) with D=8, got shape \(2, 5\)"),
+    (lambda X: X[:2].float(), TypeError, r"x must have dtype torch.float64 like the model state, got torch.float32"),
+    (lambda X: X[:2] * 1e300, ValueError, r"x must stay within the range whose update fits torch.float64"),
+])
+def test_bad_input_is_refused_with_the_state_unchanged(method, bad, error, match):
+    X, _ = _stream(T=200)
+    fa = _fit(method, X)
+    before = _state(fa)
+    with pytest.raises(error, match="OnlineFactorAnalysis: " + match):
+        fa.update(bad(X))
+    _same(before, _state(fa))
+
+
+@pytest.mark.parametrize("method", BUILTIN)
+def test_distribution_is_the_dense_gaussian_of_the_factors(method):
+    X, _ = _stream(T=200)
+    fa = _fit(method, X)
+    F, psi = fa.cov_factor, fa.cov_diag
+    dense = torch.distributions.MultivariateNormal(X.mean(0), F @ F.T + torch.diag(psi))
+    assert torch.allclose(fa.loc, X.mean(0), rtol=0, atol=1e-12)  # the running mean is exact
+    assert torch.allclose(fa.variance, X.var(0, correction=0), rtol=1e-12, atol=0)
+    assert torch.allclose(fa.log_prob(X[:5]), dense.log_prob(X[:5]), rtol=1e-10, atol=1e-10)
+    assert torch.allclose(fa.covariance(), dense.covariance_matrix, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("method, T, tol", [("em", 3000, 0.05), ("sga", 20000, 0.2)])
+def test_fitted_covariance_agrees_with_batch_fa_on_the_same_stream(method, T, tol):
+    X, _ = _stream(T=T, seed=3)
+    fa = _fit(method, X, warmup=50)
+    batch = BatchFactorAnalysis(8, 2, dtype=torch.float64).fit(X)
+    ours = fa.covariance()
+    ref = batch.cov_factor @ batch.cov_factor.T + torch.diag(batch.cov_diag)
+    assert float(torch.linalg.norm(ours - ref) / torch.linalg.norm(ref)) < tol
+
+
+def test_documented_toy_fitter_is_used_by_online_factor_analysis(toy_fitter):
+    # the example of docs/architecture.md ran (its own asserts included) and registered "diagonal"
+    assert FITTERS["diagonal"] is toy_fitter["DiagonalFitter"]
+    X, _ = _stream(T=100)
+    fa = OnlineFactorAnalysis(8, 2, method="diagonal", warmup=1, seed=0, dtype=torch.float64)
+    fa.update(X)
+    assert torch.equal(fa.cov_factor, torch.zeros(8, 2, dtype=torch.float64))
+    assert torch.allclose(fa.cov_diag, X.var(0, correction=0), rtol=1e-12, atol=0)
+    # the shared contract holds for it too: refusal with the state unchanged, state round trip
+    before = _state(fa)
+    with pytest.raises(ValueError, match=r"OnlineFactorAnalysis: x must be finite"):
+        fa.update(torch.full((1, 8), float("nan"), dtype=torch.float64))
+    _same(before, _state(fa))
+    other = OnlineFactorAnalysis(8, 2, method="diagonal", warmup=1, seed=5, dtype=torch.float64)
+    other.load_state_dict(fa.state_dict())
+    torch.manual_seed(0)
+    a = fa.sample(3)
+    torch.manual_seed(0)
+    assert torch.equal(other.sample(3), a)
+    short = OnlineFactorAnalysis(8, 2, method="diagonal", warmup=50, seed=0, dtype=torch.float64)
+    short.update(X[:10])
+    with pytest.raises(RuntimeError, match=r"OnlineFactorAnalysis: finish_warmup\(\) needs a method that can end "
+                                           r"its warm-up early, got 'diagonal'"):
+        short.finish_warmup()
