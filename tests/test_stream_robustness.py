@@ -321,6 +321,8 @@ def test_once_per_epoch_run_shorter_than_the_warmup_ends_it():
     assert again.warmup == 39
     short = SWAG(net, rank=2, method="em", warmup=100, seed=0)
     short.collect()
+    with torch.no_grad():  # two different vectors (identical ones would extend the warm-up: no spread yet)
+        net.bias.add_(0.1)
     short.collect()
     with pytest.raises(RuntimeError, match=r"needs more than warmup=100 collected vectors for method='em', got 2 "
                                            r"\(more than rank=2 to end the warm-up early\)"):
