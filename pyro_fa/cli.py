@@ -26,9 +26,9 @@ EXPERIMENTS = {
     "vifa-linreg": "pyro_fa.experiments.vifa_linreg",
     "sgd-iterates": "pyro_fa.experiments.sgd_iterates",
     "linreg-ensembles": "pyro_fa.experiments.linreg_ensembles",
-    "uci": "pyro_fa.experiments.uci",
-    "classify": "pyro_fa.experiments.classify",
-    "revrand": "pyro_fa.experiments.revrand",
+    "uci": "pyro_fa.experiments.uci.command",
+    "classify": "pyro_fa.experiments.classify.command",
+    "revrand": "pyro_fa.experiments.revrand.command",
 }
 
 _HELP = {

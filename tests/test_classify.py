@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from pyro_fa import cli, metrics
-from pyro_fa.experiments import _classify_data as cdata
-from pyro_fa.experiments import _classify_report as rep
-from pyro_fa.experiments import classify
-from pyro_fa.experiments._classify_methods import METHODS, Budget, make_network
+from pyro_fa.experiments.classify import data as cdata
+from pyro_fa.experiments.classify import report as rep
+from pyro_fa.experiments.classify import command as classify
+from pyro_fa.experiments.classify.methods import METHODS, Budget, make_network
 
 pytest.importorskip("mnist1d")
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyro_fa.experiments import _classify_peers as peers
+from pyro_fa.experiments.classify import baselines as peers
 
 
 def _need(key):

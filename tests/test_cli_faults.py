@@ -12,7 +12,7 @@ import pytest
 
 from pyro_fa import cli
 from pyro_fa._files import atomic_write_bytes
-from pyro_fa.experiments import uci
+from pyro_fa.experiments.uci import command as uci
 
 fcntl = pytest.importorskip("fcntl")
 

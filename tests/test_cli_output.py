@@ -100,7 +100,7 @@ def test_output_folder_refused_run_leaves_no_empty_folder(tmp_path):
 
 def test_classify_refuses_a_locked_folder_before_training(tmp_path, monkeypatch):
     """Two classify runs on one folder: the second is refused, the first's files are untouched."""
-    from pyro_fa.experiments import classify
+    from pyro_fa.experiments.classify import command as classify
 
     monkeypatch.setattr(classify, "run_benchmark", lambda *a, **k: (_ for _ in ()).throw(AssertionError("trained")))
     with _io.OutputFolder(tmp_path, "pyro-fa classify"):  # the first run, still going
@@ -164,7 +164,8 @@ def test_classify_without_mnist1d_fails_in_one_line(tmp_path, monkeypatch, no_wo
 
 
 def test_classify_peer_named_but_not_installed_fails_in_one_line(tmp_path, monkeypatch, no_work):
-    from pyro_fa.experiments import _classify_peers, classify
+    from pyro_fa.experiments.classify import baselines as _classify_peers
+    from pyro_fa.experiments.classify import command as classify
 
     monkeypatch.setattr(classify, "peers_available", lambda: {"laplace": False, "ivon": False})
     monkeypatch.setattr(_classify_peers, "unavailable_reasons",
@@ -267,7 +268,7 @@ def test_uci_reference_lines_read_apart():
     import matplotlib.pyplot as plt
     from matplotlib.colors import to_rgb
 
-    from pyro_fa.experiments import _uci_report as rep
+    from pyro_fa.experiments.uci import report as rep
 
     results = {"yacht": {"vifa-gaussian-1x50": {"ll": [-1.0, -1.1], "rmse": [0.8, 0.9]}}}
     fig = rep.figure(results, {"vifa-gaussian-1x50": "VIFA"}, "ll")

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from pyro_fa import cli
-from pyro_fa.experiments import _revrand_report as rep
-from pyro_fa.experiments import revrand
-from pyro_fa.experiments._revrand_models import median_distance
-from pyro_fa.experiments._revrand_tables import load_digits_35
+from pyro_fa.experiments.revrand import report as rep
+from pyro_fa.experiments.revrand import command as revrand
+from pyro_fa.experiments.revrand.models import median_distance
+from pyro_fa.experiments.revrand.tables import load_digits_35
 
 # ----------------------------------------------------------------------------- metrics against hand computations
 

@@ -9,8 +9,8 @@ import torch
 
 from pyro_fa import cli, metrics
 from pyro_fa.datasets import load_uci
-from pyro_fa.experiments import _uci_protocol as protocol
-from pyro_fa.experiments import uci
+from pyro_fa.experiments.uci import protocol
+from pyro_fa.experiments.uci import command as uci
 from pyro_fa.nn import BatchedMLP, BatchedVI
 
 

@@ -1,1 +1,9 @@
-"""One module per reproduced experiment; each is a ``pyro-fa`` subcommand (see :mod:`pyro_fa.cli`)."""
+"""The experiments behind the ``pyro-fa`` command (see :mod:`pyro_fa.cli`), one room each.
+
+A larger experiment is a package (:mod:`.uci`, :mod:`.classify`, :mod:`.revrand`) whose
+``command`` module is the subcommand (``add_arguments(parser)`` and ``run(args)``) beside its
+protocol, methods, ``baselines`` (the peers), results and ``report`` modules; a smaller one is a
+single module with the same two functions (:mod:`.online_fa`, :mod:`.vifa_synthetic`,
+:mod:`.vifa_linreg`, :mod:`.sgd_iterates`, :mod:`.linreg_ensembles`). The output folder, the
+argument types and the progress bars every subcommand shares are in :mod:`._io`.
+"""

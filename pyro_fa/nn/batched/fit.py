@@ -12,14 +12,14 @@ own learning rate, minibatches and Monte Carlo draws.
 from __future__ import annotations
 
 import numbers
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from pyro_fa.nn.batched.vi import BatchedVI
 
-__all__ = ["fit_batched"]
+__all__ = ["fit_batched", "sample_rows", "take_rows"]
 
 _SCHEDULES = ("constant", "cosine")
 
@@ -87,8 +87,8 @@ def fit_batched(model: BatchedVI, x: Tensor, y: Tensor, steps: int, *, batch_siz
     -----
     One step costs one fit-step's tensor work times R, with one Python dispatch for all,
     and no Pyro tracing: per fit-step several times less than ``pyro.infer.SVI`` one fit
-    at a time for small networks (measured in ``docs/batched_training.md``, by
-    ``benchmarks/bench_uci_trainer.py``). No ``.item()`` is called in the loop; the data
+    at a time for small networks (measured on the online documentation's *Batched training*
+    page). No ``.item()`` is called in the loop; the data
     are checked (shapes, dtype, device, finiteness) once, before the first step.
 
     Examples
@@ -140,7 +140,7 @@ def fit_batched(model: BatchedVI, x: Tensor, y: Tensor, steps: int, *, batch_siz
     losses = []
     try:
         for step in range(1, steps + 1):
-            xb, yb = _take(x, y, _sample_rows(R, N, batch, generator, y.device))
+            xb, yb = take_rows(x, y, sample_rows(R, N, batch, generator, y.device))
             opt.zero_grad(set_to_none=True)
             loss = model.loss(xb, yb, N, particles)
             loss.sum().backward()
@@ -158,15 +158,77 @@ def fit_batched(model: BatchedVI, x: Tensor, y: Tensor, steps: int, *, batch_siz
     return torch.stack(losses)
 
 
-def _sample_rows(R: int, N: int, batch: int, generator: Optional[torch.Generator], device) -> Optional[Tensor]:
-    """Row indices of a minibatch per replica, drawn with replacement, shape (R, batch); None for full batch."""
-    if batch >= N:
+def sample_rows(replicas: int, n: int, batch_size: int, generator: Optional[torch.Generator] = None,
+                device=None) -> Optional[Tensor]:
+    r"""Row indices of one minibatch per replica, drawn uniformly with replacement.
+
+    The draw :func:`fit_batched` makes at every step; a training loop of its own (e.g. the
+    SGD collection phase of ``pyro-fa uci``'s SWAG family) calls it to draw the same
+    minibatches from the same generator.
+
+    Parameters
+    ----------
+    replicas : int
+        R, the number of replicas (fits).
+    n : int
+        N, the number of rows of each replica's data.
+    batch_size : int
+        B, the rows per replica; at least ``n`` means the full batch.
+    generator : torch.Generator, optional
+        The generator the indices are drawn from (default: torch's global one).
+    device : torch.device or str, optional
+        Where the indices live: the data's device.
+
+    Returns
+    -------
+    Tensor or None
+        Long tensor of shape (R, B) with entries in [0, N); None when ``batch_size >= n``
+        (the full batch, nothing drawn).
+
+    Notes
+    -----
+    One ``torch.randint`` call; no arguments are checked (it runs inside training loops,
+    whose entry checks them).
+
+    Examples
+    --------
+    >>> idx = sample_rows(3, 10, 4, torch.Generator().manual_seed(0))
+    >>> idx.shape, bool((idx < 10).all())
+    (torch.Size([3, 4]), True)
+    >>> sample_rows(3, 10, 10) is None
+    True
+    """
+    if batch_size >= n:
         return None
-    return torch.randint(N, (R, batch), generator=generator, device=device)
+    return torch.randint(n, (replicas, batch_size), generator=generator, device=device)
 
 
-def _take(x: Tensor, y: Tensor, idx: Optional[Tensor]):
-    """The rows ``idx`` (R, B) of every replica's data; ``x``, ``y`` themselves for full batch."""
+def take_rows(x: Tensor, y: Tensor, idx: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    r"""The rows ``idx`` of every replica's data: the minibatch :func:`sample_rows` drew.
+
+    Parameters
+    ----------
+    x : Tensor
+        Inputs, of shape (N, P) shared by every replica or (R, N, P), one set per replica.
+    y : Tensor
+        Targets, of shape (N,) shared or (R, N) per replica.
+    idx : Tensor or None
+        Long tensor of shape (R, B), as :func:`sample_rows` returns; None for the full batch.
+
+    Returns
+    -------
+    (Tensor, Tensor)
+        ``x`` of shape (R, B, P) and ``y`` of shape (R, B): row ``idx[r]`` of replica r's data
+        (of the shared data when ``x`` / ``y`` are shared); ``x``, ``y`` themselves when
+        ``idx`` is None.
+
+    Examples
+    --------
+    >>> x, y = torch.arange(10.).reshape(5, 2), torch.arange(5.)
+    >>> xb, yb = take_rows(x, y, torch.tensor([[0, 4], [1, 1]]))
+    >>> xb.shape, yb.tolist()
+    (torch.Size([2, 2, 2]), [[0.0, 4.0], [1.0, 1.0]])
+    """
     if idx is None:
         return x, y
     if x.dim() == 2:  # shared inputs: one gather per replica's rows

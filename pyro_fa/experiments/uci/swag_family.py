@@ -1,7 +1,7 @@
 r"""The UCI benchmark's SWAG family: one MAP search, SGD collection phases feeding SWAG posteriors, one column each.
 
 The MAP fits are :class:`pyro_fa.nn.BatchedVI` replicas of the ``"delta"`` family (Pyro's
-``AutoDelta``), trained by :func:`pyro_fa.experiments._uci_protocol.train`; the collection
+``AutoDelta``), trained by :func:`pyro_fa.experiments.uci.protocol.train`; the collection
 phase steps plain SGD on every replica's weight vector and feeds :class:`~pyro_fa.SWAG`.
 """
 from __future__ import annotations
@@ -10,10 +10,9 @@ from typing import Dict, Sequence, Tuple
 
 import torch
 
-from pyro_fa.experiments._uci_protocol import (Budget, Method, SplitData, _choose, _spec, evaluate, final_data,
+from pyro_fa.experiments.uci.protocol import (Budget, Method, SplitData, _choose, _spec, evaluate, final_data,
                                                heldout_ll, train, tuning_data)
-from pyro_fa.nn.batched import BatchedVI
-from pyro_fa.nn.batched.fit import _sample_rows, _take
+from pyro_fa.nn.batched import BatchedVI, sample_rows, take_rows
 
 
 def _collect_schedule(data: SplitData, budget: Budget) -> Tuple[int, int]:
@@ -50,7 +49,7 @@ def _map_then_collect(spec, data: SplitData, precision: float, lr: float, steps:
     noise_var = model.likelihood_scale().detach().pow(2)
     N = data.y.shape[1]
     for _ in range(n_steps):
-        xb, yb = _take(data.x, data.y, _sample_rows(R, N, budget.swag_batch, gen, data.y.device))
+        xb, yb = take_rows(data.x, data.y, sample_rows(R, N, budget.swag_batch, gen, data.y.device))
         opt.zero_grad(set_to_none=True)
         # the per-example loss in units of the noise variance: squared error / 2 plus weight decay, what a
         # torch user's SGD minimises (its step size then means the same whatever the learned noise)

@@ -8,7 +8,7 @@ evidence-maximised hyperparameters, float64) and the generalised linear model (G
 :class:`~pyro_fa.AutoLowRankFactorGuide` and :class:`~pyro_fa.FactorELBO` with 4 vectorised
 particles, Adam from rate 0.03 decaying to 0.003, float32), both on random Fourier features of the
 RBF kernel (:class:`~pyro_fa.basis.RandomFourierBasis`). Hyperparameters as in
-:mod:`pyro_fa.experiments._revrand_models`: random starts scored by the log evidence (SLM) and a
+:mod:`pyro_fa.experiments.revrand.models`: random starts scored by the log evidence (SLM) and a
 grid of prior precisions scored by the ELBO (GLM), on the training data only; the basis length
 scales start at the median distance between training inputs. Each test fold is seen once.
 
@@ -183,8 +183,8 @@ def run_tables(tables, budget: Budget, seed: int, output_dir, device="cpu", prog
     """Run the chosen tables and write ``results.json`` and ``report.md`` to ``output_dir``; returns the results."""
     from tqdm.auto import tqdm
 
-    from pyro_fa.experiments import _revrand_report as rep
-    from pyro_fa.experiments import _revrand_tables as runs
+    from pyro_fa.experiments.revrand import report as rep
+    from pyro_fa.experiments.revrand import tables as runs
 
     device = torch.device(device)
     bar = progress_bar(total=_units(tables, budget), desc="revrand", unit="fit", enabled=progress)
@@ -215,7 +215,7 @@ def run_tables(tables, budget: Budget, seed: int, output_dir, device="cpu", prog
 
 def write_report(out: Path, result: dict) -> None:
     """``results.json`` and ``report.md`` in ``out``, each written atomically."""
-    from pyro_fa.experiments import _revrand_report as rep
+    from pyro_fa.experiments.revrand import report as rep
 
     out.mkdir(parents=True, exist_ok=True)
     tables = result["tables"]
@@ -256,7 +256,7 @@ def _run_locked(args, device, budget: Budget, tables) -> int:
     with threadpool_limits(args.threads):
         result = run_tables(tables, budget, args.seed, args.output_dir, device=device,
                             progress=not args.no_progress, data_dir=args.data_dir)
-    from pyro_fa.experiments import _revrand_report as rep
+    from pyro_fa.experiments.revrand import report as rep
 
     print()
     print(rep.bar_summary(result["bar"]) if result["bar"] else "(no bar applies)")

@@ -70,11 +70,11 @@ import torch
 from pyro_fa.datasets import UCI_DATASETS, list_uci, load_uci, uci_n_splits
 from pyro_fa.experiments._io import OutputFolder, atomic_write_json, check_device, mean_se, positive_int, \
     progress_bar
-from pyro_fa.experiments._uci_protocol import (DEFAULT_METHODS, METHODS, QUICK_METHODS, SWAG_METHODS, Budget,
+from pyro_fa.experiments.uci.protocol import (DEFAULT_METHODS, METHODS, QUICK_METHODS, SWAG_METHODS, Budget,
                                                Method, SplitData, evaluate, final_data, heldout_ll, n_tune_splits,
                                                run_vi, train, tuning_data)
-from pyro_fa.experiments._uci_swag import run_swag
-from pyro_fa.experiments._uci_units import _legacy_path, _run_key, _same_run, _unit_key, _unit_path, _units, read_unit
+from pyro_fa.experiments.uci.swag_family import run_swag
+from pyro_fa.experiments.uci.results import _legacy_path, _run_key, _same_run, _unit_key, _unit_path, _units, read_unit
 
 __all__ = ["Budget", "DEFAULT_METHODS", "METHODS", "Method", "QUICK_METHODS", "SWAG_METHODS", "SplitData",
            "add_arguments", "evaluate", "final_data", "heldout_ll", "keep_freed_memory", "n_tune_splits", "read_unit",
@@ -226,7 +226,7 @@ def report(out_dir: str, budget: Budget, names: Sequence[str], methods: Optional
     """
     from dataclasses import asdict
 
-    from pyro_fa.experiments import _uci_report as rep
+    from pyro_fa.experiments.uci import report as rep
     from pyro_fa.experiments._io import atomic_savefig, atomic_write_text
 
     out = Path(out_dir)

@@ -2,7 +2,7 @@ r"""The three tables of ``pyro-fa revrand``: data, folds, and every method run o
 
 Each runner returns a record ``{"dataset", "protocol", "n", "methods": {...}}`` with per-fold (or
 per-subset) metrics, wall times and the hyperparameters each fit chose; the metrics come from
-:mod:`pyro_fa.experiments._revrand_report`. Everything is chosen on training data only.
+:mod:`pyro_fa.experiments.revrand.report`. Everything is chosen on training data only.
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pyro_fa.experiments import _revrand_peers as peers
-from pyro_fa.experiments import _revrand_report as rep
-from pyro_fa.experiments._revrand_models import fit_glm, fit_slm, make_basis, median_distance, timed
+from pyro_fa.experiments.revrand import baselines as peers
+from pyro_fa.experiments.revrand import report as rep
+from pyro_fa.experiments.revrand.models import fit_glm, fit_slm, make_basis, median_distance, timed
 
 
 def _standardise(train: Tensor, test: Tensor):

@@ -1,9 +1,9 @@
 r"""The UCI benchmark's protocol: methods, budget, data of the search and final fits, and the VI methods' runs.
 
-What :mod:`pyro_fa.experiments.uci` describes (the search on validation parts of the first
+What :mod:`pyro_fa.experiments.uci.command` describes (the search on validation parts of the first
 splits, the final fits on every split), for the methods trained by the public batched trainer
 (:class:`pyro_fa.nn.BatchedVI`, :func:`pyro_fa.nn.fit_batched`); the SWAG family is
-:mod:`pyro_fa.experiments._uci_swag`.
+:mod:`pyro_fa.experiments.uci.swag_family`.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ r"""The result folder of ``pyro-fa uci``: one file per unit (dataset × VI metho
 A unit's file is named ``<dataset>__<unit>__<hash of its key>.json``; the key holds
 everything its results depend on (:data:`UNIT_PROTOCOL`, the budget, seed, splits, dataset
 and, for the SWAG family, its methods), so runs of other budgets share the folder. Files
-written before units were keyed (``<dataset>__<unit>.json``, e.g. ``docs/uci/units``) get
+written before units were keyed (``<dataset>__<unit>.json``, e.g. the recorded units of the online documentation's *UCI* page) get
 their key from their content. Unreadable or stray files are ignored with a warning. The folder itself
 (checked before any training, locked against a second run, cleared of a killed run's ``.part`` files) is
 :class:`pyro_fa.experiments._io.OutputFolder`, as for every ``pyro-fa`` subcommand.
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 from pyro_fa.datasets import uci_n_splits
-from pyro_fa.experiments._uci_protocol import METHODS, Budget
+from pyro_fa.experiments.uci.protocol import METHODS, Budget
 
 
 def _units(names: Sequence[str], method_names: Sequence[str]) -> List[Tuple[str, str]]:

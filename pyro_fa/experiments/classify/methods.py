@@ -48,7 +48,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from pyro_fa.experiments._classify_data import ClassifyData
+from pyro_fa.experiments.classify.data import ClassifyData
 
 __all__ = ["Budget", "METHODS", "NETWORKS", "make_network", "run_methods"]
 
@@ -287,10 +287,10 @@ def _vi_probs(kind: str, make_net, data: ClassifyData, budget: Budget, seed: int
 
 def _peers():
     try:
-        from pyro_fa.experiments import _classify_peers
+        from pyro_fa.experiments.classify import baselines as peers
     except ImportError:
         return None, {"laplace": False, "ivon": False}
-    return _classify_peers, _classify_peers.available()
+    return peers, peers.available()
 
 
 def peers_available() -> Dict[str, bool]:
