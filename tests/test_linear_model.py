@@ -394,7 +394,8 @@ def test_glm_refuses_bad_inputs():
         GeneralizedLinearModel(LinearBasis(2), 3)
     with pytest.raises(ValueError, match="rank must be >= 1, got 0"):
         GeneralizedLinearModel(LinearBasis(2), rank=0)
-    with pytest.raises(TypeError, match="prior must be a GaussianPrior or LaplacePrior, got 1.0"):
+    expected = r"prior must be a pyro_fa\.infer\.priors\.FactorisedPrior \(GaussianPrior, LaplacePrior or any"
+    with pytest.raises(TypeError, match=expected + r" subclass\), got 1\.0\."):
         GeneralizedLinearModel(LinearBasis(2), prior=1.0)
     with pytest.raises(ValueError, match="noise_scale must be a positive finite float, got 0.0"):
         GeneralizedLinearModel(LinearBasis(2), noise_scale=0.0)

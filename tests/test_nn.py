@@ -76,7 +76,8 @@ def test_classification_bernoulli_and_categorical():
     "kwargs, exc, match",
     [
         ({"net": 3}, TypeError, r"BayesianNetwork: net must be a torch\.nn\.Module, got 3\."),
-        ({"prior": 1.0}, TypeError, r"BayesianNetwork: prior must be a GaussianPrior or LaplacePrior, got 1\.0\."),
+        ({"prior": 1.0}, TypeError, r"BayesianNetwork: prior must be a pyro_fa\.infer\.priors\.FactorisedPrior "
+                                       r"\(GaussianPrior, LaplacePrior or any subclass\), got 1\.0\."),
         ({"likelihood": "poisson"}, ValueError, r"BayesianNetwork: likelihood must be one of .*, got 'poisson'\."),
         ({"noise_scale": -1.0}, ValueError, r"BayesianNetwork: noise_scale must be a positive finite float, got -1\.0\."),
         ({"noise_scale": float("inf")}, ValueError, r"BayesianNetwork: noise_scale must be a positive finite float, got inf\."),

@@ -12,7 +12,8 @@ from pyro.distributions.torch_distribution import TorchDistributionMixin
 from pyro.infer import SVI
 from torch import Tensor, nn
 
-from pyro_fa import AutoLowRankFactorGuide, FactorELBO, GaussianPrior, LaplacePrior
+from pyro_fa import AutoLowRankFactorGuide, FactorELBO, GaussianPrior
+from pyro_fa.infer.priors import FactorisedPrior
 from pyro_fa.linear_model._validation import (
     as_inputs,
     as_targets,
@@ -45,7 +46,8 @@ class GeneralizedLinearModel(nn.Module):
         \qquad q(w) = N(c,\; FF^\top + \Psi)
 
     (Steinberg et al. 2016, §1.3, eqs. 19–20), with :math:`p(w)` a
-    :class:`~pyro_fa.GaussianPrior` (or :class:`~pyro_fa.LaplacePrior`) and
+    :class:`~pyro_fa.GaussianPrior` (or :class:`~pyro_fa.LaplacePrior`, or any
+    :class:`~pyro_fa.infer.priors.FactorisedPrior` with a registered closed form) and
     the likelihood
 
     * ``"gaussian"``: :math:`N(f, \sigma^2)`, identity link, with a learned
@@ -74,8 +76,10 @@ class GeneralizedLinearModel(nn.Module):
     likelihood : {"gaussian", "bernoulli", "poisson"} or callable, default "gaussian"
     rank : int, default 10
         :math:`K \ge 1`; values above :math:`D` are reduced to :math:`D`.
-    prior : GaussianPrior or LaplacePrior, optional
-        Prior on every weight; default ``GaussianPrior(precision=1.0)``.
+    prior : FactorisedPrior, optional
+        Prior on every weight (:class:`~pyro_fa.GaussianPrior`, :class:`~pyro_fa.LaplacePrior` or
+        any :class:`~pyro_fa.infer.priors.FactorisedPrior`: ``FactorELBO`` takes its registered
+        closed form); default ``GaussianPrior(precision=1.0)``.
     noise_scale : float, default 1.0
         Initial (or, with ``learn_noise=False``, fixed) :math:`\sigma` of the
         Gaussian likelihood.
@@ -102,8 +106,8 @@ class GeneralizedLinearModel(nn.Module):
     ------
     TypeError
         If ``basis`` is not a basis module, ``likelihood`` neither a known
-        name nor callable, ``prior`` not a ``GaussianPrior`` /
-        ``LaplacePrior``, or a number has the wrong type.
+        name nor callable, ``prior`` not a
+        ``FactorisedPrior``, or a number has the wrong type.
     ValueError
         If ``likelihood`` is an unknown name, or ``rank``, ``noise_scale``,
         ``num_particles`` or ``init_scale`` is out of range.
@@ -143,7 +147,7 @@ class GeneralizedLinearModel(nn.Module):
         basis: nn.Module,
         likelihood: Union[str, Callable[[Tensor], dist.Distribution]] = "gaussian",
         rank: int = 10,
-        prior: Optional[Union[GaussianPrior, LaplacePrior]] = None,
+        prior: Optional[FactorisedPrior] = None,
         *,
         noise_scale: float = 1.0,
         learn_noise: bool = True,
@@ -164,8 +168,9 @@ class GeneralizedLinearModel(nn.Module):
         self.rank = integer(name, "rank", rank, 1)
         if prior is None:
             prior = GaussianPrior(1.0)
-        if not isinstance(prior, (GaussianPrior, LaplacePrior)):
-            raise TypeError(f"{name}: prior must be a GaussianPrior or LaplacePrior, got {prior!r}.")
+        if not isinstance(prior, FactorisedPrior):
+            raise TypeError(f"{name}: prior must be a pyro_fa.infer.priors.FactorisedPrior (GaussianPrior, "
+                            f"LaplacePrior or any subclass), got {prior!r}.")
         self.prior = prior
         if not isinstance(learn_noise, bool):
             raise TypeError(f"{name}: learn_noise must be a bool, got {learn_noise!r}.")

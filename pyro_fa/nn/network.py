@@ -105,8 +105,8 @@ class BayesianNetwork(_Prediction):
         if not isinstance(net, torch.nn.Module):
             raise TypeError(f"BayesianNetwork: net must be a torch.nn.Module, got {net!r}.")
         if not isinstance(prior, FactorisedPrior):
-            raise TypeError(f"BayesianNetwork: prior must be a GaussianPrior or LaplacePrior, got {prior!r}. "
-                            "Any pyro_fa.infer.priors.FactorisedPrior subclass works.")
+            raise TypeError(f"BayesianNetwork: prior must be a pyro_fa.infer.priors.FactorisedPrior (GaussianPrior, "
+                            f"LaplacePrior or any subclass), got {prior!r}.")
         if likelihood not in _LIKELIHOODS:
             raise ValueError(f"BayesianNetwork: likelihood must be one of {_LIKELIHOODS}, got {likelihood!r}.")
         if noise_scale is not None:

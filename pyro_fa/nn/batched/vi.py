@@ -12,7 +12,8 @@ with :math:`f` a :class:`~pyro_fa.nn.BatchedMLP`, :math:`p_r` a factorised Gauss
 (:math:`b_r = 1/\sqrt{2\alpha_r}`), or any registered prior with a batched form
 (:func:`~pyro_fa.infer.priors.register_prior`), and :math:`\sigma_r` learned by maximum likelihood
 (a point estimate, as a ``pyro.param``) or fixed, and its guide :math:`q_r(\theta)`, one
-of
+of the registered families (:mod:`pyro_fa.nn.batched.families`, one module each;
+:func:`~pyro_fa.nn.batched.families.register_family` adds one)
 
 ============ ============================================== ====================================
 family       the guide it reproduces                        its parameters
@@ -37,18 +38,17 @@ import numbers
 from typing import Dict, Optional, Sequence
 
 import torch
-import torch.nn.functional as F_
 from torch import Tensor
-from torch.distributions import Independent, LowRankMultivariateNormal, Normal
+from torch.distributions import Normal
 
-from pyro_fa.fa.linalg import orthogonal_init
 from pyro_fa.infer.priors import PRIORS, closed_form, get_prior
+from pyro_fa.nn.batched.families import FAMILIES, get_family
 from pyro_fa.nn.batched.mlp import BatchedMLP
 
 __all__ = ["BatchedVI", "FAMILIES", "ESTIMATORS", "PRIORS"]
 
-FAMILIES = ("fa", "ppca", "lowrank", "normal", "delta")
 ESTIMATORS = ("factor", "trace")
+# FAMILIES: the registry of pyro_fa.nn.batched.families (name -> GuideFamily subclass), re-exported read-only;
 # PRIORS: the registry of pyro_fa.infer.priors (name -> FactorisedPrior subclass), re-exported
 
 
@@ -65,7 +65,11 @@ class BatchedVI:
     ----------
     mlp : BatchedMLP
         The network :math:`f`.
-    family : {"fa", "ppca", "lowrank", "normal", "delta"}, default "fa"
+    family : str, default "fa"
+        A registered guide family (:data:`FAMILIES`: ``"fa"``, ``"ppca"``, ``"lowrank"``,
+        ``"normal"``, ``"delta"``, or one added with
+        :func:`~pyro_fa.nn.batched.families.register_family`); :class:`BatchedVI` holds one
+        instance of its class, which makes the parameters, :math:`q` and the loss.
     prior : str, default "gaussian"
         A registered prior (:data:`~pyro_fa.infer.priors.PRIORS`: ``"gaussian"``,
         ``"laplace"``, or one added with :func:`~pyro_fa.infer.priors.register_prior`)
@@ -85,8 +89,8 @@ class BatchedVI:
         :math:`K` of the low-rank families, :math:`1 \le K \le D`.
     estimator : {"factor", "trace"}, optional
         Default: ``"factor"`` (FactorELBO) for ``"fa"`` / ``"ppca"``, ``"trace"``
-        (Trace_ELBO) for Pyro's guides, as each is used in practice; ``"delta"``
-        always maximises the log joint.
+        (Trace_ELBO) for Pyro's guides, as each is used in practice (the family's
+        ``default_estimator``); ``"delta"`` always maximises the log joint.
     init_scale : float, default 0.01
         Initial marginal standard deviation of the guide (AutoLowRankFactorGuide's
         default; Pyro's 0.1 inflates the learned noise of such networks).
@@ -134,7 +138,7 @@ class BatchedVI:
     The FactorELBO of the low-rank families never forms ``LowRankMultivariateNormal``:
     with :math:`q = N(c, S(GG^\top + I)S)` the capacitance is :math:`I + G^\top G`
     (:math:`O(DK^2)` per replica), and the gradient of :math:`G` comes from one fused
-    backward.
+    backward (:class:`~pyro_fa.nn.batched.families.WhitenedLowRankFamily`).
 
     References
     ----------
@@ -163,20 +167,20 @@ class BatchedVI:
                  generator: Optional[torch.Generator] = None, dtype=None, device=None):
         if not isinstance(mlp, BatchedMLP):
             raise TypeError(f"BatchedVI: mlp must be a BatchedMLP, got {type(mlp).__name__}.")
-        if family not in FAMILIES:
-            raise ValueError(f"BatchedVI: family must be one of {FAMILIES}, got {family!r}.")
+        family_cls = get_family(family, "BatchedVI")
         prior_cls = get_prior(prior, "BatchedVI")
-        estimator = estimator or ("factor" if family in ("fa", "ppca") else "trace")
-        if family == "delta":
-            estimator = "map"
-        if family != "delta" and estimator not in ESTIMATORS:
-            raise ValueError(f"BatchedVI: estimator must be one of {ESTIMATORS}, got {estimator!r}.")
-        if guide_noise_scale is not None and family != "ppca":
+        if len(family_cls.estimators) == 1:  # e.g. "delta": always the log joint at the point
+            estimator = family_cls.estimators[0]
+        estimator = estimator or family_cls.default_estimator
+        if estimator not in family_cls.estimators:
+            raise ValueError(f"BatchedVI: estimator must be one of {family_cls.estimators}, got {estimator!r}.")
+        if guide_noise_scale is not None and "guide_noise_scale" not in family_cls.options:
+            takers = " or ".join(f"family={n!r}" for n, c in FAMILIES.items() if "guide_noise_scale" in c.options)
             raise ValueError(f"BatchedVI: guide_noise_scale must be None for family={family!r}, got "
-                             f"{guide_noise_scale!r}; it fixes the isotropic noise of family='ppca'.")
+                             f"{guide_noise_scale!r}; it fixes the isotropic noise of {takers}.")
         D = mlp.dim
-        low_rank = family in ("fa", "ppca", "lowrank")
-        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or (low_rank and not 1 <= rank <= D):
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or (family_cls.uses_rank
+                                                                                and not 1 <= rank <= D):
             raise ValueError(f"BatchedVI: rank must be an int in [1, D={D}], got {rank!r}.")
         for arg, value in (("init_scale", init_scale), ("init_noise_scale", init_noise_scale)):
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 < value < math.inf):
@@ -208,6 +212,7 @@ class BatchedVI:
                              f"{fixed.tolist()}.")
         precision, lr = vectors["precision"], vectors["lr"]
         self.mlp, self.family, self.prior, self.estimator = mlp, family, prior, estimator
+        self._family = family_cls()
         self.replicas, self.rank = R, int(rank)
         self.precision = precision
         try:  # the registered prior of variance 1 / precision per replica, batch shape (R, 1)
@@ -223,26 +228,11 @@ class BatchedVI:
         self._fixed_noise = vectors.get("noise_scale")
         # PPCA's fixed sigma where given, shape (R, 1): those replicas' log_scale gets no gradient
         self._guide_scale = None if fixed is None else fixed.reshape(R, 1)
-        K = self.rank
         if init_loc is None:
             loc = mlp.init(R, generator=generator, dtype=dtype, device=device)
         else:
             loc = init_loc.to(dtype=dtype, device=device).expand(R, D).clone()
-        p: Dict[str, Tensor] = {"loc": loc}
-        if family in ("fa", "ppca"):
-            # AutoLowRankFactorGuide: orthogonal G with columns of norm sqrt(D / K); s = init_scale / sqrt(2)
-            p["factor"] = torch.stack([
-                orthogonal_init(D, K, scale=math.sqrt(D / K), dtype=dtype, device=device, generator=generator)
-                for _ in range(R)])
-            width = D if family == "fa" else 1
-            p["log_scale"] = loc.new_full((R, width), math.log(init_scale / math.sqrt(2)))
-        elif family == "lowrank":
-            # AutoLowRankMultivariateNormal: cov_factor ~ N(0, 1/K), scale = sqrt(0.5) init_scale (softplus)
-            p["cov_factor"] = torch.randn(R, D, K, generator=generator, dtype=dtype).to(device) / math.sqrt(K)
-            p["scale_u"] = _inv_softplus(loc.new_full((R, D), math.sqrt(0.5) * init_scale))
-        elif family == "normal":
-            # AutoNormal: scale = init_scale (softplus)
-            p["scale_u"] = _inv_softplus(loc.new_full((R, D), init_scale))
+        p: Dict[str, Tensor] = {"loc": loc, **self._family.init(self, loc, init_scale, generator)}
         if self._fixed_noise is None:
             p["log_noise"] = loc.new_full((R,), math.log(init_noise_scale))
         self._groups = self._make_groups(p, lr)
@@ -302,15 +292,7 @@ class BatchedVI:
     def distribution(self, p: Optional[Dict[str, Tensor]] = None):
         r""":math:`q(\theta)` of every replica: a batch of R distributions over :math:`\mathbb{R}^D`
         (``None`` for ``"delta"``)."""
-        p = self.params() if p is None else p
-        if self.family == "delta":
-            return None
-        if self.family == "normal":
-            return Independent(Normal(p["loc"], F_.softplus(p["scale_u"]), validate_args=False), 1,
-                               validate_args=False)
-        loc, G, s = self._whitened(p)
-        s = s.expand_as(loc)
-        return LowRankMultivariateNormal(loc, G * s.unsqueeze(-1), s * s, validate_args=False)
+        return self._family.distribution(self, self.params() if p is None else p)
 
     def likelihood_scale(self, p: Optional[Dict[str, Tensor]] = None) -> Tensor:
         r"""The likelihood noise :math:`\sigma_r` per replica, fixed or learned; shape (R,)."""
@@ -348,72 +330,13 @@ class BatchedVI:
         particles : int, default 1
             Monte Carlo draws of :math:`\theta` (averaged), from torch's global RNG.
         """
-        p = self.params()
-        if self.family in ("fa", "ppca", "lowrank"):
-            return self._lowrank_loss(p, x, y, dataset_size, particles)
-        q = self.distribution(p)
-        theta = p["loc"].unsqueeze(0) if q is None else q.rsample((particles,))  # (S, R, D)
-        loglik = self._loglik(p, theta, x, y, dataset_size)
-        if self.estimator == "map":  # AutoDelta: the log joint at the point
-            elbo = (loglik + self._prior_log_prob(theta)).mean(0)
-        elif self.estimator == "trace":
-            elbo = (loglik + self._prior_log_prob(theta) - q.log_prob(theta)).mean(0)
-        else:
-            elbo = loglik.mean(0) + self._expected_prior(q.mean, q.variance) + q.entropy()
-        return -elbo
+        return self._family.loss(self, self.params(), x, y, dataset_size, particles)
 
     def _loglik(self, p, theta: Tensor, x: Tensor, y: Tensor, dataset_size: int) -> Tensor:
         """Log-likelihood of the batch scaled to the dataset, shape (S, R)."""
         f = self.mlp.forward(theta, x)  # (S, R, B)
         noise = self.likelihood_scale(p).unsqueeze(-1)
         return Normal(f, noise, validate_args=False).log_prob(y).sum(-1) * (dataset_size / y.shape[-1])
-
-    def _whitened(self, p):
-        r"""``(loc, G, s)`` with :math:`q = N(c, S(GG^\top + I)S)`, :math:`S = \mathrm{diag}(s)`.
-
-        Every low-rank family has this form: :class:`~pyro_fa.AutoLowRankFactorGuide` by
-        construction (``factor`` G, ``s`` the fixed σ where one is given), Pyro's
-        ``AutoLowRankMultivariateNormal`` with ``cov_factor`` as G and ``s`` its softplus scale.
-        ``s`` has shape (R, D), or (R, 1) for one isotropic scale.
-        """
-        if self.family == "lowrank":
-            return p["loc"], p["cov_factor"], F_.softplus(p["scale_u"])
-        s = p["log_scale"].exp()
-        fixed = self._guide_scale
-        return p["loc"], p["factor"], (s if fixed is None else torch.where(fixed.isnan(), s, fixed))
-
-    def _lowrank_loss(self, p, x: Tensor, y: Tensor, dataset_size: int, particles: int) -> Tensor:
-        r"""Negative ELBO of the low-rank families without forming ``LowRankMultivariateNormal``.
-
-        With :math:`q = N(c, S(GG^\top + I)S)` the capacitance :math:`I + W^\top D^{-1} W` of
-        torch's class is :math:`I + G^\top G`: the log-determinant, the marginal variances and
-        :math:`\log q(\theta)` need no division by :math:`s^2` over the :math:`D \times K`
-        factor. The draw is :math:`c + s \odot (G\varepsilon_K + \varepsilon_D)`, the same noise
-        in the same order as ``LowRankMultivariateNormal.rsample``.
-        """
-        loc, G, s = self._whitened(p)
-        R, D, K = G.shape
-        eps_k = torch.randn((particles, R, K), dtype=loc.dtype, device=loc.device)
-        eps_d = torch.randn((particles, R, D), dtype=loc.dtype, device=loc.device)
-        if self.estimator == "trace":
-            G_eps, gram, row_sq = torch.einsum("rdk,srk->srd", G, eps_k), G.transpose(-1, -2) @ G, None
-        else:
-            G_eps, gram, row_sq = _FactorTerms.apply(G, eps_k)
-        theta = loc + s * (G_eps + eps_d)  # (S, R, D)
-        loglik = self._loglik(p, theta, x, y, dataset_size)
-        cap = torch.eye(K, dtype=G.dtype, device=G.device) + gram
-        L = torch.linalg.cholesky(cap)
-        half_logdet = L.diagonal(dim1=-2, dim2=-1).log().sum(-1) + s.log().sum(-1) * (D / s.shape[-1])
-        if self.estimator == "trace":  # Trace_ELBO: log p(y, theta) - log q(theta) at the draw
-            z = (theta - loc) / s  # the whitened residual, differentiable in theta as torch's log_prob is
-            Gz = torch.einsum("rdk,srd->srk", G, z).unsqueeze(-1)  # (S, R, K, 1)
-            Gz = torch.linalg.solve_triangular(L.expand(Gz.shape[0], -1, -1, -1), Gz, upper=False)
-            maha = z.pow(2).sum(-1) - Gz.squeeze(-1).pow(2).sum(-1)  # (S, R)
-            log_q = -0.5 * (maha + D * math.log(2 * math.pi)) - half_logdet
-            return -(loglik + self._prior_log_prob(theta) - log_q).mean(0)
-        var = s.pow(2) * (1 + row_sq)  # diag(S (GG^T + I) S)
-        entropy = 0.5 * D * (1 + math.log(2 * math.pi)) + half_logdet
-        return -(loglik.mean(0) + self._expected_prior(loc, var) + entropy)
 
     # ------------------------------------------------------------ prediction
     @torch.no_grad()
@@ -441,11 +364,7 @@ class BatchedVI:
         if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral) or num_samples < 1:
             raise ValueError(f"BatchedVI.predict: num_samples must be a positive int, got {num_samples!r}.")
         p = self.params()
-        q = self.distribution(p)
-        if q is None:
-            theta = p["loc"].unsqueeze(0)
-        else:
-            theta = q.rsample((num_samples,)) if generator is None else _rsample_with(q, num_samples, generator)
+        theta = self._family.rsample(self, p, num_samples, generator)
         return self.mlp.forward(theta, x), self.likelihood_scale(p).pow(2).unsqueeze(-1)
 
     @torch.no_grad()
@@ -475,10 +394,6 @@ class BatchedVI:
 
         means, noise_var = self.predict(x, num_samples, generator)
         return replica_metrics(means, noise_var, y, y_std=y_std)
-
-
-def _inv_softplus(x: Tensor) -> Tensor:
-    return x + torch.log(-torch.expm1(-x))
 
 
 def _as_vector(value, name: str, dtype, device) -> Tensor:
@@ -521,47 +436,3 @@ def _check_inputs(model: BatchedVI, x: Tensor, fn: str) -> None:
         raise ValueError(f"{fn}: x must have the model's dtype {model.dtype} and device {model.device}, got "
                          f"{x.dtype} on {x.device}. Move it (x.to(model.device, model.dtype)), or build the "
                          "model with dtype=x.dtype, device=x.device.")
-
-
-class _FactorTerms(torch.autograd.Function):
-    r"""What the FactorELBO of :math:`q = N(c, S(GG^\top + I)S)` needs of the factor, with one fused backward.
-
-    ``G`` (R, D, K) and the draw's noise ``eps`` (S, R, K) give :math:`G\varepsilon` (S, R, D), the Gram
-    matrix :math:`G^\top G` (R, K, K) and the row sums of squares :math:`\sum_k G_{dk}^2` (R, D). Autograd
-    would build the gradient of ``G`` from five passes over the D × K factor and three temporaries (one
-    product per side of the Gram matrix, the outer product of the draw, the square's derivative, their
-    sums); here it is one multiply-add and one ``baddbmm``:
-    :math:`\bar G = \sum_s \bar g_s \varepsilon_s^\top + 2\,\bar r \odot G + G(\bar A + \bar A^\top)`.
-    """
-
-    @staticmethod
-    def forward(ctx, G: Tensor, eps: Tensor):
-        ctx.save_for_backward(G, eps)
-        return torch.einsum("rdk,srk->srd", G, eps), G.transpose(-1, -2) @ G, G.square().sum(-1)
-
-    @staticmethod
-    def backward(ctx, g_eps: Tensor, g_gram: Tensor, g_row: Tensor):
-        G, eps = ctx.saved_tensors
-        grad_G = grad_eps = None
-        if ctx.needs_input_grad[0]:
-            if eps.shape[0] == 1:  # one particle: the outer product as a broadcast multiply (no batched k=1 bmm)
-                grad_G = g_eps[0].unsqueeze(-1) * eps[0].unsqueeze(-2)
-            else:
-                grad_G = torch.einsum("srd,srk->rdk", g_eps, eps)
-            grad_G.addcmul_(G, g_row.unsqueeze(-1), value=2)
-            grad_G = torch.baddbmm(grad_G, G, g_gram + g_gram.transpose(-1, -2))
-        if ctx.needs_input_grad[1]:
-            grad_eps = torch.einsum("rdk,srd->srk", G, g_eps)
-        return grad_G, grad_eps
-
-
-def _rsample_with(q, num_samples: int, generator: torch.Generator) -> Tensor:
-    """Draw from a (batched) LowRankMultivariateNormal or Independent Normal with an explicit generator."""
-    loc = q.mean
-    kw = {"generator": generator, "dtype": loc.dtype, "device": loc.device}
-    if isinstance(q, LowRankMultivariateNormal):
-        K = q.cov_factor.shape[-1]
-        eps_w = torch.randn((num_samples,) + loc.shape[:-1] + (K,), **kw)
-        eps_d = torch.randn((num_samples,) + loc.shape, **kw)
-        return loc + (q.cov_factor @ eps_w.unsqueeze(-1)).squeeze(-1) + q.cov_diag.sqrt() * eps_d
-    return loc + q.stddev * torch.randn((num_samples,) + loc.shape, **kw)
