@@ -16,6 +16,7 @@ from pyro.nn import PyroParam
 from torch import Tensor, nn
 from torch.distributions import transform_to
 
+from pyro_fa._validation import positive_float
 from pyro_fa.fa.linalg import orthogonal_init
 from pyro_fa.infer.transforms import LowRankAffine
 
@@ -206,18 +207,18 @@ class AutoLowRankFactorGuide(AutoContinuous):
             rank = int(rank)
         if noise not in _NOISE_OPTIONS:
             raise ValueError(f"{name}: noise must be one of {_NOISE_OPTIONS}, got {noise!r}.")
-        init_scale = _check_positive(name, "init_scale", init_scale)
+        init_scale = positive_float(name, "init_scale", init_scale)
         if loc_scale is not None and not (isinstance(loc_scale, str) and loc_scale == "prior"):
             if isinstance(loc_scale, str):
                 raise ValueError(f"{name}: loc_scale must be None, 'prior' or a positive float, got {loc_scale!r}.")
-            loc_scale = _check_positive(name, "loc_scale", loc_scale)
+            loc_scale = positive_float(name, "loc_scale", loc_scale)
         if noise_scale is not None:
             if noise != "isotropic":
                 raise ValueError(
                     f"{name}: noise_scale must be None when noise='diagonal', got {noise_scale!r}. "
                     "Pass noise='isotropic' to fix the noise."
                 )
-            noise_scale = _check_positive(name, "noise_scale", noise_scale)
+            noise_scale = positive_float(name, "noise_scale", noise_scale)
         if init_loc_fn is None:
             initial = getattr(model, "initial_values", None)
             if isinstance(initial, dict):
@@ -623,12 +624,3 @@ def _copy_prototype(source: AutoContinuous, target: AutoContinuous) -> None:
     """Share the model trace (and what ``AutoContinuous._setup_prototype`` derives from it) between guides."""
     for attr in ("prototype_trace", "_prototype_frames", "_unconstrained_shapes", "_cond_indep_stacks", "latent_dim"):
         setattr(target, attr, getattr(source, attr))
-
-
-def _check_positive(cls_name: str, arg: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{cls_name}: {arg} must be a positive float, got {value!r}.")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{cls_name}: {arg} must be a positive finite float, got {value!r}.")
-    return value

@@ -16,17 +16,13 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from pyro_fa import GaussianPrior
+from pyro_fa._validation import TORCH_DTYPES, check_device
 from pyro_fa.basis import KERNELS, LinearBasis, RandomFourierBasis
 from pyro_fa.fa.linalg import MAX_DENSE_DIM, check_dense_dim
-from pyro_fa.linear_model._validation import check_device
 from pyro_fa.linear_model.glm import GeneralizedLinearModel
 from pyro_fa.linear_model.slm import DegenerateEvidenceWarning, StandardLinearModel
 
 __all__ = ["SLMRegressor", "GLMRegressor", "GLMClassifier"]
-
-_DTYPES = {None: torch.float64, "float64": torch.float64, "float32": torch.float32,
-           torch.float64: torch.float64, torch.float32: torch.float32}
-
 
 def _transaction(fit):
     """Run ``fit`` as one transaction: if it raises, the estimator's attributes are put back as they were.
@@ -68,12 +64,12 @@ class _RandomFeatureEstimator(BaseEstimator):
     }
 
     def _torch_dtype(self) -> torch.dtype:
-        if self.dtype not in _DTYPES:
+        if self.dtype not in TORCH_DTYPES:
             raise ValueError(
                 f"{type(self).__name__}: dtype must be None, 'float32', 'float64', torch.float32 or torch.float64, "
                 f"got {self.dtype!r}."
             )
-        return _DTYPES[self.dtype]
+        return TORCH_DTYPES[self.dtype]
 
     def _torch_device(self) -> torch.device:
         return check_device(type(self).__name__, self.device)

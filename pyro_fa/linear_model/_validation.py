@@ -1,22 +1,14 @@
-"""Input checks shared by the linear models (private)."""
+"""Input checks shared by the linear models (private).
+
+The checks every layer shares (a positive float, a device) are in :mod:`pyro_fa._validation`.
+"""
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Tuple
 
 import torch
 from torch import Tensor, nn
-
-
-def positive_float(cls: str, arg: str, value) -> float:
-    """``value`` as a positive finite float, or a TypeError / ValueError naming ``cls`` and ``arg``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{cls}: {arg} must be a positive float, got {value!r}.")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{cls}: {arg} must be a positive finite float, got {value!r}.")
-    return value
 
 
 def integer(cls: str, arg: str, value, minimum: int) -> int:
@@ -52,23 +44,6 @@ def module_dtype_device(module: nn.Module, cls: str = "", arg: str = "basis") ->
                                  "the meta device (shapes only). Build it on a real device or call .to_empty().")
             return t.dtype, t.device
     return torch.get_default_dtype(), torch.device("cpu")
-
-
-def check_device(cls: str, device, arg: str = "device") -> torch.device:
-    """``device`` (None: CPU) as a torch.device that holds data and is available, else a TypeError / ValueError."""
-    if device is not None and not isinstance(device, (str, torch.device)):
-        raise TypeError(f"{cls}: {arg} must be a str, a torch.device or None, got {device!r}.")
-    try:
-        dev = torch.device(device if device is not None else "cpu")
-    except RuntimeError:
-        raise ValueError(f"{cls}: {arg} must name a torch device such as 'cpu' or 'cuda', got {device!r}.") from None
-    if dev.type == "meta":
-        raise ValueError(
-            f"{cls}: {arg} must hold data ('cpu' or 'cuda'), got {device!r}: meta tensors have shapes only."
-        )
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{cls}: {arg} must be available, got {device!r} but CUDA is not available.")
-    return dev
 
 
 def as_inputs(cls: str, X, in_features: int, dtype: torch.dtype, device, arg: str = "X") -> Tensor:

@@ -13,6 +13,7 @@ from pyro.infer import SVI
 from torch import Tensor, nn
 
 from pyro_fa import AutoLowRankFactorGuide, FactorELBO, GaussianPrior
+from pyro_fa._validation import positive_float
 from pyro_fa.infer.priors import FactorisedPrior
 from pyro_fa.linear_model._validation import (
     as_inputs,
@@ -20,7 +21,6 @@ from pyro_fa.linear_model._validation import (
     check_basis,
     integer,
     module_dtype_device,
-    positive_float,
 )
 
 __all__ = ["GeneralizedLinearModel"]

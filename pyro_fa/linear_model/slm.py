@@ -10,13 +10,13 @@ from torch import Tensor, nn
 from torch.distributions import MultivariateNormal
 
 from pyro_fa.fa.linalg import MAX_DENSE_DIM, check_dense_dim
+from pyro_fa._validation import positive_float
 from pyro_fa.linear_model._validation import (
     as_inputs,
     as_targets,
     check_basis,
     integer,
     module_dtype_device,
-    positive_float,
 )
 
 __all__ = ["StandardLinearModel", "DegenerateEvidenceWarning"]

@@ -14,6 +14,7 @@ from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted, validate_data
 
+from pyro_fa._validation import TORCH_DTYPES, check_device
 from pyro_fa.fa import linalg
 from pyro_fa.fa.batch import BatchFactorAnalysis
 
@@ -22,13 +23,6 @@ __all__ = ["FactorAnalysis"]
 _ONLINE = ("online_em", "sga")
 #: scikit-learn's floor on the noise variances (``SMALL`` in sklearn/decomposition/_factor_analysis.py)
 SKLEARN_NOISE_FLOOR = 1e-12
-_DTYPES = {
-    None: torch.float64,
-    "float64": torch.float64,
-    "float32": torch.float32,
-    torch.float64: torch.float64,
-    torch.float32: torch.float32,
-}
 
 
 def _transaction(method):
@@ -236,23 +230,9 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         expected = "one of 'float64', 'float32', torch.float64, torch.float32 or None"
         if not (self.dtype is None or isinstance(self.dtype, (str, torch.dtype))):
             raise TypeError(f"{name}: dtype must be {expected}, got {self.dtype!r}.")
-        if self.dtype not in _DTYPES:
+        if self.dtype not in TORCH_DTYPES:
             raise ValueError(f"{name}: dtype must be {expected}, got {self.dtype!r}.")
-        if self.device is not None and not isinstance(self.device, (str, torch.device)):
-            raise TypeError(f"{name}: device must be a str, a torch.device or None, got {self.device!r}.")
-        try:
-            device = torch.device(self.device if self.device is not None else "cpu")
-        except RuntimeError:
-            raise ValueError(
-                f"{name}: device must name a torch device such as 'cpu' or 'cuda', got {self.device!r}."
-            ) from None
-        if device.type == "meta":
-            raise ValueError(
-                f"{name}: device must hold data ('cpu' or 'cuda'), got {self.device!r}: meta tensors have shapes only."
-            )
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"{name}: device must be available, got {self.device!r} but CUDA is not available.")
-        return _DTYPES[self.dtype], device
+        return TORCH_DTYPES[self.dtype], check_device(name, self.device)
 
     def _n_components(self, n_features: int) -> int:
         name = type(self).__name__
