@@ -3,9 +3,10 @@
 q(theta) = N(c, F F^T + Psi), got two ways on one core:
 
 * :mod:`pyro_fa.fa` — the core: the FA model's linear algebra, online (EM, SGA) and batch fitting;
-* :mod:`pyro_fa.infer` — road 1, variational inference in Pyro SVI: :class:`AutoLowRankFactorGuide`,
-  :class:`FactorELBO` (:class:`JitFactorELBO` compiled), :class:`GaussianPrior`, :class:`LaplacePrior`;
-* :mod:`pyro_fa.swag` — road 2, posteriors from optimizer iterates: :class:`SWAG`, :class:`MultiSWAG`;
+* :mod:`pyro_fa.infer` — variational inference in Pyro SVI: :class:`AutoLowRankFactorGuide`,
+  :class:`FactorELBO` (:class:`JitFactorELBO` compiled), :class:`GaussianPrior`, :class:`LaplacePrior`
+  (:class:`FactorisedPrior` to add one);
+* :mod:`pyro_fa.swag` — posteriors from optimizer iterates: :class:`SWAG`, :class:`MultiSWAG`;
 * adapters: :mod:`pyro_fa.nn` (Bayesian torch networks), :mod:`pyro_fa.sklearn` (estimators);
 * :mod:`pyro_fa.metrics`, :mod:`pyro_fa.datasets`; the ``pyro-fa`` command (:mod:`pyro_fa.experiments`).
 """
@@ -35,14 +36,3 @@ __all__ = [
     "LaplacePrior",
     "__version__",
 ]
-
-_MOVED = {"linalg": "pyro_fa.linalg", "priors": "pyro_fa.priors"}
-
-
-def __getattr__(name):
-    # `pyro_fa.linalg` / `pyro_fa.priors` moved into the packages; the old modules warn and alias.
-    if name in _MOVED:
-        import importlib
-
-        return importlib.import_module(_MOVED[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

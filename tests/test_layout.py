@@ -1,33 +1,11 @@
-"""The package is arranged by road; the old import paths still work for one release, with a warning."""
+"""The package is arranged by layer (docs/architecture.md): every public name imports from the top, imports flow
+one way and never in a circle."""
 import importlib
-import sys
 import warnings
 
 import pytest
 
 import pyro_fa
-
-
-@pytest.mark.parametrize("old, new, name", [
-    ("pyro_fa.linalg", "pyro_fa.fa.linalg", "logdet"),
-    ("pyro_fa.priors", "pyro_fa.infer.priors", "LaplacePrior"),
-    ("pyro_fa.infer.swag", "pyro_fa.swag.swag", "SWAG"),
-    ("pyro_fa.infer.multiswag", "pyro_fa.swag.multiswag", "MultiSWAG"),
-    ("pyro_fa.infer.scale", "pyro_fa.swag.scale", "tune_scale"),
-])
-def test_old_module_paths_warn_and_alias_the_new_module(old, new, name):
-    sys.modules.pop(old, None)
-    with pytest.warns(FutureWarning, match=new.replace(".", r"\.")):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
-    assert getattr(module, name) is getattr(importlib.import_module(new), name)
-
-
-@pytest.mark.parametrize("name", ["SWAG", "MultiSWAG"])
-def test_swag_names_in_infer_warn(name):
-    with pytest.warns(FutureWarning, match="pyro_fa.swag"):
-        obj = getattr(importlib.import_module("pyro_fa.infer"), name)
-    assert obj is getattr(pyro_fa, name)
 
 
 def test_every_public_name_importable_from_the_top_without_warning():
@@ -40,17 +18,29 @@ def test_every_public_name_importable_from_the_top_without_warning():
         from pyro_fa.swag import FactorPosteriorGuide, tune_scale  # noqa: F401
 
 
+@pytest.mark.parametrize("old", ["pyro_fa.linalg", "pyro_fa.priors", "pyro_fa.infer.swag", "pyro_fa.infer.multiswag",
+                                 "pyro_fa.infer.scale"])
+def test_the_never_released_module_aliases_are_gone(old):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
+
+
+@pytest.mark.parametrize("name", ["SWAG", "MultiSWAG"])
+def test_swag_names_live_in_swag_not_infer(name):
+    assert not hasattr(importlib.import_module("pyro_fa.infer"), name)
+    assert getattr(pyro_fa, name) is getattr(importlib.import_module("pyro_fa.swag"), name)
+
+
 def test_import_graph_flows_one_way():
     # core <- VI / SWAG <- adapters <- experiments: no module imports one from a later layer.
     import ast
     from pathlib import Path
 
     root = Path(pyro_fa.__file__).parent
-    layer = {"fa": 0, "_state": 0, "_files": 0, "_deprecated": 0, "metrics": 0, "datasets": 0, "predictive": 0.5,
+    layer = {"fa": 0, "_state": 0, "_files": 0, "_validation": 0, "metrics": 0, "datasets": 0, "predictive": 0.5,
              "infer": 1, "swag": 1, "basis": 1, "nn": 2, "sklearn": 2, "linear_model": 2, "distributed": 1,
              "experiments": 3, "cli": 4}
-    shims = {root / "linalg.py", root / "priors.py", root / "infer" / "swag.py",
-             root / "infer" / "multiswag.py", root / "infer" / "scale.py"}
+    shims = set()  # modules exempt from the layering (none: the never-released aliases are gone)
     bad = []
     for path in root.rglob("*.py"):
         if path in shims or path.name == "__init__.py" and path.parent == root:

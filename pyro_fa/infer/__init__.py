@@ -1,4 +1,4 @@
-"""The first road: variational inference with factor-analysis posteriors inside Pyro SVI.
+"""Variational inference with factor-analysis posteriors inside Pyro SVI.
 
 * :class:`AutoLowRankFactorGuide` — what :math:`q` is: N(c, FFᵀ + Ψ) (VIFA) or
   N(c, FFᵀ + σ²I) (VIPPCA) over all latent sites of a model;
@@ -35,16 +35,3 @@ __all__ = [
     "register_expected_log_prob",
     "LowRankAffine",
 ]
-
-_MOVED = {"SWAG": "pyro_fa.swag", "MultiSWAG": "pyro_fa.swag"}
-
-
-def __getattr__(name):
-    if name in _MOVED:
-        import importlib
-        import warnings
-
-        warnings.warn(f"`pyro_fa.infer.{name}` is deprecated and will be removed in the next release; "
-                      f"use `{_MOVED[name]}.{name}` (or `pyro_fa.{name}`)", FutureWarning, stacklevel=2)
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

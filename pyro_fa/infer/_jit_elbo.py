@@ -61,9 +61,7 @@ class JitFactorELBO(FactorELBO):
 
     Notes
     -----
-    The speed-up is Python overhead saved: ``benchmarks/bench_jit_elbo.py``
-    measures steps per second against :class:`~pyro_fa.FactorELBO` on a
-    small regression and a hierarchical model.
+    The speed-up is Python overhead saved, so it is largest for small models.
 
     Examples
     --------
