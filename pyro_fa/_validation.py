@@ -55,11 +55,33 @@ def positive_float(cls: str, arg: str, value) -> float:
     ...
     ValueError: MyGuide: init_scale must be a positive finite float, got 0.0.
     """
+    return _positive(cls, arg, value, "a positive float", "a positive finite float")
+
+
+def positive_number(cls: str, arg: str, value) -> float:
+    """``value`` as a positive finite float, for the hyperparameters of priors and metrics.
+
+    As :func:`positive_float`, with the messages "must be a real number" (``TypeError``) and
+    "must be a positive finite number" (``ValueError``).
+
+    Examples
+    --------
+    >>> positive_number("GaussianPrior", "precision", 2)
+    2.0
+    >>> positive_number("GaussianPrior", "precision", -1)
+    Traceback (most recent call last):
+    ...
+    ValueError: GaussianPrior: precision must be a positive finite number, got -1.0.
+    """
+    return _positive(cls, arg, value, "a real number", "a positive finite number")
+
+
+def _positive(cls: str, arg: str, value, type_words: str, value_words: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{cls}: {arg} must be a positive float, got {value!r}.")
+        raise TypeError(f"{cls}: {arg} must be {type_words}, got {value!r}.")
     value = float(value)
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{cls}: {arg} must be a positive finite float, got {value!r}.")
+        raise ValueError(f"{cls}: {arg} must be {value_words}, got {value!r}.")
     return value
 
 

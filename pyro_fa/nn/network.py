@@ -62,7 +62,7 @@ class BayesianNetwork(_Prediction):
         Bernoulli: the mean or logit) or (N, C) (categorical logits).
     prior : FactorisedPrior
         :class:`~pyro_fa.GaussianPrior`, :class:`~pyro_fa.LaplacePrior` or any
-        :class:`~pyro_fa.infer.priors.FactorisedPrior` (``docs/architecture.md``, "Add a prior").
+        :class:`~pyro_fa.infer.priors.FactorisedPrior` (the architecture guide's "Add a prior").
     likelihood : {"gaussian", "bernoulli", "categorical"}, default "gaussian"
     noise_scale : float, optional
         Gaussian likelihood only: a fixed noise standard deviation; learned
@@ -245,7 +245,7 @@ class BayesianNetwork(_Prediction):
         trained by :class:`~pyro_fa.FactorELBO` and Adam at rate ``lr``, as :meth:`fit` trains
         one; all :math:`R = \mathrm{len(priors)} \times \mathrm{copies}` replicas run together
         through :class:`~pyro_fa.nn.BatchedVI` and :func:`~pyro_fa.nn.fit_batched`
-        (``docs/batched_training.md``), for several times less time per fit than :meth:`fit`
+        for several times less time per fit than :meth:`fit`
         one network at a time.
 
         Parameters

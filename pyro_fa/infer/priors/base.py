@@ -8,8 +8,6 @@ for an FA posterior :math:`N(c, FF^\top + \Psi)` they are :math:`m = c`,
 from __future__ import annotations
 
 import copy as _copy
-import math
-import numbers
 from typing import Dict
 
 import torch
@@ -21,20 +19,11 @@ from pyro_fa.infer.priors.closed_forms import expected_log_prob as _registered_e
 __all__ = ["FactorisedPrior"]
 
 
-def _positive_number(cls_name: str, arg: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{cls_name}: {arg} must be a real number, got {value!r}.")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{cls_name}: {arg} must be a positive finite number, got {value!r}.")
-    return value
-
-
 class FactorisedPrior:
     r"""Base class of an i.i.d. prior :math:`p(\theta) = \prod_i p_0(\theta_i)` on every weight.
 
     Subclass it, and register the subclass and its closed form, to add a prior
-    (``docs/architecture.md``, "Add a prior"):
+    (the architecture guide's "Add a prior"):
 
     * :meth:`base_distribution` (required): :math:`p_0`, one weight's density, a
       ``pyro.distributions`` object with empty batch and event shapes;

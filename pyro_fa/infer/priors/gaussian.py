@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 from torch.distributions import Normal
 
-from pyro_fa.infer.priors.base import FactorisedPrior, _positive_number
+from pyro_fa._validation import positive_number
+from pyro_fa.infer.priors.base import FactorisedPrior
 from pyro_fa.infer.priors.closed_forms import register_expected_log_prob
 from pyro_fa.infer.priors.registry import register_prior
 
@@ -75,7 +76,7 @@ class GaussianPrior(FactorisedPrior):
     """
 
     def __init__(self, precision: float = 1.0):
-        self.precision = _positive_number("GaussianPrior", "precision", precision)
+        self.precision = positive_number("GaussianPrior", "precision", precision)
 
     def base_distribution(self, like: Tensor) -> dist.Normal:
         """:math:`N(0, 1/\\alpha)` in ``like``'s dtype and on its device."""

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 from torch.distributions import Laplace
 
-from pyro_fa.infer.priors.base import FactorisedPrior, _positive_number
+from pyro_fa._validation import positive_number
+from pyro_fa.infer.priors.base import FactorisedPrior
 from pyro_fa.infer.priors.closed_forms import register_expected_log_prob
 from pyro_fa.infer.priors.registry import register_prior
 
@@ -119,7 +120,7 @@ class LaplacePrior(FactorisedPrior):
     """
 
     def __init__(self, scale: float = 1.0):
-        self.scale = _positive_number("LaplacePrior", "scale", scale)
+        self.scale = positive_number("LaplacePrior", "scale", scale)
 
     @property
     def precision(self) -> float:

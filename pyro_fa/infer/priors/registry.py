@@ -4,7 +4,7 @@ r"""Prior classes registered by name, for string options such as ``BatchedVI(pri
 (``"gaussian"``, ``"laplace"``); :class:`~pyro_fa.nn.BatchedVI`'s ``prior=`` option and
 :meth:`~pyro_fa.nn.BayesianNetwork.fit_many` find priors here. Their closed forms are
 registered by distribution type in :mod:`~pyro_fa.infer.priors.closed_forms`. A new prior
-is one file that registers itself (``docs/architecture.md``, "Add a prior").
+is one file that registers itself (the architecture guide's "Add a prior").
 """
 from __future__ import annotations
 

@@ -134,7 +134,7 @@ class BatchedVI:
     Notes
     -----
     One step costs what one fit's step costs in tensor operations, times R, without
-    Pyro's per-step tracing (measured in ``docs/batched_training.md``).
+    Pyro's per-step tracing.
     The FactorELBO of the low-rank families never forms ``LowRankMultivariateNormal``:
     with :math:`q = N(c, S(GG^\top + I)S)` the capacitance is :math:`I + G^\top G`
     (:math:`O(DK^2)` per replica), and the gradient of :math:`G` comes from one fused
