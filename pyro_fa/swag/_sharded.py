@@ -111,13 +111,7 @@ class ShardedSWAG:
         return self._sharding
 
     def _sq_dev_global(self) -> float:
-        return self._sq_dev_total if self.method == "swag" else self.fa._sq_dev_total
-
-    def _mean_variance(self, var: Tensor) -> Tensor:
-        """Mean over all D of the running variances (classic SWAG's relative floor)."""
-        if self._sharding is None:
-            return var.mean()
-        return var.new_tensor(self._sq_dev_total / (max(self._n, 1) * self.dim))
+        return self._fit.sq_dev_total(self)
 
     # ------------------------------------------------------------- collect
     def _sharded_distance(self, theta: Tensor, guard: bool) -> Tuple[float, float, int]:
@@ -131,24 +125,6 @@ class ShardedSWAG:
         dist2, bad = float(total[0]), int(sum(row[0] for row in table))
         spread2 = self._sq_dev_global() / self._n if guard else 0.0
         return dist2, spread2, bad
-
-    def _sharded_classic_update(self, theta: Tensor) -> None:
-        """Classic SWAG's update of this rank's rows; the overflow check and the spread over all ranks."""
-        moments = self._moments
-        t, tmax = moments.deviation(theta)
-        tmax = tmax if self._n else 0.0
-        n_old, n = self._n, self._n + 1
-        sq_new = float(moments.sq_dev.sum()) + n_old / n * float(torch.dot(t, t))
-        table, (total,) = self._sharding.reduce([tmax], torch.tensor([sq_new], dtype=torch.float64))
-        tmax = max(row[0] for row in table)
-        if not tmax * tmax <= torch.finfo(self._dev.dtype).max / 8:
-            raise ValueError(f"{type(self).__name__}: the parameter vector must keep the running variances within "
-                             f"{self._dev.dtype}, got one at {tmax:.3g} from the mean whose update would overflow them.")
-        moments.add_deviation(t, n_old)
-        torch.mul(t, n_old / n, out=self._dev[n_old % self.rank])
-        self._mean.copy_(moments.mean)
-        self._n = n
-        self._sq_dev_total = float(total[0])
 
     # ------------------------------------------------------------- sample
     def _draw_noise(self, num_samples: int, generator: Optional[torch.Generator]) -> Tuple[Tensor, Tensor]:
@@ -184,7 +160,4 @@ class ShardedSWAG:
     def _loaded_total(self, total: Optional[float]) -> None:
         if total is None:
             return
-        if self.method == "swag":
-            self._sq_dev_total = total
-        else:
-            self.fa._sq_dev_total = total
+        self._fit.set_sq_dev_total(self, total)

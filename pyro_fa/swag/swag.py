@@ -17,34 +17,31 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
-import weakref
-from collections.abc import Mapping
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Type, Union
 
 import torch
 from torch import Tensor, nn
 from torch.distributions import LowRankMultivariateNormal
 
-from pyro_fa._state import check_count
-from pyro_fa.fa.moments import RunningMoments
+from pyro_fa.fa._sharded_normal import ShardedLowRankNormal
 from pyro_fa.fa.normal import StableLowRankMultivariateNormal
-from pyro_fa.fa.online import OnlineFactorAnalysis
 from pyro_fa.predictive import SampledPredictive, bma_log_likelihood, log_mean_exp, tune_scale
+from pyro_fa.swag._classic import ClassicFit
+from pyro_fa.swag._collect import IterateCollector
+from pyro_fa.swag._fits import IterateFit, OnlineFit
 from pyro_fa.swag._params import ParamSource as _ParamSource, positive_int as _positive_int
-from pyro_fa.swag._sharded import ShardedSWAG, flatten_slice
+from pyro_fa.swag._sharded import ShardedSWAG
+from pyro_fa.swag._state import SWAGState
 from pyro_fa.swag.guide import FactorPosteriorGuide
-from pyro_fa.fa._sharding import ShardedLowRankNormal
 
 __all__ = ["SWAG"]
 
-_METHODS = ("em", "sga", "swag")
+_FITS: Dict[str, Type[IterateFit]] = {"em": OnlineFit, "sga": OnlineFit, "swag": ClassicFit}  # by method
+_METHODS = tuple(_FITS)
 _ON_NONFINITE = ("raise", "skip")
-_GUARD_AFTER = 10  # collected vectors before the divergence guard trusts the spread
-_GUARD_PATIENCE = 20  # refusals in a row after which a run that stopped moving away is collected again
 
 
-class SWAG(ShardedSWAG, nn.Module):
+class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
     r"""A Gaussian posterior over a model's weights, fitted online to optimizer iterates.
 
     .. math::
@@ -242,22 +239,10 @@ class SWAG(ShardedSWAG, nn.Module):
         self.collect_every = _positive_int(cls, "collect_every", collect_every)
         self.window = _positive_int(cls, "window", window)
         self._warmup = self.rank if warmup is None else _positive_int(cls, "warmup", warmup)
-        if method == "em" and self._warmup < self.rank:
-            raise ValueError(
-                f"{cls}: warmup must be >= rank={self.rank} for method 'em', got {warmup!r}: an M-step from fewer "
-                "vectors than factors is degenerate (psi collapses and the capacitance loses positive-definiteness "
-                "in float32)."
-            )
+        self._fit = _FITS[method](method)  # the method is dispatched here, once
+        self._fit.check(cls, rank=self.rank, warmup=self._warmup)
         self.method = method
         self.on_nonfinite = on_nonfinite
-        if method == "sga":
-            warnings.warn(
-                f"{cls}: method 'sga' (online stochastic gradient ascent) is far from batch factor analysis on "
-                "a few hundred to a few thousand collected iterates; method 'em' is much closer. "
-                "See help(SWAG).",
-                UserWarning,
-                stacklevel=2,
-            )
         if max_deviation is not None and not (
             isinstance(max_deviation, (int, float)) and not isinstance(max_deviation, bool)
             and math.isfinite(max_deviation) and max_deviation > 1
@@ -282,39 +267,6 @@ class SWAG(ShardedSWAG, nn.Module):
             self._setup(_source.named)
 
     # ------------------------------------------------------------- construction
-    def _source_from(self, obj) -> _ParamSource:
-        cls = type(self).__name__
-        if isinstance(obj, nn.Module):
-            named = [(n, p) for n, p in obj.named_parameters() if p.requires_grad]
-            module = obj
-        elif torch.is_tensor(obj):
-            raise TypeError(
-                f"{cls}: module_or_params must be an nn.Module or an iterable of tensors, got a single Tensor. "
-                "Wrap it in a list."
-            )
-        else:
-            try:
-                named = [(str(i), p) for i, p in enumerate(obj)]
-            except TypeError:
-                raise TypeError(
-                    f"{cls}: module_or_params must be an nn.Module or an iterable of tensors, got {obj!r}."
-                ) from None
-            module = None
-            seen = {}
-            for name, p in named:
-                if not torch.is_tensor(p):
-                    raise TypeError(f"{cls}: module_or_params must hold only tensors, got {p!r}.")
-                # the same tensor twice (or two views of one storage) would count its weights twice in D
-                key = id(p) if p.is_meta or p.numel() == 0 else (p.device, p.untyped_storage().data_ptr())
-                if key in seen or id(p) in seen:
-                    raise ValueError(f"{cls}: module_or_params must hold each tensor once, got tensor {name} "
-                                     f"sharing its storage with tensor {seen.get(key, seen.get(id(p)))} (its "
-                                     "weights would be counted twice). Pass each parameter once.")
-                seen[key] = seen[id(p)] = name
-        if not named:
-            raise ValueError(f"{cls}: module_or_params must hold at least one trainable tensor, got none.")
-        return _ParamSource(named=named, module=module)
-
     @classmethod
     def from_param_store(cls, rank: int = 20, method: str = "em", *, prefix: Optional[str] = "AutoDelta",
                          names: Optional[Sequence[str]] = None, **kwargs) -> "SWAG":
@@ -343,262 +295,9 @@ class SWAG(ShardedSWAG, nn.Module):
         """
         return cls(None, rank, method, _source=_ParamSource(prefix=prefix, names=names), **kwargs)
 
-    def _setup(self, named: List[Tuple[str, Tensor]]) -> None:
-        cls = type(self).__name__
-        self._agree_params(named)
-        tensors = [p for _, p in named]
-        for name, p in named:
-            if not p.is_leaf:
-                raise ValueError(
-                    f"{cls}: parameters must be leaf tensors (what an optimizer updates), got a non-leaf "
-                    f"tensor {name!r} produced by {type(p.grad_fn).__name__}. Pass the tensors the optimizer holds."
-                )
-            if p.dtype not in (torch.float32, torch.float64):
-                raise TypeError(f"{cls}: parameters must be float32 or float64, got {name!r} of dtype {p.dtype}. "
-                                "For a half-precision model, follow float32 master weights (e.g. those of "
-                                "torch.autocast training) instead.")
-        for name, p in named:
-            if p.is_meta:
-                raise ValueError(f"{cls}: parameters must hold data, got {name!r} on the meta device (shapes "
-                                 "without values). Materialise the model first, e.g. module.to_empty(device='cpu') "
-                                 "and initialise it.")
-        dtypes = {p.dtype for p in tensors}
-        devices = {p.device for p in tensors}
-        if len(dtypes) > 1:
-            raise TypeError(f"{cls}: parameters must share one dtype, got {sorted(map(str, dtypes))!r}.")
-        if len(devices) > 1:
-            raise ValueError(f"{cls}: parameters must share one device, got {sorted(map(str, devices))!r}.")
-        D = sum(p.numel() for p in tensors)
-        if self.rank >= D:
-            raise ValueError(f"{cls}: rank must be < the number of parameters D={D}, got {self.rank!r}.")
-        dtype, device = tensors[0].dtype, tensors[0].device
-        self.dim = D
-        rows = self._shard_rows(D)  # this rank's coordinates: all D without a process group
-        self._shapes = [p.shape for p in tensors]
-        self._names = [n for n, _ in named]
-        if self.method == "swag":
-            # exact moments in float64 (see pyro_fa.fa.moments); _mean is the mean rounded to the state's dtype
-            self._moments = RunningMoments(rows, device)
-            self.register_buffer("_mean", torch.zeros(rows, dtype=dtype, device=device))
-            self.register_buffer("_dev", torch.zeros(self.rank, rows, dtype=dtype, device=device))
-        else:
-            self.fa = OnlineFactorAnalysis(D, self.rank, self.method, self._warmup, dtype=dtype, device=device,
-                                           process_group=self._sharding, **self._fa_kwargs)
-        if self.window > 1:
-            self.register_buffer("_window_sum", torch.zeros(rows, dtype=dtype, device=device))
-
     @property
     def _ref(self) -> Tensor:
-        return self._mean if self.method == "swag" else self.fa.loc
-
-    # ------------------------------------------------------------------- collect
-    def _named(self) -> List[Tuple[str, Tensor]]:
-        named = self._source.resolve(type(self).__name__)
-        if self.dim is None:
-            self._setup(named)
-        return named
-
-    def _vector(self) -> Tensor:
-        cls = type(self).__name__
-        named = self._named()
-        shapes = [p.shape for _, p in named]
-        if shapes != self._shapes:
-            raise ValueError(
-                f"{cls}: parameter shapes must stay {[tuple(s) for s in self._shapes]!r} between collections, "
-                f"got {[tuple(s) for s in shapes]!r}; nothing was collected. Build a new SWAG for the new model."
-            )
-        ref = self._ref
-        for name, p in named:
-            if p.dtype != ref.dtype or p.device != ref.device:
-                raise ValueError(
-                    f"{cls}: parameters must be on {ref.device} with dtype {ref.dtype} like the posterior, got "
-                    f"{name!r} on {p.device} with dtype {p.dtype}. Call swag.to(...) after moving the model."
-                )
-        flat = getattr(self, "_flat", None)
-        if flat is None or flat.dtype != ref.dtype or flat.device != ref.device:
-            flat = self._flat = torch.empty_like(ref)
-        lo, hi = (0, self.dim) if self._sharding is None else (self._sharding.lo, self._sharding.hi)
-        return flatten_slice([p for _, p in named], lo, hi, flat)  # this rank's coordinates
-
-    @torch.no_grad()
-    def collect(self) -> bool:
-        """Collect the current parameter vector now (whatever the step schedule).
-
-        Returns
-        -------
-        bool
-            Whether a vector reached the fit (``False`` while a window fills, or
-            when a non-finite vector was skipped).
-
-        Raises
-        ------
-        ValueError
-            If the parameter shapes changed, the parameters moved to another
-            device or dtype, or the vector holds NaN / inf (with
-            ``on_nonfinite="raise"``); the state is unchanged.
-        """
-        theta = self._vector()
-        reason, diverged = self._refusal(theta)
-        if diverged and self._relocated():
-            warnings.warn(
-                f"{type(self).__name__}: the last {len(self._streak)} vectors lay beyond max_deviation="
-                f"{self.max_deviation:g} times the collected spread without moving further away (a run that "
-                "changed regime, e.g. a new learning rate or collect_every, not one that diverged): collecting "
-                "again.", RuntimeWarning, stacklevel=3)
-            reason, diverged = None, False
-        if reason is None:
-            self._streak.clear()
-        if diverged:
-            # the divergence guard is a heuristic: it skips with a warning and never stops training
-            # (a diverged run soon gives non-finite vectors, which on_nonfinite="raise" raises on)
-            self._n_refused += 1
-            warnings.warn(f"{type(self).__name__}: {reason} It was not collected and the posterior is unchanged "
-                          f"({self._n} vectors collected).", RuntimeWarning, stacklevel=3)
-            return False
-        if reason is None and self.window > 1:
-            if self._n_window + 1 < self.window:
-                self._window_sum.add_(theta)
-                self._n_window += 1
-                return False
-            theta = (self._window_sum + theta) / self.window
-        if reason is None:
-            try:
-                self._update(theta)
-            except ValueError as err:  # the online fit refused an update that would overflow its dtype
-                reason = str(err).split(": ", 1)[-1]
-        if reason is not None:
-            self._n_refused += 1
-            msg = (f"{type(self).__name__}: {reason} It was not collected and the posterior is unchanged "
-                   f"({self._n} vectors collected).")
-            if self.on_nonfinite == "skip":
-                warnings.warn(msg, RuntimeWarning, stacklevel=3)
-                return False
-            raise ValueError(msg + " Pass on_nonfinite='skip' to skip such vectors with a warning.")
-        if self.window > 1:
-            self._window_sum.zero_()
-            self._n_window = 0
-        return True
-
-    def _relocated(self) -> bool:
-        # the guard's escape: _GUARD_PATIENCE refusals in a row whose distances stopped growing
-        # (at most x2 over the last half: a diverging run grows geometrically and goes on growing)
-        if len(self._streak) < _GUARD_PATIENCE:
-            return False
-        last = self._streak[-(_GUARD_PATIENCE // 2):]
-        return max(last) <= 2.0 * min(last)
-
-    def _refusal(self, theta: Tensor) -> Tuple[Optional[str], bool]:
-        """Why ``theta`` must not be collected, or None; and whether the reason is the divergence guard."""
-        guard = self.max_deviation is not None and self._n >= _GUARD_AFTER
-        if self._sharding is not None:
-            dist2, spread2, bad = self._sharded_distance(theta, guard)  # summed over the ranks
-            count_bad = lambda: bad  # noqa: E731
-        else:
-            dist2 = spread2 = 0.0
-            if guard:
-                # the distance in the state's dtype (the mean rounded once is close enough for a guard);
-                # a non-finite distance sends us to the finiteness check below
-                dist2 = float(torch.linalg.vector_norm(theta - self.loc)) ** 2
-                moments = self._moments if self.method == "swag" else self.fa._moments
-                spread2 = float(moments.sq_dev.sum()) / self._n
-            count_bad = lambda: int((~torch.isfinite(theta)).sum())  # noqa: E731
-        # no spread yet (identical vectors, e.g. after a schedule that ended at rate 0): no judgement
-        if guard and math.isfinite(dist2) and (spread2 == 0.0 or dist2 <= self.max_deviation ** 2 * spread2):
-            return None, False
-        bad = count_bad()
-        if bad:
-            self._streak.clear()
-            return f"the parameter vector must be finite, got NaN or inf in {bad} entries.", False
-        if not guard:
-            return None, False
-        self._streak.append(math.sqrt(dist2))
-        return (f"the parameter vector must lie within max_deviation={self.max_deviation:g} times the collected "
-                f"spread of the running mean, got a distance of {math.sqrt(dist2):.3g} against a spread of "
-                f"{math.sqrt(spread2):.3g} (the run looks diverged; if it only changed regime, pass a larger "
-                "max_deviation, or None)."), True
-
-    def _update(self, theta: Tensor) -> None:
-        if self.method != "swag":
-            self.fa.update(theta)
-            self._n = self.fa.n_updates
-            return
-        if self._sharding is not None:
-            return self._sharded_classic_update(theta)
-        # running mean / squared deviations, then the deviation from the new mean (Maddox et al. Alg. 1),
-        # formed in float64 and rounded once
-        moments = self._moments
-        t, tmax = moments.deviation(theta)  # in place, no temporaries: O(D) per collection
-        tmax = tmax if self._n else 0.0
-        if not tmax * tmax <= torch.finfo(self._dev.dtype).max / 8:
-            raise ValueError(f"{type(self).__name__}: the parameter vector must keep the running variances within "
-                             f"{self._dev.dtype}, got one at {tmax:.3g} from the mean whose update would overflow them.")
-        n_old, n = self._n, self._n + 1
-        moments.add_deviation(t, n_old)
-        torch.mul(t, n_old / n, out=self._dev[n_old % self.rank])  # theta - mean_new, rounded once
-        self._mean.copy_(moments.mean)
-        self._n = n
-
-    def step(self) -> bool:
-        """Count one optimizer step and collect if the schedule says so.
-
-        Step :math:`t` (counted from one) is collected when ``t > start_after`` and
-        ``(t - start_after) % collect_every == 0``. This is what the hook of
-        :meth:`attach` calls; Pyro users call it after each ``svi.step``.
-
-        Returns
-        -------
-        bool
-            Whether a vector reached the fit.
-        """
-        self._n_steps += 1
-        t = self._n_steps - self.start_after
-        if t > 0 and t % self.collect_every == 0:
-            return self.collect()
-        return False
-
-    def attach(self, optimizer: torch.optim.Optimizer):
-        """Collect after the steps of ``optimizer`` (per ``start_after`` / ``collect_every``).
-
-        Parameters
-        ----------
-        optimizer : torch.optim.Optimizer
-
-        Returns
-        -------
-        torch.utils.hooks.RemovableHandle
-            ``handle.remove()`` detaches.
-        """
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"{type(self).__name__}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}. "
-                "With pyro.optim, call swag.step() after each svi.step(...)."
-            )
-        attached = self.__dict__.setdefault("_attached", {})
-        live = attached.get(id(optimizer))
-        if live is not None and live[1].id in getattr(optimizer, "_optimizer_step_post_hooks", {}):
-            raise ValueError(
-                f"{type(self).__name__}: optimizer must not be attached twice (every step would be collected twice), "
-                "got one that is attached already. Call handle.remove() on the first handle to attach again."
-            )
-        handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: self.step())
-        # the optimizer is held weakly: optimizer -> hook -> SWAG -> optimizer would be a reference cycle,
-        # freed only by the garbage collector (under DDP possibly at exit, after the process group is gone)
-        attached[id(optimizer)] = (weakref.ref(optimizer), handle)
-        return handle
-
-    # ---------------------------------------------------------------- posterior
-    @property
-    def n_collected(self) -> int:
-        return self._n
-
-    @property
-    def n_steps(self) -> int:
-        return self._n_steps
-
-    @property
-    def n_refused(self) -> int:
-        """Vectors not collected: non-finite, overflowing, or from a diverged run (see ``max_deviation``)."""
-        return self._n_refused
+        return self._fit.loc(self)
 
     @property
     def warmup(self) -> int:
@@ -614,22 +313,7 @@ class SWAG(ShardedSWAG, nn.Module):
                 f"{cls}: {what} needs at least one collected parameter vector, got none. "
                 "Call attach(optimizer) and train, or collect()."
             )
-        if self.method == "em" and self.rank < self._n <= self.warmup:
-            # a shorter run than the warm-up planned for (e.g. one collection per epoch): end it here
-            warnings.warn(
-                f"{cls}: {self._n} vectors collected, not more than warmup={self.warmup}: the warm-up ends here and "
-                f"the factor is fitted to them (pass warmup < {self._n} to choose this).",
-                UserWarning,
-                stacklevel=3,
-            )
-            self.fa.finish_warmup()
-        if self.method != "swag" and self._n <= self.warmup:
-            raise RuntimeError(
-                f"{cls}: {what} needs more than warmup={self.warmup} collected vectors for method="
-                f"{self.method!r}, got {self._n}"
-                + (f" (more than rank={self.rank} to end the warm-up early)" if self.method == "em" else "")
-                + ". Collect more, or pass a smaller warmup."
-            )
+        self._fit.check_ready(self, what)
 
     @property
     def loc(self) -> Tensor:
@@ -639,19 +323,12 @@ class SWAG(ShardedSWAG, nn.Module):
     @property
     def cov_factor(self) -> Tensor:
         r""":math:`F`, shape (D, K) (for ``"swag"``: :math:`\hat D/\sqrt{2(K'-1)}`, zero-padded columns)."""
-        if self.method != "swag":
-            return self.fa.cov_factor
-        k = min(self._n, self.rank)
-        return self._dev.T / math.sqrt(2 * max(k - 1, 1))
+        return self._fit.cov_factor(self)
 
     @property
     def cov_diag(self) -> Tensor:
         r""":math:`\psi`, shape (D,) (for ``"swag"``: half the running variances, floored)."""
-        if self.method != "swag":
-            return self.fa.cov_diag
-        var = self._moments.variance(self._n).to(self._mean.dtype)
-        floor = self.min_variance * self._mean_variance(var).clamp_min(torch.finfo(var.dtype).tiny)
-        return 0.5 * var.clamp_min(floor)
+        return self._fit.cov_diag(self)
 
     def distribution(self) -> LowRankMultivariateNormal:
         r"""The posterior :math:`N(c, s(FF^\top + \Psi))` over the flattened parameters, :math:`s` = :attr:`scale`."""
@@ -702,12 +379,7 @@ class SWAG(ShardedSWAG, nn.Module):
         # unscaled draws F h + psi^(1/2) eps of shape (S, D)
         S = num_samples
         h, eps = self._draw_noise(S, generator)  # sharded: h shared by the ranks, eps (S, D_r) this rank's
-        if self.method == "swag":
-            k = min(self._n, self.rank)
-            low = (h @ self._dev).mul_(1.0 / math.sqrt(2 * max(k - 1, 1)))
-        else:
-            low = h @ self.fa.cov_factor.T
-        return eps.mul_(self.cov_diag.sqrt()).add_(low)
+        return eps.mul_(self.cov_diag.sqrt()).add_(self._fit.low_rank(self, h))
 
     @torch.no_grad()
     def sample_parameters(self, num_samples: Optional[int] = None, generator: Optional[torch.Generator] = None) -> Tensor:
@@ -732,64 +404,6 @@ class SWAG(ShardedSWAG, nn.Module):
         out.add_(self.loc)
         out = self._gather_full(out)  # sharded: whole vectors from every rank's rows
         return out[0] if num_samples is None else out
-
-    def _split(self, theta: Tensor) -> List[Tensor]:
-        out, offset = [], 0
-        for shape in self._shapes:
-            n = shape.numel()
-            out.append(theta[..., offset:offset + n].reshape(theta.shape[:-1] + shape))
-            offset += n
-        return out
-
-    @contextlib.contextmanager
-    def sampled_weights(self, theta: Optional[Tensor] = None, loader=None, generator: Optional[torch.Generator] = None):
-        """Load sampled weights into the model for the ``with`` block, then restore the originals.
-
-        Parameters
-        ----------
-        theta : Tensor of shape (D,), optional
-            The weights to load; default one draw of :meth:`sample_parameters`.
-        loader : iterable, optional
-            Training batches: batch-norm statistics are recomputed for the
-            sampled weights by ``torch.optim.swa_utils.update_bn`` (module only).
-        generator : torch.Generator, optional
-
-        Yields
-        ------
-        Tensor of shape (D,)
-            The loaded vector. Parameters and buffers are restored on exit, also
-            after an exception.
-        """
-        cls = type(self).__name__
-        theta = self._full_theta(theta)  # sharded: this rank's rows (e.g. swag.loc) are gathered
-        if theta is None:
-            theta = self.sample_parameters(generator=generator)
-        elif not torch.is_tensor(theta) or theta.shape != (self.dim,):
-            raise ValueError(f"{cls}: theta must be a tensor of shape ({self.dim},), got {theta!r}.")
-        module = self._source.module
-        if loader is not None and module is None:
-            raise ValueError(f"{cls}: loader needs a SWAG built from an nn.Module, got parameters only.")
-        tensors = [p for _, p in self._named()]
-        with torch.no_grad():
-            saved = [p.detach().clone() for p in tensors]
-            buffers = {k: b.clone() for k, b in module.named_buffers()} if loader is not None else {}
-        try:
-            with torch.no_grad():
-                for p, v in zip(tensors, self._split(theta)):
-                    p.copy_(v)
-            if loader is not None:
-                from torch.optim.swa_utils import update_bn
-
-                update_bn(loader, module)
-            yield theta
-        finally:
-            with torch.no_grad():
-                for p, v in zip(tensors, saved):
-                    p.copy_(v)
-                if buffers:
-                    current = dict(module.named_buffers())
-                    for k, v in buffers.items():
-                        current[k].copy_(v)
 
     def predictive(self, loader=None) -> SampledPredictive:
         r"""This posterior's predictive by sampled networks: draws of :meth:`sample_parameters` run in the module.
@@ -921,129 +535,6 @@ class SWAG(ShardedSWAG, nn.Module):
         """Names of the model sites that the posterior's pieces stand for, in flattening order."""
         self._named()
         return [self._source.site_name(n) for n in self._names]
-
-    # ------------------------------------------------------------------ state
-    def get_extra_state(self):
-        state = {"n_steps": self._n_steps, "n": self._n, "n_window": self._n_window, "n_refused": self._n_refused,
-                 "scale": self._scale, "shapes": [tuple(s) for s in self._shapes] if self._shapes is not None else None}
-        if self._sharding is not None:
-            state["shard"] = self._sharding.descriptor()
-        return state
-
-    def _check_extra_state(self, state) -> None:
-        cls = type(self).__name__
-        if not isinstance(state, dict) or not {"n_steps", "n", "n_window", "shapes"} <= set(state):
-            raise ValueError(f"{cls}: the saved state's extra state must be a dict with 'n_steps', 'n', 'n_window' "
-                             f"and 'shapes', got {state!r:.200}; nothing was loaded.")
-        for key in ("n_steps", "n", "n_window", "n_refused"):
-            check_count(cls, state, key, 0)
-        shapes = [torch.Size(s) for s in state["shapes"]] if state["shapes"] is not None else None
-        if self._shapes is not None and shapes != self._shapes:
-            raise ValueError(
-                f"{cls}: state_dict must come from parameters of shapes "
-                f"{[tuple(s) for s in self._shapes]!r}, got {state['shapes']!r}; nothing was loaded."
-            )
-        scale = state.get("scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"{cls}: the saved state's 'scale' must be a positive finite number, got {scale!r}; "
-                             "nothing was loaded.")
-        if state["n_window"] >= self.window:
-            raise ValueError(f"{cls}: the saved state's 'n_window' must be < window={self.window}, got "
-                             f"{state['n_window']!r}; nothing was loaded.")
-        self._check_shard_state(state)
-
-    def set_extra_state(self, state):
-        self._check_extra_state(state)
-        self._n_steps, self._n, self._n_window = int(state["n_steps"]), int(state["n"]), int(state["n_window"])
-        self._n_refused = int(state.get("n_refused", 0))
-        self._scale = float(state.get("scale", 1.0))
-
-    def _check_state(self, state_dict, strict: bool, prefix: str = ""):
-        """Check a whole saved state (keys relative to this module, its fit's included) before any is written.
-
-        Collective when sharded (every rank must call it). Returns the sharded running total of
-        squared deviations (else None) and the submodules to mark as checked, ``[(module, mark)]``,
-        once the whole load is.
-        """
-        if self.dim is None:  # param-store source not yet resolved: resolve now to build the buffers
-            self._named()
-        total = self._check_loadable(state_dict, strict)  # keys, shapes, finiteness, extra and optimizer states
-        error = None
-        try:
-            self._check_state_values(state_dict, prefix)
-        except ValueError as exc:
-            error = exc
-        if self._sharding is not None:
-            from pyro_fa.fa._sharding import agree
-
-            agree(self._sharding.group, type(self).__name__, {}, error=error)  # a refusal stops every rank
-        elif error is not None:
-            raise error
-        return total, ([] if self.method == "swag" else [(self.fa, (total,))])
-
-    def _check_state_values(self, state_dict, prefix: str) -> None:
-        cls = type(self).__name__
-        if self.method == "swag":
-            v = state_dict.get("_moments.sq_dev")
-            if torch.is_tensor(v) and not bool((v >= 0).all()):
-                raise ValueError(f"{cls}: state_dict[{prefix + '_moments.sq_dev'!r}] must be >= 0 (running squared "
-                                 f"deviations), got {int((v < 0).sum())} negative entries; nothing was loaded.")
-            return
-        self.fa._check_values({k[3:]: v for k, v in state_dict.items() if k.startswith("fa.")}, prefix + "fa.", cls)
-        mine, fit = state_dict.get("_extra_state"), state_dict.get("fa._extra_state")
-        if isinstance(mine, dict) and isinstance(fit, dict) and mine.get("n") != fit.get("n_updates"):
-            raise ValueError(f"{cls}: the saved state's count of collected vectors must agree with its fit's, got "
-                             f"n={mine.get('n')!r} against the fit's n_updates={fit.get('n_updates')!r}; nothing "
-                             "was loaded.")
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        # runs for a direct load_state_dict and for a parent module's (MultiSWAG, a user's model) alike: the
-        # whole state of this posterior, its fit's included, is checked before any of it is written
-        checked = self.__dict__.pop("_load_checked", None)
-        hint = self.__dict__.get("_load_strict")
-        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        total = None
-        if checked is not None:  # checked whole by a parent (MultiSWAG) with its other members
-            total = checked[0]
-        elif mine or hint is not None:
-            try:
-                total, marks = self._check_state(mine, True if hint is None else hint, prefix)
-            except (TypeError, ValueError) as exc:
-                if not prefix:
-                    raise
-                raise type(exc)(f"{exc} (the entries under {prefix!r})") from exc
-            for module, mark in marks:
-                module.__dict__["_load_checked"] = mark
-        elif self.method != "swag":  # a parent's non-strict load without our entries: nothing to load
-            self.fa.__dict__.pop("_load_checked", None)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        self._loaded_total(total)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a state saved by :meth:`state_dict`, checked whole first: on error nothing is loaded.
-
-        The same checks run when a parent module (:class:`~pyro_fa.MultiSWAG`, a model
-        holding this posterior) loads its state.
-
-        Raises
-        ------
-        ValueError, TypeError
-            If an entry is missing or unexpected (``strict``), has another shape
-            (other parameters, ``rank`` or ``window``), holds NaN / inf, a noise
-            variance :math:`\\psi \\le 0` or a capacitance that is not positive definite,
-            or the extra or optimizer state does not fit; the posterior is then unchanged.
-        """
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"{type(self).__name__}: state_dict must be a mapping from names to tensors, got "
-                            f"{type(state_dict).__name__}.")
-        self.__dict__.pop("_load_checked", None)  # a mark left by a parent's load that stopped midway
-        self.__dict__["_load_strict"] = bool(strict)
-        try:
-            return super().load_state_dict(state_dict, strict=strict, assign=assign)
-        finally:
-            self.__dict__.pop("_load_strict", None)
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
