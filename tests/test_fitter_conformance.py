@@ -202,3 +202,116 @@ def test_documented_toy_fitter_is_used_by_online_factor_analysis(toy_fitter):
     with pytest.raises(RuntimeError, match=r"OnlineFactorAnalysis: finish_warmup\(\) needs a method that can end "
                                            r"its warm-up early, got 'diagonal'"):
         short.finish_warmup()
+
+
+# ---------------------------------------------------------------- SWAG over its three fits
+# SWAG holds one fit per method (pyro_fa.swag._fits: em and sga through OnlineFactorAnalysis, classic SWAG's
+# deviations in pyro_fa.swag._classic); the same contract, seen from the iterates of an optimizer.
+SWAG_METHODS = ["em", "sga", "swag"]
+
+
+def _swag(method, X, seed=0, **kw):
+    from pyro_fa import SWAG
+
+    p = torch.zeros(X.shape[-1], dtype=X.dtype, device=X.device, requires_grad=True)
+    with pytest.warns(UserWarning, match="method 'sga'") if method == "sga" else _nothing():
+        swag = SWAG([p], rank=2, method=method, warmup=10, seed=seed, **kw)
+    for x in X:
+        with torch.no_grad():
+            p.copy_(x)
+        swag.collect()
+    return swag, p
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("method", SWAG_METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_swag_state_round_trip_gives_identical_draws(method, dtype):
+    X, _ = _stream(T=80, dtype=dtype)
+    src, _ = _swag(method, X[:60], seed=0)
+    dst, _ = _swag(method, X[:20], seed=1)
+    dst.load_state_dict(src.state_dict())
+    assert dst.n_collected == src.n_collected == 60
+    for name in ("loc", "cov_factor", "cov_diag"):
+        assert torch.equal(getattr(dst, name), getattr(src, name)), name
+    a = src.sample_parameters(5, generator=torch.Generator().manual_seed(0))
+    b = dst.sample_parameters(5, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a, b)
+    if method == "sga":
+        return  # see test_sga_continues_alike_after_a_load
+    for swag in (src, dst):
+        p = swag._source.named[0][1]
+        for x in X[60:]:
+            with torch.no_grad():
+                p.copy_(x)
+            swag.collect()
+    assert torch.equal(dst.cov_factor, src.cov_factor) and torch.equal(dst.cov_diag, src.cov_diag)
+
+
+@pytest.mark.parametrize("method", SWAG_METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_swag_factors_and_draws_have_the_weights_dtype(method, dtype):
+    X, _ = _stream(T=40, dtype=dtype)
+    swag, _ = _swag(method, X)
+    d = swag.distribution()
+    for t in (swag.loc, swag.cov_factor, swag.cov_diag, swag.sample_parameters(3), d.log_prob(X[:2])):
+        assert t.dtype == dtype
+    assert swag.cov_factor.shape == (8, 2) and swag.cov_diag.shape == (8,) and swag.sample_parameters(3).shape == (3, 8)
+
+
+@pytest.mark.parametrize("method", SWAG_METHODS)
+@pytest.mark.parametrize("on_nonfinite", ["raise", "skip"])
+def test_swag_bad_vector_is_refused_with_the_state_unchanged(method, on_nonfinite):
+    X, _ = _stream(T=40)
+    swag, p = _swag(method, X, on_nonfinite=on_nonfinite)
+    posterior = lambda: {k: v for k, v in _state(swag).items() if torch.is_tensor(v)}  # noqa: E731  (not n_refused)
+    before = posterior()
+    with torch.no_grad():
+        p.copy_(X[0]).index_fill_(0, torch.tensor([3]), float("nan"))
+    match = r"SWAG: the parameter vector must be finite, got NaN or inf in 1 entries"
+    if on_nonfinite == "raise":
+        with pytest.raises(ValueError, match=match):
+            swag.collect()
+    else:
+        with pytest.warns(RuntimeWarning, match=match):
+            assert swag.collect() is False
+    _same(before, posterior())
+    with torch.no_grad():  # the divergence guard skips (whatever on_nonfinite says), state unchanged
+        p.copy_(X[0] + 1e6)
+    with pytest.warns(RuntimeWarning, match=r"SWAG: the parameter vector must lie within max_deviation=10"):
+        assert swag.collect() is False
+    _same(before, posterior())
+    assert swag.n_refused == 2 and swag.n_collected == 40
+
+
+@pytest.mark.parametrize("method", SWAG_METHODS)
+def test_swag_distribution_is_the_dense_gaussian_of_its_factors(method):
+    X, _ = _stream(T=40)
+    swag, _ = _swag(method, X)
+    F, psi = swag.cov_factor, swag.cov_diag
+    dense = torch.distributions.MultivariateNormal(X.mean(0), F @ F.T + torch.diag(psi))
+    assert torch.allclose(swag.loc, X.mean(0), rtol=0, atol=1e-12)  # the running mean is exact
+    assert torch.allclose(swag.distribution().log_prob(X[:5]), dense.log_prob(X[:5]), rtol=1e-10, atol=1e-10)
+    # draws: mean and covariance of many agree with the dense ones
+    draws = swag.sample_parameters(40000, generator=torch.Generator().manual_seed(0))
+    cov = dense.covariance_matrix
+    assert float(torch.linalg.norm(torch.cov(draws.T) - cov) / torch.linalg.norm(cov)) < 0.05
+
+
+def test_classic_swag_factors_are_maddox_et_al_from_the_iterates():
+    # Maddox et al. (2019), eq. 3 / Alg. 1, computed densely from the stored iterates
+    X, _ = _stream(T=40)
+    swag, _ = _swag("swag", X)
+    K, T = 2, X.shape[0]
+    means = X.cumsum(0) / torch.arange(1, T + 1, dtype=X.dtype).unsqueeze(-1)  # the mean after each iterate
+    dev = (X - means)[-K:]  # the last K deviations theta_i - mean_i
+    assert torch.allclose(swag.cov_factor @ swag.cov_factor.T, dev.T @ dev / (2 * (K - 1)), rtol=1e-10, atol=1e-12)
+    var = X.var(0, correction=0)
+    assert torch.allclose(swag.cov_diag, 0.5 * var.clamp_min(1e-4 * var.mean()), rtol=1e-10, atol=0)

@@ -19,7 +19,8 @@ from pyro_fa.fa import linalg
 from pyro_fa.fa._online_checks import OnlineChecks
 from pyro_fa.fa._online_sharded import OnlineSharded
 from pyro_fa.fa.fitters import fitter_class
-from pyro_fa.fa._sharding import ShardedLowRankNormal, draw_seed, sharded_orthogonal_init
+from pyro_fa.fa._sharded_normal import ShardedLowRankNormal
+from pyro_fa.fa._sharding import draw_seed, sharded_orthogonal_init
 from pyro_fa.fa.moments import RunningMoments
 from pyro_fa.fa.normal import StableLowRankMultivariateNormal
 
