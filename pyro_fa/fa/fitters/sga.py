@@ -8,6 +8,7 @@ one pass over the rows of :math:`F`) ascends. The state lives in the
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Dict, Optional, Tuple
 
@@ -98,7 +99,11 @@ class OnlineSGA(Fitter):
 
     def loaded(self, fa, extra: Optional[dict]) -> None:
         if extra is not None:
-            fa._optimizer.load_state_dict(extra)
+            # a copy: torch's Optimizer.load_state_dict keeps the given tensors (Adam's step and moments) when
+            # dtype and device match, so a state loaded from a live model's state_dict() would share them with
+            # it, and each model's in-place steps would move the other's (as the model's own buffers, the
+            # loaded values must be this model's)
+            fa._optimizer.load_state_dict(copy.deepcopy(extra))
         fa._sga_cap = None
 
     def moved(self, fa, fn) -> None:
