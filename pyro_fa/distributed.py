@@ -63,7 +63,7 @@ from pyro_fa.fa._sharding import (
     shard_bounds,
     weak_group,
 )
-from pyro_fa.swag._sharded import _describe, unwrap_ddp
+from pyro_fa.swag._sharded import describe_parameters, unwrap_ddp
 
 __all__ = [
     "shard_bounds",
@@ -139,7 +139,7 @@ class ShardedParameters:
             named = [(n, p) for n, p in obj.named_parameters() if p.requires_grad]
         else:
             named = [(str(i), p) for i, p in enumerate(obj)]
-        agree(group, cls, {"params": _describe(named)})
+        agree(group, cls, {"params": describe_parameters(named)})
         self.params: List[Tensor] = [p for _, p in named]
         self.dim = sum(p.numel() for p in self.params)
         import torch.distributed as dist

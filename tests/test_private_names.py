@@ -14,11 +14,7 @@ import pyro_fa
 ROOT = Path(pyro_fa.__file__).parent
 
 #: (importing file, module, name) crossings being removed by work in progress elsewhere; empty it as they land.
-ALLOWED = {
-    # swag/_sharded.py's parameter description, used by distributed.py's data-parallel SVI: to become public
-    # with the fitters' move out of swag/swag.py.
-    ("distributed.py", "pyro_fa.swag._sharded", "_describe"),
-}
+ALLOWED = set()
 
 
 def _top(module: str) -> str:

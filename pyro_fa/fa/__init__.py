@@ -1,4 +1,4 @@
-"""The core both roads share: the factor-analysis model N(c, FFᵀ + Ψ) and how it is fitted.
+"""The core every posterior of the library shares (variational, from optimizer iterates): the factor-analysis model N(c, FFᵀ + Ψ) and how it is fitted.
 
 * :mod:`pyro_fa.fa.linalg` — Woodbury / matrix-determinant-lemma algebra of FFᵀ + Ψ in O(DK²);
 * :class:`OnlineFactorAnalysis` — one vector at a time: online EM or online SGA, O(DK) memory;

@@ -78,7 +78,7 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
         vectors) one Adam step per vector cannot follow the equally weighted
         moments of a drifting trajectory, and its covariance stays far from batch
         FA's. Use ``method="em"`` there, which is much closer to batch FA on the
-        same streams (see ``benchmarks/bench_swag_streams.py``).
+        same streams (measured on recorded SGD iterates in the project's SWAG-stream benchmark).
 
     Parameters
     ----------
@@ -135,8 +135,8 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
         update, and E-steps in between use the last :math:`F, \psi`. Default
         ``max(1, dim // 100_000)``: every update up to :math:`D = 2\cdot 10^5`, every
         10th at :math:`D = 10^6`, where an update then costs about one pass over
-        :math:`\bar A` and one over :math:`F` plus a tenth of an M-step (see
-        ``benchmarks/bench_online_em.py``); the stale factor of a few updates is
+        :math:`\bar A` and one over :math:`F` plus a tenth of an M-step (as the
+        project's online-EM benchmark measures); the stale factor of a few updates is
         negligible beside the :math:`1/t` weight of each new observation.
     init_scale : float, default 1.0
         Norm of each orthogonal column of the initial :math:`F` (Brownlie 2021, §4.4);

@@ -42,12 +42,14 @@ def _param_descriptor(obj) -> Any:
             named = [(n, p) for n, p in obj.named_parameters() if p.requires_grad]
         else:
             named = [(str(i), p) for i, p in enumerate(obj)]
-        return _describe(named)
+        return describe_parameters(named)
     except Exception as exc:  # the local checks of SWAG raise it alike on every rank
         return f"unreadable ({type(exc).__name__})"
 
 
-def _describe(named) -> Dict[str, Any]:
+def describe_parameters(named) -> Dict[str, Any]:
+    """What every rank must agree on about ``named`` ((name, tensor) pairs): D, a checksum of the names and
+    shapes, the dtypes, the devices and whether the tensors are leaves (compared across ranks by ``agree``)."""
     tensors = [p for _, p in named if torch.is_tensor(p)]
     return {
         "D": sum(p.numel() for p in tensors),
@@ -93,7 +95,7 @@ class ShardedSWAG:
     def _agree_params(self, named) -> None:
         """Param-store sources, read at the first collection: the ranks must hold the same parameters."""
         if self._distributed and self._source.from_param_store:
-            agree(self._group, type(self).__name__, {"params": _describe(named)})
+            agree(self._group, type(self).__name__, {"params": describe_parameters(named)})
 
     def _shard_rows(self, D: int) -> int:
         """Set this rank's rows of the D coordinates; their number."""

@@ -67,7 +67,7 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         ``method="sga"`` is far from batch factor analysis at SWAG's stream lengths
         (a few hundred to a few thousand collected vectors; it warns when
         constructed). ``method="em"`` is much closer to batch FA on the same
-        streams; prefer it. See the benchmark ``benchmarks/bench_swag_streams.py``.
+        streams; prefer it (measured in the project's SWAG-stream benchmark).
 
     Parameters
     ----------
@@ -91,7 +91,7 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         EM / SGA: vectors that only update the running statistics (Brownlie 2021, §6.2.1);
         at least ``rank`` for EM. Default ``rank``, the shortest EM accepts: SWAG's recipe
         collects once per epoch for a few tens of epochs (see the recipe below and
-        ``examples/swag_recipe.py``), and ``pyro-fa classify`` uses it.
+        the project's example ``swag_recipe.py``), and ``pyro-fa classify`` uses it.
     lr, step_scale, init_scale, min_variance, optimizer
         Passed to :class:`~pyro_fa.OnlineFactorAnalysis` (``lr``: SGA learning rate).
         ``step_scale`` defaults to 1 here (2 in ``OnlineFactorAnalysis``): SWAG's
@@ -99,7 +99,7 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         and diagonal are equally weighted, and so are EM's statistics with
         ``step_scale=1``. Weighting late iterates more (``2``) describes a different,
         wider distribution when the trajectory drifts, far from the iterates' own
-        covariance (see ``benchmarks/bench_swag_streams.py``).
+        covariance (measured in the project's SWAG-stream benchmark).
     on_nonfinite : {"raise", "skip"}, default "raise"
         What a parameter vector that cannot be collected does (NaN / inf, or an update
         that would overflow the dtype): raise ``ValueError``, or be skipped with a
@@ -172,7 +172,7 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
             swa_logits = net(x_test)
         swag_log_proba = swag.predict_log_proba(x_test)         # SWAG: the model average
 
-    ``examples/swag_recipe.py`` runs it end to end (``docs/swag.md``).
+    The project's example ``swag_recipe.py`` runs it end to end (the SWAG page of the docs).
 
     In ``pyro-fa classify`` (results in the README) the tuned SWAG-EM improves on
     SWA's NLL and ECE on MNIST-1D, and gives SWA back on digits, where the

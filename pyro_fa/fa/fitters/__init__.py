@@ -21,7 +21,7 @@ A fitter is stateless; its tensors are buffers of the model that holds it (so th
 
 A new method is one module: subclass :class:`Fitter`, decorate it with
 :func:`register_fitter`, and ``OnlineFactorAnalysis(dim, rank, method="name")`` uses it
-(``docs/architecture.md``, "Add a fitter", has a complete example).
+(the architecture guide\'s "Add a fitter", has a complete example).
 """
 from __future__ import annotations
 

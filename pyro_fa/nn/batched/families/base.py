@@ -21,7 +21,7 @@ class GuideFamily:
 
     Subclass it and register the subclass with
     :func:`~pyro_fa.nn.batched.families.register_family` to add a family
-    (``docs/architecture.md``, "Add a guide family"):
+    (the architecture guide\'s "Add a guide family"):
 
     * :meth:`init` (required): the family's parameters besides ``loc``, each of shape (R, ...);
     * :meth:`distribution` (required): :math:`q` of every replica, a batch of R torch

@@ -3,7 +3,7 @@ r"""Guide families registered by name, for ``BatchedVI(family="...")``.
 :func:`register_family` names a :class:`~pyro_fa.nn.batched.families.GuideFamily`
 subclass (``"fa"``, ``"ppca"``, ``"lowrank"``, ``"normal"``, ``"delta"``);
 :class:`~pyro_fa.nn.BatchedVI` finds its family here, once, at construction. A new family
-is one file that registers itself (``docs/architecture.md``, "Add a guide family").
+is one file that registers itself (the architecture guide\'s "Add a guide family").
 """
 from __future__ import annotations
 
