@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from pyro_fa import AutoLowRankFactorGuide, FactorELBO, GaussianPrior
 from pyro_fa._validation import positive_float
 from pyro_fa.infer.priors import FactorisedPrior
+from pyro_fa.linear_model._glm_ops import _CHUNK_ELEMENTS, _Batches, _linear_predictor
 from pyro_fa.linear_model._validation import (
     as_inputs,
     as_targets,
@@ -26,15 +27,6 @@ from pyro_fa.linear_model._validation import (
 __all__ = ["GeneralizedLinearModel"]
 
 LIKELIHOODS = ("gaussian", "bernoulli", "poisson")
-_CHUNK_ELEMENTS = 2 ** 22  # rows x columns of one block of features or of samples x rows at prediction
-
-
-def _linear_predictor(Phi: Tensor, w: Tensor) -> Tensor:
-    r""":math:`f = \Phi w` for ``w`` of shape (D,) or (..., 1, D) (vectorised particles): shape (M,) or (..., M)."""
-    if w.dim() == 1:
-        return Phi @ w
-    # the latent sits outside the data plate, so its batch shape ends in a 1 at the plate's dim
-    return (w @ Phi.T).squeeze(-2)
 
 
 class GeneralizedLinearModel(nn.Module):
@@ -591,22 +583,3 @@ class GeneralizedLinearModel(nn.Module):
     def extra_repr(self) -> str:
         lik = self.likelihood if isinstance(self.likelihood, str) else getattr(self.likelihood, "__name__", "callable")
         return f"likelihood={lik!r}, rank={self.rank}, prior={self.prior!r}"
-
-
-class _Batches:
-    """Row indices for SVI: epochs of a random permutation cut into batches (None: the full data)."""
-
-    def __init__(self, n: int, batch_size: Optional[int], device):
-        self.n, self.batch_size, self.device = n, batch_size, device
-        self._perm: Optional[Tensor] = None
-        self._pos = n
-
-    def next(self) -> Optional[Tensor]:
-        if self.batch_size is None:
-            return None
-        if self._pos + self.batch_size > self.n:
-            self._perm = torch.randperm(self.n, device=self.device)
-            self._pos = 0
-        idx = self._perm[self._pos:self._pos + self.batch_size]
-        self._pos += self.batch_size
-        return idx
