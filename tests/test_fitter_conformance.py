@@ -82,11 +82,11 @@ def test_unknown_method_is_refused_at_the_boundary():
 
 
 def test_register_fitter_refuses_a_taken_name_and_a_non_fitter():
-    with pytest.raises(ValueError, match=r"register_fitter: name must be free, got 'em', taken by OnlineEM"):
+    with pytest.raises(ValueError, match=r"register_fitter: name must be new, got 'em', which names OnlineEM"):
         register_fitter("em")(type("Other", (Fitter,), {}))
     with pytest.raises(TypeError, match=r"register_fitter: the decorated class must subclass Fitter"):
         register_fitter("plain")(object)
-    with pytest.raises(ValueError, match=r"register_fitter: name must be a non-empty string, got ''"):
+    with pytest.raises(ValueError, match=r"register_fitter: name must be a non-empty str, got ''"):
         register_fitter("")
     assert "plain" not in FITTERS
 

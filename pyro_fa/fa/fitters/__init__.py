@@ -30,11 +30,9 @@ from typing import Any, Callable, Dict, Optional, Tuple, Type
 import torch
 from torch import Tensor
 
+from pyro_fa._registry import ClassRegistry
+
 __all__ = ["Fitter", "FITTERS", "register_fitter", "fitter_class", "cholesky"]
-
-FITTERS: Dict[str, Type["Fitter"]] = {}
-"""The registered fitters, by the ``method`` name that picks them."""
-
 
 def register_fitter(name: str) -> Callable[[Type["Fitter"]], Type["Fitter"]]:
     """Class decorator: make ``cls`` the fitter of ``OnlineFactorAnalysis(..., method=name)``.
@@ -43,20 +41,10 @@ def register_fitter(name: str) -> Callable[[Type["Fitter"]], Type["Fitter"]]:
     ------
     ValueError
         If ``name`` is not a non-empty string or is taken by another class.
+    TypeError
+        If the decorated object is not a :class:`Fitter` subclass.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"register_fitter: name must be a non-empty string, got {name!r}.")
-
-    def decorate(cls: Type["Fitter"]) -> Type["Fitter"]:
-        if not (isinstance(cls, type) and issubclass(cls, Fitter)):
-            raise TypeError(f"register_fitter: the decorated class must subclass Fitter, got {cls!r}.")
-        if FITTERS.get(name, cls) is not cls:
-            raise ValueError(f"register_fitter: name must be free, got {name!r}, taken by {FITTERS[name].__name__}.")
-        cls.name = name
-        FITTERS[name] = cls
-        return cls
-
-    return decorate
+    return _REGISTRY.register(name)
 
 
 def fitter_class(method: str, owner: str, choices: Optional[Tuple[str, ...]] = None) -> Type["Fitter"]:
@@ -67,10 +55,7 @@ def fitter_class(method: str, owner: str, choices: Optional[Tuple[str, ...]] = N
     ValueError
         ``"<owner>: method must be one of (...), got '<method>'."``
     """
-    allowed = tuple(FITTERS) if choices is None else tuple(c for c in choices if c in FITTERS)
-    if not isinstance(method, str) or method not in allowed:
-        raise ValueError(f"{owner}: method must be one of {allowed}, got {method!r}.")
-    return FITTERS[method]
+    return _REGISTRY.get(method, owner, choices)
 
 
 class Fitter:
@@ -149,6 +134,11 @@ class Fitter:
 
     def shard_reduced(self, fa, sums: list, n: int, context: Any) -> None:
         """The sums of :meth:`shard_sums`, over all ranks, once the update was accepted."""
+
+
+_REGISTRY = ClassRegistry("register_fitter", Fitter, "method")
+FITTERS: Dict[str, Type[Fitter]] = _REGISTRY.classes
+"""The registered fitters, by the ``method`` name that picks them."""
 
 
 def cholesky(mat: Tensor) -> Tensor:

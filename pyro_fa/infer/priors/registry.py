@@ -8,17 +8,18 @@ is one file that registers itself (the architecture guide's "Add a prior").
 """
 from __future__ import annotations
 
-from types import MappingProxyType
 from typing import Callable, Dict, Mapping, Type
 
+from pyro_fa._registry import ClassRegistry
 from pyro_fa.infer.priors.base import FactorisedPrior
 
 __all__ = ["register_prior", "get_prior", "PRIORS"]
 
-_PRIORS: Dict[str, type] = {}
+_REGISTRY = ClassRegistry("register_prior", FactorisedPrior, "prior")
+_PRIORS: Dict[str, type] = _REGISTRY.classes
 
 #: Read-only view of the registered priors: name -> :class:`FactorisedPrior` subclass.
-PRIORS: Mapping[str, type] = MappingProxyType(_PRIORS)
+PRIORS: Mapping[str, type] = _REGISTRY.view
 
 
 def register_prior(name: str) -> Callable[[type], type]:
@@ -44,20 +45,7 @@ def register_prior(name: str) -> Callable[[type], type]:
     TypeError
         If the decorated object is not a ``FactorisedPrior`` subclass.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"register_prior: name must be a non-empty str, got {name!r}.")
-
-    def decorator(cls: type) -> type:
-        if not (isinstance(cls, type) and issubclass(cls, FactorisedPrior)):
-            raise TypeError(f"register_prior: the decorated class must subclass FactorisedPrior, got {cls!r}.")
-        taken = _PRIORS.get(name)
-        if taken is not None and taken.__qualname__ != cls.__qualname__:
-            raise ValueError(f"register_prior: name must be new, got {name!r}, which names {taken.__qualname__}.")
-        cls.name = name
-        _PRIORS[name] = cls
-        return cls
-
-    return decorator
+    return _REGISTRY.register(name)
 
 
 def get_prior(name: str, owner: str = "get_prior") -> Type:
@@ -74,7 +62,4 @@ def get_prior(name: str, owner: str = "get_prior") -> Type:
     ValueError
         If ``name`` is not registered; the message lists the registered names.
     """
-    cls = _PRIORS.get(name) if isinstance(name, str) else None
-    if cls is None:
-        raise ValueError(f"{owner}: prior must be one of {tuple(_PRIORS)}, got {name!r}.")
-    return cls
+    return _REGISTRY.get(name, owner)

@@ -7,17 +7,18 @@ is one file that registers itself (the architecture guide\'s "Add a guide family
 """
 from __future__ import annotations
 
-from types import MappingProxyType
 from typing import Callable, Dict, Mapping, Type
 
+from pyro_fa._registry import ClassRegistry
 from pyro_fa.nn.batched.families.base import GuideFamily
 
 __all__ = ["register_family", "get_family", "FAMILIES"]
 
-_FAMILIES: Dict[str, type] = {}
+_REGISTRY = ClassRegistry("register_family", GuideFamily, "family")
+_FAMILIES: Dict[str, type] = _REGISTRY.classes
 
 #: Read-only view of the registered guide families: name -> :class:`GuideFamily` subclass.
-FAMILIES: Mapping[str, type] = MappingProxyType(_FAMILIES)
+FAMILIES: Mapping[str, type] = _REGISTRY.view
 
 
 def register_family(name: str) -> Callable[[type], type]:
@@ -42,20 +43,7 @@ def register_family(name: str) -> Callable[[type], type]:
     TypeError
         If the decorated object is not a ``GuideFamily`` subclass.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"register_family: name must be a non-empty str, got {name!r}.")
-
-    def decorator(cls: type) -> type:
-        if not (isinstance(cls, type) and issubclass(cls, GuideFamily)):
-            raise TypeError(f"register_family: the decorated class must subclass GuideFamily, got {cls!r}.")
-        taken = _FAMILIES.get(name)
-        if taken is not None and taken.__qualname__ != cls.__qualname__:
-            raise ValueError(f"register_family: name must be new, got {name!r}, which names {taken.__qualname__}.")
-        cls.name = name
-        _FAMILIES[name] = cls
-        return cls
-
-    return decorator
+    return _REGISTRY.register(name)
 
 
 def get_family(name: str, owner: str = "get_family") -> Type[GuideFamily]:
@@ -72,7 +60,4 @@ def get_family(name: str, owner: str = "get_family") -> Type[GuideFamily]:
     ValueError
         If ``name`` is not registered; the message lists the registered names.
     """
-    cls = _FAMILIES.get(name) if isinstance(name, str) else None
-    if cls is None:
-        raise ValueError(f"{owner}: family must be one of {tuple(_FAMILIES)}, got {name!r}.")
-    return cls
+    return _REGISTRY.get(name, owner)
