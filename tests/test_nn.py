@@ -387,11 +387,12 @@ def test_fit_many_from_the_modules_weights_with_a_laplace_prior_and_fixed_noise(
                  r"BayesianNetwork\.fit"),
     (dict(net=torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))), ValueError,
      r"fit_many: net must have one output"),
-    (dict(priors=1.0), TypeError, r"fit_many: priors must be a GaussianPrior or LaplacePrior, or a non-empty "
-                                  r"sequence of them, got 1\.0\."),
-    (dict(priors=[]), TypeError, r"fit_many: priors must be a GaussianPrior or LaplacePrior"),
+    (dict(priors=1.0), TypeError, r"fit_many: priors must be a registered pyro_fa\.infer\.priors\.FactorisedPrior "
+                                  r"\(GaussianPrior, LaplacePrior or a subclass\), or a non-empty sequence of them, "
+                                  r"got 1\.0\."),
+    (dict(priors=[]), TypeError, r"fit_many: priors must be a registered pyro_fa\.infer\.priors\.FactorisedPrior"),
     (dict(priors=[GaussianPrior(), LaplacePrior()]), ValueError,
-     r"fit_many: priors must all be of one kind \(GaussianPrior or LaplacePrior\), got \['GaussianPrior', "
+     r"fit_many: priors must all be of one class \(one batched prior for every copy\), got \['GaussianPrior', "
      r"'LaplacePrior'\]\."),
     (dict(steps=0), ValueError, r"fit_many: steps must be a positive int, got 0\."),
     (dict(copies=0), ValueError, r"fit_many: copies must be a positive int, got 0\."),

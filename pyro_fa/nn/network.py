@@ -327,10 +327,10 @@ class BayesianNetwork(_Prediction):
         prior_list = [priors] if isinstance(priors, FactorisedPrior) else priors
         if not isinstance(prior_list, Sequence) or not prior_list or not all(
                 isinstance(p, FactorisedPrior) for p in prior_list):
-            raise TypeError(f"{fn}: priors must be a GaussianPrior or LaplacePrior, or a non-empty sequence of them, "
-                            f"got {priors!r}. Any registered pyro_fa.infer.priors.FactorisedPrior works.")
+            raise TypeError(f"{fn}: priors must be a registered pyro_fa.infer.priors.FactorisedPrior (GaussianPrior, "
+                            f"LaplacePrior or a subclass), or a non-empty sequence of them, got {priors!r}.")
         if len({type(p) for p in prior_list}) > 1:
-            raise ValueError(f"{fn}: priors must all be of one kind (GaussianPrior or LaplacePrior), got "
+            raise ValueError(f"{fn}: priors must all be of one class (one batched prior for every copy), got "
                              f"{sorted({type(p).__name__ for p in prior_list})}.")
         for arg, value in (("steps", steps), ("copies", copies), ("rank", rank), ("num_particles", num_particles)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
