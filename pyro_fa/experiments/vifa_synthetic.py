@@ -46,7 +46,6 @@ from pyro_fa.experiments._io import (
     atomic_write_text,
     markdown_table,
     mean_se,
-    nonnegative_int,
     positive_int,
     progress_bar,
     quiet_plate_guess,
