@@ -17,7 +17,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from pyro_fa.fa.linalg import MAX_DENSE_DIM, check_dense_dim
 from pyro_fa.linear_model._sklearn_base import _RandomFeatureEstimator, _transaction
-from pyro_fa.linear_model._sklearn_glm import GLMClassifier, GLMRegressor, _GLMEstimator  # noqa: F401  (re-export)
+from pyro_fa.linear_model._sklearn_glm import GLMClassifier, GLMRegressor  # noqa: F401  (re-export)
 from pyro_fa.linear_model.slm import DegenerateEvidenceWarning, StandardLinearModel
 
 __all__ = ["SLMRegressor", "GLMRegressor", "GLMClassifier"]
