@@ -7,7 +7,6 @@ without storing them: the state is :math:`O(DK)`.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
@@ -455,17 +454,6 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
         self._cache = None
         self._fitter.moved(self, fn)
         return out
-
-    def __getattr__(self, name: str):
-        # a fitter's private helpers, bound to this model (fa._helper(...)): how tests reach or replace one
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            fitter = self.__dict__.get("_fitter")
-            helper = getattr(type(fitter), name, None) if name.startswith("_") else None
-            if not callable(helper):
-                raise
-            return functools.partial(helper, fitter, self)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, rank={self.rank}, method={self.method!r}, warmup={self.warmup}"

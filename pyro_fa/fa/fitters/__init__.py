@@ -65,11 +65,6 @@ class Fitter:
     may read: ``dim``, ``rank``, ``warmup``, ``n_updates``, ``min_variance``, ``variance``
     (the running variances, shape (D,)), ``loc``; and the model's helpers ``_floor(psi, var)``
     (the relative floor of :math:`\psi`), ``_block_rows()``, ``_workspace(rows)``.
-
-    Notes
-    -----
-    A fitter's private helpers (names starting with ``_``) are reachable as attributes of the
-    model (``fa._helper(...)``), which is how tests replace one of them.
     """
 
     name: str = ""

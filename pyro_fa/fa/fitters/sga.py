@@ -70,7 +70,7 @@ class OnlineSGA(Fitter):
         if n_old + B <= fa.warmup:
             return
         if n_old <= fa.warmup:
-            fa._rescale_to_data()  # through the model: a test may replace it there
+            self._rescale_to_data(fa)
         self._sga_step(fa, d)
 
     def factors(self, fa) -> Tuple[Tensor, Tensor]:
@@ -197,7 +197,7 @@ class OnlineSGA(Fitter):
 
     def _sga_step(self, fa, d: Tensor) -> None:
         if fa._sga_steps > 0:
-            fa._rescale_to_data()  # follow the running scale (the first step's was just set)
+            self._rescale_to_data(fa)  # follow the running scale (the first step's was just set)
         B = d.shape[0]
         d = d / fa._scale  # standardised; gradients below are those of the standardised model
         fa._sga_steps += 1
