@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from pyro_fa._state import check_count
+from pyro_fa.fa._sharding import raise_agreed
 
 __all__ = ["OnlineChecks"]
 
@@ -97,17 +98,7 @@ class OnlineChecks:
         deviations (else None).
         """
         total = self._check_loadable(state_dict, strict)
-        error = None
-        try:
-            self._check_values(state_dict, prefix)
-        except ValueError as exc:
-            error = exc
-        if self._sharding is not None:
-            from pyro_fa.fa._sharding import agree
-
-            agree(self._sharding.group, type(self).__name__, {}, error=error)  # a refusal stops every rank
-        elif error is not None:
-            raise error
+        raise_agreed(self._sharding, type(self).__name__, lambda: self._check_values(state_dict, prefix))
         return total
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

@@ -15,7 +15,7 @@ This module needs only torch; :mod:`pyro_fa.distributed` is its public face.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -28,6 +28,7 @@ __all__ = [
     "resolve_group",
     "weak_group",
     "agree",
+    "raise_agreed",
     "agree_on_group",
     "draw_seed",
     "make_sharding",
@@ -181,6 +182,23 @@ def agree(group, cls: str, same: Dict[str, Any], own: Optional[Dict[str, Any]] =
                              + ", ".join(f"{v} on rank {r}" for r, v in enumerate(values))
                              + "; nothing was built on any rank.")
     return [p["own"] for p in out]
+
+
+def raise_agreed(sharding: Optional["Sharding"], cls: str, check: Callable[[], None]) -> None:
+    """Run ``check()``; a ``ValueError`` it raises stops every rank when sharded (collective), else it is raised.
+
+    Sharded, every rank must call it: the ranks exchange their outcome (:func:`agree`), so a
+    value one rank refuses is refused on all of them.
+    """
+    error = None
+    try:
+        check()
+    except ValueError as exc:
+        error = exc
+    if sharding is not None:
+        agree(sharding.group, cls, {}, error=error)  # a refusal stops every rank
+    elif error is not None:
+        raise error
 
 
 class Sharding:

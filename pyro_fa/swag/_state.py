@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from pyro_fa._state import check_count
+from pyro_fa.fa._sharding import raise_agreed
 
 __all__ = ["SWAGState"]
 
@@ -59,17 +60,7 @@ class SWAGState:
         if self.dim is None:  # param-store source not yet resolved: resolve now to build the buffers
             self._named()
         total = self._check_loadable(state_dict, strict)  # keys, shapes, finiteness, extra and optimizer states
-        error = None
-        try:
-            self._check_state_values(state_dict, prefix)
-        except ValueError as exc:
-            error = exc
-        if self._sharding is not None:
-            from pyro_fa.fa._sharding import agree
-
-            agree(self._sharding.group, type(self).__name__, {}, error=error)  # a refusal stops every rank
-        elif error is not None:
-            raise error
+        raise_agreed(self._sharding, type(self).__name__, lambda: self._check_state_values(state_dict, prefix))
         return total, self._fit.load_marks(self, total)
 
     def _check_state_values(self, state_dict, prefix: str) -> None:
