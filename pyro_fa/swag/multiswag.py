@@ -57,10 +57,11 @@ class MultiSWAG(nn.Module):
         members = list(members)
         if not members:
             raise ValueError(f"{cls}: members must hold at least one SWAG, got none.")
+        first_index = {}
         for i, m in enumerate(members):
             if not isinstance(m, SWAG):
                 raise TypeError(f"{cls}: members must be SWAG posteriors, got {type(m).__name__}.")
-            first = next(j for j, other in enumerate(members) if other is m)
+            first = first_index.setdefault(id(m), i)
             if first != i:
                 raise ValueError(f"{cls}: members must be distinct posteriors, got the same SWAG as members {first} "
                                  f"and {i} (it would be weighted twice). Pass each independently trained run once.")
