@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from pyro_fa import SWAG, MultiSWAG, metrics
-from pyro_fa.swag.scale import DEFAULT_SCALES, bma_log_likelihood, tune_scale
+from pyro_fa.predictive.scale import DEFAULT_SCALES, bma_log_likelihood, tune_scale
 
 
 def _gaussian_swag(v=0.01, T=4000, seed=0):
