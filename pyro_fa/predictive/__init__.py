@@ -7,15 +7,21 @@ r"""Predictives: what a posterior over a module's weights predicts, shared by ev
 * :func:`tune_scale`, :func:`bma_log_likelihood`, :class:`ScaleSearch` — the posterior's scale
   chosen by the validation log-likelihood of the model average, for any posterior with a
   ``scale`` and a ``predictive()`` (or ``members`` that have them);
+* :func:`linearized_moments`, :func:`probit_proba`, :func:`linearized_network` — the linearised
+  (GLM) predictive: the outputs' mean and covariance :math:`f(x; c),\ J_x \Sigma J_x^\top` without a
+  D × D matrix, the probit approximation, the linearised network at a draw (``pred_type="glm"``);
 * :func:`point_log_likelihood` — the per-point log-likelihoods by name (``"categorical"``,
   ``"gaussian"``) or callable.
 
 This layer needs only torch: the posteriors (``pyro_fa.swag``, ``pyro_fa.nn``) import it,
 never the other way round.
 """
+from pyro_fa.predictive.glm import (LINK_APPROXES, PRED_TYPES, check_pred_type, linearized_moments,
+                                    linearized_network, probit_proba)
 from pyro_fa.predictive.likelihood import LIKELIHOODS, check_targets, point_log_likelihood
 from pyro_fa.predictive.sampled import SampledPredictive, log_mean_exp
 from pyro_fa.predictive.scale import DEFAULT_SCALES, ScaleSearch, bma_log_likelihood, tune_scale
 
 __all__ = ["SampledPredictive", "log_mean_exp", "tune_scale", "bma_log_likelihood", "ScaleSearch",
-           "DEFAULT_SCALES", "point_log_likelihood", "check_targets", "LIKELIHOODS"]
+           "DEFAULT_SCALES", "point_log_likelihood", "check_targets", "LIKELIHOODS", "linearized_moments",
+           "linearized_network", "probit_proba", "check_pred_type", "PRED_TYPES", "LINK_APPROXES"]
