@@ -47,9 +47,9 @@ def test_tune_scale_finds_the_known_right_scale_gaussian():
     x = 1.0 + torch.rand(N, 1, generator=g)
     tau2 = 100.0 * v_fit
     y = (1.0 + math.sqrt(tau2) * torch.randn(N, 1, generator=g)) * x + 0.5 * torch.randn(N, 1, generator=g)
-    found = swag.tune_scale(x, y[:, 0], "gaussian", noise_std=0.5, num_samples=200)
+    found = swag.tune_scale(x, y[:, 0], "gaussian", noise_std=0.5, num_samples=200, rule="argmax")
     assert found.scale == 100.0 and swag.scale == 100.0
-    assert found.scales == list(DEFAULT_SCALES)
+    assert found.scales == [0.0] + list(DEFAULT_SCALES)  # the mean first; no widening (the best is inside)
     i = found.scales.index(100.0)
     assert found.log_likelihoods[i] > max(found.log_likelihoods[i - 1], found.log_likelihoods[i + 1]) + 0.01
     # the score is the BMA log-likelihood of the Gaussian mixture, computed here by hand
@@ -59,6 +59,16 @@ def test_tune_scale_finds_the_known_right_scale_gaussian():
     ll = torch.distributions.Normal(mean, 0.5).log_prob(y[:, 0])
     by_hand = float((torch.logsumexp(ll, 0) - math.log(200)).mean())
     assert found.log_likelihoods[i] == pytest.approx(by_hand, rel=1e-10)
+    # scale 0 is the mean's own prediction, one Gaussian per point
+    at_mean = torch.distributions.Normal(swag.loc[0] * x[:, 0] + swag.loc[1], 0.5).log_prob(y[:, 0])
+    assert found.log_likelihoods[0] == pytest.approx(float(at_mean.mean()), rel=1e-10)
+    # the default rule: the smallest scale reaching 80 % of the best gain over the mean, read off the curve
+    default = swag.tune_scale(x, y[:, 0], "gaussian", noise_std=0.5, num_samples=200)
+    assert default.log_likelihoods == found.log_likelihoods and default.rule == "fraction"
+    gains = [v - found.log_likelihoods[0] for v in found.log_likelihoods]
+    expected = next(s for s, g in zip(found.scales, gains) if s > 0 and g >= 0.8 * max(gains))
+    assert default.scale == expected == swag.scale and 0 < expected < 100.0
+    assert default.gain == pytest.approx(gains[found.scales.index(expected)], rel=1e-12)
 
 
 def _classifier_swag(method="em"):
@@ -88,9 +98,10 @@ def test_categorical_score_equals_the_metrics_of_predictive_samples(method):
     assert ll == pytest.approx(-float(metrics.negative_log_likelihood(samples, y)), rel=1e-9)
     torch.testing.assert_close(swag.predict_proba(X, num_samples=25, generator=torch.Generator().manual_seed(3)),
                                samples.mean(0))
-    found = swag.tune_scale(X, y, scales=[1.0, 30.0, 1e3], num_samples=25, seed=3)
-    assert found.log_likelihoods[1] == pytest.approx(ll, rel=1e-12)
-    assert found.scale == found.scales[max(range(3), key=found.log_likelihoods.__getitem__)]
+    found = swag.tune_scale(X, y, scales=[1.0, 30.0, 1e3], num_samples=25, seed=3, rule="argmax", widen=0)
+    assert found.scales == [0.0, 1.0, 30.0, 1e3]
+    assert found.log_likelihoods[2] == pytest.approx(ll, rel=1e-12)
+    assert found.scale == found.scales[max(range(4), key=found.log_likelihoods.__getitem__)]
 
 
 def test_multiswag_shares_one_scale_and_eval_works():
@@ -118,14 +129,26 @@ def test_multiswag_shares_one_scale_and_eval_works():
 
 def test_scale_and_tuning_errors():
     net, swag, X, y = _classifier_swag()
-    with pytest.raises(ValueError, match=r"SWAG: scale must be a positive finite number, got 0"):
-        swag.scale = 0
-    with pytest.raises(ValueError, match=r"SWAG: scale must be a positive finite number, got -1.0"):
+    with pytest.raises(ValueError, match=r"SWAG: scale must be a finite number >= 0, got -1.0"):
         swag.scale = -1.0
-    with pytest.raises(ValueError, match=r"tune_scale: scales must hold at least one candidate, got none"):
+    with pytest.raises(ValueError, match=r"SWAG: scale must be a finite number >= 0, got inf"):
+        swag.scale = math.inf
+    with pytest.raises(ValueError, match=r"tune_scale: scales must hold at least one positive candidate \(0, the "
+                                         r"mean, is always added\), got \[\]"):
         swag.tune_scale(X, y, scales=[])
-    with pytest.raises(ValueError, match=r"tune_scale: scales must be positive finite numbers, got 0.0"):
-        swag.tune_scale(X, y, scales=[1.0, 0.0])
+    with pytest.raises(ValueError, match=r"tune_scale: scales must hold at least one positive candidate .*got \[0.0\]"):
+        swag.tune_scale(X, y, scales=[0.0])
+    with pytest.raises(ValueError, match=r"tune_scale: scales must be finite numbers >= 0, got -1.0"):
+        swag.tune_scale(X, y, scales=[1.0, -1.0])
+    with pytest.raises(ValueError, match=r"tune_scale: rule must be one of \('fraction', 'argmax', 'one_se', "
+                                         r"'significant'\), got 'best'"):
+        swag.tune_scale(X, y, rule="best")
+    with pytest.raises(ValueError, match=r"tune_scale: fraction must be a number in \(0, 1\], got 1.5"):
+        swag.tune_scale(X, y, fraction=1.5)
+    with pytest.raises(ValueError, match=r"tune_scale: widen must be an integer >= 0, got -1"):
+        swag.tune_scale(X, y, widen=-1)
+    with pytest.raises(ValueError, match=r"tune_scale: pred_type must be one of \('nn', 'glm'\), got 'lin'"):
+        swag.tune_scale(X, y, pred_type="lin")
     with pytest.raises(ValueError, match=r"tune_scale: targets must have shape \(N,\) with N >= 1, got \(0,\)"):
         swag.tune_scale(X[:0], y[:0])
     with pytest.raises(ValueError, match=r"targets must have shape \(N,\).*got \(300, 1\). Flatten it"):

@@ -4,9 +4,10 @@ r"""Predictives: what a posterior over a module's weights predicts, shared by ev
   (:meth:`~SampledPredictive.average`, :meth:`~SampledPredictive.log_average_proba`) and
   :func:`log_mean_exp`; ``SWAG`` / ``MultiSWAG`` and :class:`~pyro_fa.nn.BayesianNetwork`
   predict through it;
-* :func:`tune_scale`, :func:`bma_log_likelihood`, :class:`ScaleSearch` — the posterior's scale
-  chosen by the validation log-likelihood of the model average, for any posterior with a
-  ``scale`` and a ``predictive()`` (or ``members`` that have them);
+* :func:`tune_scale`, :func:`select_scale`, :func:`bma_log_likelihood`, :class:`ScaleSearch`,
+  :class:`ScaleSelectionWarning` — the posterior's scale chosen on validation data by a rule
+  that never does worse there than the mean (scale 0), for any posterior with a ``scale`` and a
+  ``predictive()`` (or ``members`` that have them);
 * :func:`linearized_moments`, :func:`probit_proba`, :func:`linearized_network` — the linearised
   (GLM) predictive: the outputs' mean and covariance :math:`f(x; c),\ J_x \Sigma J_x^\top` without a
   D × D matrix, the probit approximation, the linearised network at a draw (``pred_type="glm"``);
@@ -20,8 +21,9 @@ from pyro_fa.predictive.glm import (LINK_APPROXES, PRED_TYPES, check_pred_type, 
                                     linearized_network, probit_proba)
 from pyro_fa.predictive.likelihood import LIKELIHOODS, check_targets, point_log_likelihood
 from pyro_fa.predictive.sampled import SampledPredictive, log_mean_exp
-from pyro_fa.predictive.scale import DEFAULT_SCALES, ScaleSearch, bma_log_likelihood, tune_scale
+from pyro_fa.predictive.scale import (DEFAULT_SCALES, ScaleSearch, ScaleSelectionWarning, bma_log_likelihood,
+                                     select_scale, tune_scale)
 
-__all__ = ["SampledPredictive", "log_mean_exp", "tune_scale", "bma_log_likelihood", "ScaleSearch",
-           "DEFAULT_SCALES", "point_log_likelihood", "check_targets", "LIKELIHOODS", "linearized_moments",
+__all__ = ["SampledPredictive", "log_mean_exp", "tune_scale", "select_scale", "bma_log_likelihood", "ScaleSearch",
+           "ScaleSelectionWarning", "DEFAULT_SCALES", "point_log_likelihood", "check_targets", "LIKELIHOODS", "linearized_moments",
            "linearized_network", "probit_proba", "check_pred_type", "PRED_TYPES", "LINK_APPROXES"]

@@ -5,29 +5,46 @@ The spread of an optimizer's iterates is set by its learning rate and batch size
 training moves by about 1 % of the weights, and samples at that spread predict
 like their mean (SWA). Maddox et al. (2019) sample
 :math:`\theta = c + \sqrt{s}\,\delta` with :math:`\delta \sim N(0, FF^\top + \Psi)`
-and choose :math:`s` on validation data. :func:`tune_scale` does so by the
-log-likelihood of the Bayesian model average,
+and choose :math:`s` on validation data. :func:`tune_scale` scores each candidate by the
+per-point log-likelihood of the Bayesian model average,
 
 .. math::
 
-    \mathcal L(s) = \frac1N \sum_{i=1}^N \log \frac1S \sum_{j=1}^S p\big(y_i \mid x_i, c + \sqrt{s}\,\delta_j\big),
+    \ell_i(s) = \log \frac1S \sum_{j=1}^S p\big(y_i \mid x_i, c + \sqrt{s}\,\delta_j\big),
+    \qquad \mathcal L(s) = \frac1N \sum_{i=1}^N \ell_i(s),
 
 with the same draws :math:`\delta_j` for every candidate (common random numbers:
-the comparison between scales is not blurred by Monte Carlo noise).
+the comparison between scales is not blurred by Monte Carlo noise). Scale 0, the
+mean itself (SWA / MAP), is always a candidate, and the scale is chosen by a rule
+that generalises from a small validation set (:func:`select_scale`): the default,
+``"fraction"``, takes the smallest scale that reaches 80 % of the best validation
+gain over the mean, and the mean itself when no scale beats it by more than the
+gain's paired standard error.
 """
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Callable, List, NamedTuple, Optional, Sequence, Union
+import warnings
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
+from torch import Tensor
 
+from pyro_fa.predictive.glm import check_pred_type
 from pyro_fa.predictive.likelihood import check_targets, point_log_likelihood
 from pyro_fa.predictive.sampled import SampledPredictive, log_mean_exp
 
-__all__ = ["ScaleSearch", "tune_scale", "bma_log_likelihood", "DEFAULT_SCALES"]
+__all__ = ["ScaleSearch", "ScaleSelectionWarning", "tune_scale", "select_scale", "bma_log_likelihood",
+           "DEFAULT_SCALES", "RULES"]
 
-DEFAULT_SCALES = tuple(float(10 ** (k / 2)) for k in range(-4, 9))  # 0.01, 0.032, ..., 1e4
+DEFAULT_SCALES = tuple(float(10 ** (k / 2)) for k in range(-4, 9))  # 0.01, 0.032, ..., 1e4 (scale 0 is added)
+RULES = ("fraction", "argmax", "one_se", "significant")
+MIN_POINTS = 50  # fewer validation points than this: the choice is flagged as undecidable
+
+
+class ScaleSelectionWarning(UserWarning):
+    """The validation curve cannot support the choice of a scale: flat, too few points, or best at the edge."""
 
 
 class ScaleSearch(NamedTuple):
@@ -36,16 +53,162 @@ class ScaleSearch(NamedTuple):
     Attributes
     ----------
     scale : float
-        The chosen scale (now set on the posterior).
+        The chosen scale (now set on the posterior); 0 is the mean (SWA / MAP).
     scales : list of float
-        The candidates, in the order tried.
+        The candidates in increasing order, starting with 0 (the mean), including
+        those added where the best sat at an edge of the grid.
     log_likelihoods : list of float
-        The validation log-likelihood per point of the model average at each candidate.
+        :math:`\\mathcal L(s)`, the validation log-likelihood per point of the model average at each candidate.
+    standard_errors : list of float
+        The standard error of each :math:`\\mathcal L(s)` over the validation points.
+    gain_standard_errors : list of float
+        The paired standard error of each :math:`\\mathcal L(s) - \\mathcal L(0)` (the same points, common draws).
+    rule : str
+        The selection rule used (see :func:`select_scale`).
+    gain : float
+        :math:`\\mathcal L(\\hat s) - \\mathcal L(0)`: the chosen scale's validation gain over the mean, per point.
+    reason : str
+        Why this scale, in words.
+    point_log_likelihoods : Tensor of shape (len(scales), N), optional
+        The :math:`\\ell_i(s)` themselves, float64.
     """
 
     scale: float
     scales: List[float]
     log_likelihoods: List[float]
+    standard_errors: List[float] = []
+    gain_standard_errors: List[float] = []
+    rule: str = "argmax"
+    gain: float = 0.0
+    reason: str = ""
+    point_log_likelihoods: Optional[Tensor] = None
+
+    def plot(self, ax=None):
+        """Plot the validation curve with one-standard-error bars and mark the chosen scale.
+
+        Scale 0 (the mean) is drawn as a dashed horizontal line; the candidates on a log axis.
+
+        Parameters
+        ----------
+        ax : matplotlib Axes, optional
+            Default: a new figure's axes.
+
+        Returns
+        -------
+        matplotlib Axes
+        """
+        if ax is None:
+            import matplotlib.pyplot as plt  # lazily: plotting is optional
+
+            ax = plt.figure(figsize=(5, 3.2)).gca()
+        pos = [i for i, s in enumerate(self.scales) if s > 0]
+        ses = self.standard_errors or [0.0] * len(self.scales)
+        ax.errorbar([self.scales[i] for i in pos], [self.log_likelihoods[i] for i in pos],
+                    yerr=[ses[i] for i in pos], marker="o", ms=3, capsize=2, label="model average")
+        if 0.0 in self.scales:
+            ax.axhline(self.log_likelihoods[self.scales.index(0.0)], ls="--", c="gray", label="mean (scale 0)")
+        if self.scale > 0:
+            ax.axvline(self.scale, c="C3", lw=1, label=f"chosen {self.scale:.3g} ({self.rule})")
+        else:
+            ax.plot([], [], c="C3", label=f"chosen: the mean ({self.rule})")
+        ax.set_xscale("log")
+        ax.set_xlabel("scale s")
+        ax.set_ylabel("validation log-likelihood / point")
+        ax.legend(fontsize="small")
+        return ax
+
+
+def select_scale(scales: Sequence[float], point_log_likelihoods: Tensor, rule: str = "fraction", *,
+                 fraction: float = 0.8) -> Tuple[int, str]:
+    r"""Choose a scale from per-point validation log-likelihoods.
+
+    With :math:`d_i(s) = \ell_i(s) - \ell_i(0)` the per-point gain over the mean,
+    :math:`g(s)` its mean and :math:`\mathrm{se}(s)` its paired standard error over the
+    N points, and :math:`s^\ast = \arg\max_{s > 0} g(s)`:
+
+    * ``"fraction"`` (default): the mean (scale 0) when :math:`g(s^\ast) \le \mathrm{se}(s^\ast)`;
+      else the smallest scale with :math:`g(s) \ge` ``fraction`` :math:`\cdot g(s^\ast)`.
+      The test curve's optimum tends to sit at or below the validation optimum, with a
+      steep cliff above it; stepping back to 80 % of the gain keeps most of it and stays
+      clear of the cliff (measured in ``docs/swag.md``).
+    * ``"argmax"``: the candidate (0 included) with the highest :math:`\mathcal L(s)`.
+    * ``"one_se"``: the smallest candidate whose :math:`\mathcal L(s)` is within one paired
+      standard error of the best's (Hastie, Tibshirani & Friedman, *The elements of
+      statistical learning*, 2009, §7.10).
+    * ``"significant"``: :math:`s^\ast` when :math:`g(s^\ast) > 2\,\mathrm{se}(s^\ast)`, else the mean.
+
+    Parameters
+    ----------
+    scales : sequence of float
+        Candidates in increasing order, the first 0 (the mean).
+    point_log_likelihoods : Tensor of shape (len(scales), N)
+        :math:`\ell_i(s)` per candidate and point.
+    rule : {"fraction", "argmax", "one_se", "significant"}, default "fraction"
+    fraction : float in (0, 1], default 0.8
+        For ``"fraction"``.
+
+    Returns
+    -------
+    (int, str)
+        The index of the chosen candidate, and why, in words.
+
+    Raises
+    ------
+    ValueError
+        An unknown ``rule``, ``fraction`` outside (0, 1], scales not increasing from 0, or a
+        ``point_log_likelihoods`` of the wrong shape or with no finite row.
+
+    Examples
+    --------
+    >>> L = torch.tensor([[-1.0, -1.0, -1.0, -1.0], [-0.5, -0.6, -0.5, -0.6], [-0.4, -0.5, -0.3, -0.5]])
+    >>> select_scale([0.0, 1.0, 10.0], L)[0]
+    1
+    """
+    _check_rule("select_scale", rule, fraction)
+    scales = [float(s) for s in scales]
+    if not scales or scales[0] != 0.0 or any(b <= a for a, b in zip(scales, scales[1:])):
+        raise ValueError(f"select_scale: scales must increase from 0 (the mean), got {scales!r}.")
+    L = torch.as_tensor(point_log_likelihoods, dtype=torch.float64)
+    if L.dim() != 2 or L.shape[0] != len(scales) or L.shape[1] == 0:
+        raise ValueError(f"select_scale: point_log_likelihoods must have shape ({len(scales)}, N) with N >= 1, got "
+                         f"{tuple(L.shape)!r}.")
+    N = L.shape[1]
+    finite = torch.isfinite(L).all(1)
+    if not bool(finite[0]):
+        raise ValueError("select_scale: the mean (scale 0) must have a finite log-likelihood at every point; check "
+                         "the model's output.")
+    mean = L.mean(1).where(finite, L.new_tensor(-math.inf))
+    d = L - L[0]
+    gain = d.mean(1).where(finite, L.new_tensor(-math.inf))
+    se = (d.std(1, unbiased=True) / math.sqrt(N)).nan_to_num(0.0) if N > 1 else d.new_zeros(len(scales))
+    if rule == "argmax":
+        i = int(mean.argmax())
+        return i, f"the highest validation log-likelihood ({'the mean' if i == 0 else f'scale {scales[i]:.3g}'})"
+    best = int(gain[1:].argmax()) + 1 if len(scales) > 1 else 0
+    g, s = float(gain[best]), float(se[best])
+    if rule == "one_se":
+        i = int(mean.argmax())
+        dd = L[i] - L
+        se_i = (dd.std(1, unbiased=True) / math.sqrt(N)).nan_to_num(0.0) if N > 1 else dd.new_zeros(len(scales))
+        ok = [j for j in range(len(scales)) if bool(finite[j]) and float(mean[i] - mean[j]) <= float(se_i[j])]
+        return ok[0], "the smallest scale within one standard error of the best"
+    if best == 0 or not g > s:
+        return 0, (f"no scale beats the mean by more than its paired standard error (best gain {g:.3g} "
+                   f"+- {s:.3g} per point at scale {scales[best]:.3g}): the mean (scale 0)")
+    if rule == "significant":
+        if g > 2 * s:
+            return best, f"the best scale, whose gain over the mean {g:.3g} exceeds twice its standard error {s:.3g}"
+        return 0, f"the best gain over the mean {g:.3g} is within twice its standard error {s:.3g}: the mean"
+    i = next(j for j in range(1, len(scales)) if float(gain[j]) >= fraction * g)
+    return i, (f"the smallest scale reaching {fraction:g} of the best validation gain over the mean "
+               f"({g:.3g} per point at scale {scales[best]:.3g})")
+
+
+def _check_rule(fn: str, rule, fraction) -> None:
+    if rule not in RULES:
+        raise ValueError(f"{fn}: rule must be one of {RULES}, got {rule!r}.")
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"{fn}: fraction must be a number in (0, 1], got {fraction!r}.")
 
 
 def _members(posterior, fn: str) -> list:
@@ -62,6 +225,24 @@ def _members(posterior, fn: str) -> list:
     return members
 
 
+def _predictives(members, pred_type: str, fn: str) -> List[SampledPredictive]:
+    """Each member's predictive: ``predictive()`` for ``"nn"``, ``predictive(pred_type=...)`` otherwise."""
+    check_pred_type(fn, pred_type)
+    if pred_type == "nn":
+        return [member.predictive() for member in members]
+    out = []
+    for member in members:
+        try:
+            params = inspect.signature(member.predictive).parameters
+        except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+            params = {"pred_type": None}
+        if "pred_type" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            raise TypeError(f"{fn}: pred_type={pred_type!r} needs a posterior whose predictive() takes pred_type, "
+                            f"got {type(member).__name__}.predictive() without it; use pred_type='nn'.")
+        out.append(member.predictive(pred_type=pred_type))
+    return out
+
+
 def _draws(predictives: List[SampledPredictive], num_samples: int, generator: torch.Generator):
     """Unscaled draws split evenly over the members: a list of (predictive, deviations of shape (S_m, D))."""
     out = []
@@ -73,34 +254,57 @@ def _draws(predictives: List[SampledPredictive], num_samples: int, generator: to
     return out
 
 
+def _check_scales(scales, fn: str) -> List[float]:
+    scales = list(scales)
+    for s in scales:
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s >= 0):
+            raise ValueError(f"{fn}: scales must be finite numbers >= 0, got {s!r}.")
+    if not any(s > 0 for s in scales):
+        raise ValueError(f"{fn}: scales must hold at least one positive candidate (0, the mean, is always added), "
+                         f"got {scales!r}.")
+    return sorted({0.0, *map(float, scales)})
+
+
 @torch.no_grad()
 def bma_log_likelihood(posterior, inputs, targets, likelihood="categorical", *, scale: Optional[float] = None,
-                       num_samples: int = 30, noise_std=None, seed: int = 0) -> float:
+                       num_samples: int = 30, noise_std=None, seed: int = 0, pred_type: str = "nn") -> float:
     r"""Log-likelihood per point of the Bayesian model average on ``(inputs, targets)``.
 
     The model's output for ``inputs`` under sampled weights is scored by
     ``likelihood``; see :func:`tune_scale` for the arguments. ``scale`` defaults to the
-    posterior's own.
+    posterior's own; at scale 0 the model average is the mean's prediction (one forward
+    pass per member).
     """
-    scale = _members(posterior, "bma_log_likelihood")[0].scale if scale is None else scale
-    return _scores(posterior, inputs, targets, likelihood, [scale], num_samples, noise_std, seed,
-                   "bma_log_likelihood")[0]
+    fn = "bma_log_likelihood"
+    scale = _members(posterior, fn)[0].scale if scale is None else scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale >= 0):
+        raise ValueError(f"{fn}: scale must be a finite number >= 0, got {scale!r}.")
+    scorer = _Scorer(posterior, inputs, targets, likelihood, num_samples, noise_std, seed, pred_type, fn)
+    return float(scorer(float(scale)).mean())
 
 
 @torch.no_grad()
 def tune_scale(posterior, inputs, targets, likelihood: Union[str, Callable] = "categorical", *,
                scales: Optional[Sequence[float]] = None, num_samples: int = 30, noise_std=None,
-               seed: int = 0) -> ScaleSearch:
-    r"""Choose the posterior scale by the validation log-likelihood of the Bayesian model average.
+               seed: int = 0, rule: str = "fraction", fraction: float = 0.8, widen: int = 3,
+               pred_type: str = "nn") -> ScaleSearch:
+    r"""Choose the posterior scale on validation data, never worse there than the mean (scale 0).
+
+    Every candidate, and scale 0 (the posterior mean's own prediction: SWA, MAP), is
+    scored by the per-point validation log-likelihood of the Bayesian model average on
+    common draws; :func:`select_scale` applies ``rule``. When the best positive scale sits
+    at an end of the grid, up to ``widen`` more candidates are tried beyond it, one grid
+    step (the ratio of the two nearest candidates) at a time.
 
     Parameters
     ----------
     posterior : SWAG, MultiSWAG or any posterior with a scale and a predictive
-        An object with a settable ``scale`` and a ``predictive()`` returning a
+        An object with a settable ``scale`` (0 allowed) and a ``predictive()`` returning a
         :class:`~pyro_fa.predictive.SampledPredictive` with a module, ``loc`` and
         ``deviations`` (e.g. a SWAG built from an ``nn.Module``), or one with
         ``members`` that are such objects (e.g. a MultiSWAG: the draws are split
-        evenly over the members and one scale is chosen for all).
+        evenly over the members and one scale is chosen for all; scale 0 is then the
+        ensemble of the members' means).
     inputs : Tensor or tuple of Tensors
         The validation inputs, passed to the module as ``module(*inputs)``.
     targets : Tensor of shape (N,)
@@ -111,80 +315,136 @@ def tune_scale(posterior, inputs, targets, likelihood: Union[str, Callable] = "c
         noise. A callable ``(output, targets) -> Tensor of shape (N,)`` gives the
         log-likelihood of each point under one draw.
     scales : sequence of float, optional
-        Candidates; default :data:`DEFAULT_SCALES`, :math:`10^{-2}` to :math:`10^4` in
-        half decades.
+        Candidates (>= 0; 0 is always added); default :data:`DEFAULT_SCALES`,
+        :math:`10^{-2}` to :math:`10^4` in half decades.
     num_samples : int, default 30
         Draws per candidate (the same draws for every candidate).
     noise_std : float or Tensor, optional
         For ``likelihood="gaussian"``.
     seed : int, default 0
         Seed of the draws.
+    rule : {"fraction", "argmax", "one_se", "significant"}, default "fraction"
+        See :func:`select_scale`; ``"argmax"`` is the previous behaviour (with the mean a candidate).
+    fraction : float, default 0.8
+        For ``rule="fraction"``.
+    widen : int, default 3
+        At most this many candidates added beyond an edge of the grid where the best sits.
+    pred_type : {"nn", "glm"}, default "nn"
+        ``"nn"``: sampled networks (``predictive()``); otherwise the posterior's
+        ``predictive(pred_type=pred_type)`` (e.g. the linearised network).
 
     Returns
     -------
     ScaleSearch
-        The chosen scale (set on the posterior), the candidates and their scores.
+        The chosen scale (set on the posterior), the candidates, their scores and standard
+        errors, the rule, the gain over the mean and the reason.
 
     Raises
     ------
     ValueError, TypeError
-        A posterior without a scale and a predictive; empty or non-positive ``scales``, empty or mis-shaped ``targets`` (or class labels
-        outside the model's logits), an unknown
-        ``likelihood``, a missing ``noise_std``; the posterior is then unchanged.
+        A posterior without a scale and a predictive (or one whose ``predictive()`` does
+        not take ``pred_type`` when that is not ``"nn"``); negative ``scales``, an unknown
+        ``rule`` or ``pred_type``, empty or mis-shaped ``targets`` (or class labels outside
+        the model's logits), an unknown ``likelihood``, a missing ``noise_std``; the
+        posterior is then unchanged.
+
+    Warns
+    -----
+    ScaleSelectionWarning
+        Fewer than 50 validation points; no scale beating the mean by more than its paired
+        standard error (the mean is chosen); the best scale still at the grid's upper edge
+        after widening.
 
     Notes
     -----
-    Cost: ``len(scales) * num_samples`` forward passes over ``inputs``.
+    Cost: ``(len(scales) + widened) * num_samples`` forward passes over ``inputs``, plus one
+    per member for scale 0.
     """
-    scales = list(DEFAULT_SCALES if scales is None else scales)
-    scores = _scores(posterior, inputs, targets, likelihood, scales, num_samples, noise_std, seed, "tune_scale")
-    finite = [(v, i) for i, v in enumerate(scores) if math.isfinite(v)]
-    if not finite:
-        raise RuntimeError("tune_scale: every candidate scale gave a non-finite log-likelihood; check the model's "
-                           "output.")
-    best = scales[max(finite)[1]]
-    for member in _members(posterior, "tune_scale"):
-        member.scale = best
-    return ScaleSearch(best, scales, scores)
+    fn = "tune_scale"
+    members = _members(posterior, fn)
+    grid = _check_scales(DEFAULT_SCALES if scales is None else scales, fn)
+    _check_rule(fn, rule, fraction)
+    if isinstance(widen, bool) or not isinstance(widen, int) or widen < 0:
+        raise ValueError(f"{fn}: widen must be an integer >= 0, got {widen!r}.")
+    scorer = _Scorer(posterior, inputs, targets, likelihood, num_samples, noise_std, seed, pred_type, fn)
+    rows = {s: scorer(s) for s in grid}
+    for _ in range(widen):  # one grid step beyond an edge where the best positive scale sits
+        pos = [s for s in sorted(rows) if s > 0]
+        if len(pos) < 2:
+            break
+        means = {s: float(rows[s].mean()) for s in pos}
+        top = max(pos, key=lambda s: means[s])
+        if top == pos[-1]:
+            new = pos[-1] * pos[-1] / pos[-2]
+        elif top == pos[0] and means[top] > float(rows[0.0].mean()):
+            new = pos[0] * pos[0] / pos[1]
+        else:
+            break
+        rows[new] = scorer(new)
+    cands = sorted(rows)
+    L = torch.stack([rows[s] for s in cands])  # (n, N)
+    if not bool(torch.isfinite(L[0]).all()):
+        raise RuntimeError(f"{fn}: the mean (scale 0) gives a non-finite log-likelihood; check the model's output.")
+    i, reason = select_scale(cands, L, rule, fraction=fraction)
+    N = L.shape[1]
+    d = L - L[0]
+    se = (L.std(1) / math.sqrt(N)).nan_to_num(0.0) if N > 1 else L.new_zeros(len(cands))
+    gse = (d.std(1) / math.sqrt(N)).nan_to_num(0.0) if N > 1 else L.new_zeros(len(cands))
+    means = L.mean(1)
+    search = ScaleSearch(cands[i], cands, means.tolist(), se.tolist(), gse.tolist(), rule,
+                         float(means[i] - means[0]), reason, L)
+    best_pos = max(range(1, len(cands)), key=lambda j: float(means[j]))
+    if N < MIN_POINTS:
+        warnings.warn(f"{fn}: {N} validation points are too few to tell scales apart reliably (fewer than "
+                      f"{MIN_POINTS}); chose {search.scale:.3g} by {reason}.", ScaleSelectionWarning, stacklevel=3)
+    elif search.scale == 0.0 and rule != "argmax":
+        warnings.warn(f"{fn}: the validation curve is flat: {reason}.", ScaleSelectionWarning, stacklevel=3)
+    if best_pos == len(cands) - 1 and float(means[best_pos]) > float(means[0]):
+        warnings.warn(f"{fn}: the best scale is still the largest tried ({cands[-1]:.3g}) after widening the grid by "
+                      f"{widen}; pass larger scales= to see the curve fall.", ScaleSelectionWarning, stacklevel=3)
+    for member in members:
+        member.scale = search.scale
+    return search
 
 
-def _scores(posterior, inputs, targets, likelihood, scales: List[float], num_samples: int, noise_std, seed: int,
-            fn: str) -> List[float]:
-    """The model average's validation log-likelihood per point at each scale, with common draws."""
-    predictives = [member.predictive() for member in _members(posterior, fn)]
-    for predictive in predictives:
-        if predictive.module is None:
-            raise RuntimeError(f"{fn}: the posterior must be built from an nn.Module to run it under sampled "
-                               "weights; use pyro.infer.Predictive with to_guide() for Pyro models.")
-        if predictive.deviations is None:
-            raise TypeError(f"{fn}: the posterior's predictive must give loc and deviations (a Gaussian over the "
-                            "flattened weights) to be scaled, got a SampledPredictive without them.")
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"{fn}: num_samples must be an integer >= 1, got {num_samples!r}.")
-    if not scales:
-        raise ValueError(f"{fn}: scales must hold at least one candidate, got none.")
-    for s in scales:
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s > 0):
-            raise ValueError(f"{fn}: scales must be positive finite numbers, got {s!r}.")
-    targets = check_targets(targets, None if callable(likelihood) else likelihood, fn)
-    point_ll = point_log_likelihood(likelihood, noise_std, fn)
-    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    ref = predictives[0].loc
-    generator = torch.Generator(device=ref.device).manual_seed(seed)
-    draws = _draws(predictives, num_samples, generator)
-    y = targets.to(ref.device)
-    scores = []
-    for s in scales:
+class _Scorer:
+    """Per-point model-average log-likelihoods :math:`\\ell_i(s)` at any scale, on one set of common draws."""
+
+    def __init__(self, posterior, inputs, targets, likelihood, num_samples, noise_std, seed, pred_type, fn):
+        predictives = _predictives(_members(posterior, fn), pred_type, fn)
+        for predictive in predictives:
+            if predictive.module is None:
+                raise RuntimeError(f"{fn}: the posterior must be built from an nn.Module to run it under sampled "
+                                   "weights; use pyro.infer.Predictive with to_guide() for Pyro models.")
+            if predictive.deviations is None:
+                raise TypeError(f"{fn}: the posterior's predictive must give loc and deviations (a Gaussian over the "
+                                "flattened weights) to be scaled, got a SampledPredictive without them.")
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"{fn}: num_samples must be an integer >= 1, got {num_samples!r}.")
+        targets = check_targets(targets, None if callable(likelihood) else likelihood, fn)
+        self.point_ll = point_log_likelihood(likelihood, noise_std, fn)
+        self.inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        ref = predictives[0].loc
+        generator = torch.Generator(device=ref.device).manual_seed(seed)
+        self.draws = _draws(predictives, num_samples, generator)
+        self.y = targets.to(ref.device)
+        self.fn = fn
+
+    def _run(self, predictive, theta) -> Tensor:
+        with predictive.network(theta) as net:
+            ll = self.point_ll(net(*self.inputs), self.y)
+        if ll.shape != self.y.shape:
+            raise ValueError(f"{self.fn}: the likelihood must return one value per point, shape "
+                             f"{tuple(self.y.shape)!r}, got {tuple(ll.shape)!r}.")
+        return ll.to(torch.float64)
+
+    def __call__(self, s: float) -> Tensor:
+        """:math:`\\ell_i(s)`, float64 of shape (N,); scale 0: one forward pass per member at its mean."""
         lls = []
-        for predictive, dev in draws:
+        for predictive, dev in self.draws:
+            if s == 0.0:
+                lls.append(self._run(predictive, predictive.loc).expand(dev.shape[0], -1))
+                continue
             for delta in dev:
-                theta = torch.add(predictive.loc, delta, alpha=math.sqrt(s))
-                with predictive.network(theta) as net:
-                    ll = point_ll(net(*inputs), y)
-                if ll.shape != y.shape:
-                    raise ValueError(f"{fn}: the likelihood must return one value per point, shape "
-                                     f"{tuple(y.shape)!r}, got {tuple(ll.shape)!r}.")
-                lls.append(ll.to(torch.float64))
-        stacked = torch.stack(lls)  # (S, N)
-        scores.append(float(log_mean_exp(stacked).mean()))
-    return scores
+                lls.append(self._run(predictive, torch.add(predictive.loc, delta, alpha=math.sqrt(s))).unsqueeze(0))
+        return log_mean_exp(torch.cat(lls))
