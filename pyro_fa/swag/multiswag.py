@@ -124,13 +124,15 @@ class MultiSWAG(nn.Module):
             m.scale = value
 
     def tune_scale(self, inputs, targets, likelihood="categorical", *, scales=None, num_samples: int = 30,
-                   noise_std=None, seed: int = 0):
+                   noise_std=None, seed: int = 0, rule: str = "fraction", fraction: float = 0.8, widen: int = 3,
+                   pred_type: str = "nn"):
         """Choose one scale for all members by the validation log-likelihood of the mixture's model average.
 
         See :func:`pyro_fa.predictive.tune_scale`; the draws are split evenly over the members.
         """
         return tune_scale(self, inputs, targets, likelihood, scales=scales, num_samples=num_samples,
-                          noise_std=noise_std, seed=seed)
+                          noise_std=noise_std, seed=seed, rule=rule, fraction=fraction, widen=widen,
+                          pred_type=pred_type)
 
     def distribution(self) -> MixtureSameFamily:
         """The mixture over the flattened parameters, a ``MixtureSameFamily`` of LowRankMultivariateNormals
