@@ -149,14 +149,15 @@ def test_tune_scale_takes_any_posterior_with_a_scale_and_a_predictive():
     assert posterior.scale == namespace["search"].scale
     # the scores are the model average's log-likelihood on common draws, computed here by hand
     dev = posterior.predictive().deviations(20, torch.Generator().manual_seed(0))
-    for s, score in zip([0.1, 1.0, 10.0], namespace["search"].log_likelihoods):
+    assert namespace["search"].scales == [0.0, 0.1, 1.0, 10.0]  # the mean (scale 0) is always a candidate
+    for s, score in zip([0.0, 0.1, 1.0, 10.0], namespace["search"].log_likelihoods):
         theta = posterior.loc + math.sqrt(s) * dev
         w, b = theta[:, :6].reshape(20, 2, 3), theta[:, 6:]
         logits = torch.einsum("nd,scd->snc", x, w) + b[:, None, :]
         ll = logits.log_softmax(-1).gather(-1, y.expand(20, -1)[..., None])[..., 0]
         assert score == pytest.approx(float((torch.logsumexp(ll, 0) - math.log(20)).mean()), rel=1e-10)
     assert bma_log_likelihood(posterior, x, y, scale=1.0, num_samples=20) == pytest.approx(
-        namespace["search"].log_likelihoods[1], rel=1e-12)
+        namespace["search"].log_likelihoods[2], rel=1e-12)
 
 
 def test_sampled_predictive_refusals():
