@@ -160,7 +160,7 @@ def linearized_moments(module: nn.Module, loc: Tensor, inputs: Union[Tensor, Tup
     factor_sign : {1.0, -1.0}, default 1.0
         :math:`\sigma`.
     scale : float, default 1.0
-        :math:`s`, the posterior scale (positive).
+        :math:`s`, the posterior scale (0: the mean's outputs, zero covariance).
     chunk_size : int, optional
         Examples per chunk: the per-example Jacobians of one chunk, shape (chunk_size, C, D), are the
         largest tensor held. Default: as many as keep that tensor below :math:`2^{22}` elements.
@@ -181,7 +181,7 @@ def linearized_moments(module: nn.Module, loc: Tensor, inputs: Union[Tensor, Tup
         ``module`` not a module, ``inputs`` not tensors, ``loc``/``cov_diag``/``cov_factor`` not tensors.
     ValueError
         Shapes that disagree with the module's :math:`D` weights, another dtype or device than the
-        module's, ``factor_sign`` not :math:`\pm1`, ``scale`` or ``chunk_size`` not positive, inputs of
+        module's, ``factor_sign`` not :math:`\pm1`, ``scale`` negative, ``chunk_size`` not positive, inputs of
         different lengths, an output that is not (N, C) or (N,), ``params`` not the module's.
 
     Notes
@@ -220,8 +220,8 @@ def linearized_moments(module: nn.Module, loc: Tensor, inputs: Union[Tensor, Tup
     if factor_sign not in (1, -1) or isinstance(factor_sign, bool):
         raise ValueError(f"{fn}: factor_sign must be 1.0 (covariance F F^T + Psi) or -1.0 (Woodbury inverse of a "
                          f"low-rank-plus-diagonal precision), got {factor_sign!r}.")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"{fn}: scale must be a positive finite number, got {scale!r}.")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale >= 0):
+        raise ValueError(f"{fn}: scale must be a finite number >= 0, got {scale!r}.")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"{fn}: chunk_size must be an integer >= 1 or None, got {chunk_size!r}.")
     inputs = _inputs(fn, inputs)
@@ -259,7 +259,7 @@ def linearized_moments(module: nn.Module, loc: Tensor, inputs: Union[Tensor, Tup
     return torch.cat(means), torch.cat(covs)
 
 
-def probit_proba(mean: Tensor, cov: Tensor) -> Tensor:
+def probit_proba(mean: Tensor, cov: Tensor, *, log: bool = False) -> Tensor:
     r"""Class probabilities of Gaussian logits by the multi-class probit approximation.
 
     .. math::
@@ -277,6 +277,9 @@ def probit_proba(mean: Tensor, cov: Tensor) -> Tensor:
         The logits' means (e.g. from :func:`linearized_moments`).
     cov : Tensor of shape (N, C, C) or (N, C)
         Their covariances, or variances.
+    log : bool, default False
+        Return log-probabilities, as ``log_softmax`` of the moderated logits (finite where the
+        probabilities underflow).
 
     Returns
     -------
@@ -304,7 +307,8 @@ def probit_proba(mean: Tensor, cov: Tensor) -> Tensor:
     var = cov.diagonal(dim1=-2, dim2=-1) if cov.dim() == 3 else cov
     if bool((var < 0).any()):
         raise ValueError(f"{fn}: cov must have non-negative variances, got a minimum of {float(var.min())!r}.")
-    return torch.softmax(mean / torch.sqrt(1 + math.pi / 8 * var), dim=-1)
+    moderated = mean / torch.sqrt(1 + math.pi / 8 * var)
+    return moderated.log_softmax(-1) if log else moderated.softmax(-1)
 
 
 def linearized_network(module: nn.Module, loc: Tensor, theta: Tensor,
