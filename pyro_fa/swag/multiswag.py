@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.distributions import Categorical, MixtureSameFamily
 
 from pyro_fa.fa.normal import StableLowRankMultivariateNormal
-from pyro_fa.predictive import bma_log_likelihood, log_mean_exp, tune_scale
+from pyro_fa.predictive import bma_log_likelihood, check_pred_type, log_mean_exp, tune_scale
 from pyro_fa.swag.guide import FactorPosteriorGuide
 from pyro_fa.swag.swag import SWAG
 
@@ -161,25 +161,57 @@ class MultiSWAG(nn.Module):
         return out
 
     @torch.no_grad()
-    def predict(self, *args, num_samples: int = 30, fn=None, loader=None, **kwargs) -> Tensor:
-        """Average of the members' :meth:`SWAG.predict`, ``num_samples`` draws from each member."""
+    def predict(self, *args, num_samples: int = 30, fn=None, loader=None, pred_type: str = "nn", noise_std=None,
+                chunk_size: Optional[int] = None, **kwargs):
+        r"""Average of the members' :meth:`SWAG.predict`, ``num_samples`` draws from each member.
+
+        With ``pred_type="glm"``: the mixture's mean and marginal variance of the members' linearised
+        Gaussian outputs, :math:`\bar\mu = \frac1M\sum_m \mu_m` and
+        :math:`\frac1M\sum_m (v_m + \mu_m^2) - \bar\mu^2` (``noise_std`` added to each :math:`v_m`);
+        see :meth:`SWAG.predict`.
+        """
+        check_pred_type(type(self).__name__, pred_type)
+        if pred_type == "glm":
+            moments = [m.predict(*args, fn=fn, loader=loader, pred_type="glm", noise_std=noise_std,
+                                 chunk_size=chunk_size, **kwargs) for m in self.members]
+            means = torch.stack([mean for mean, _ in moments])
+            second = torch.stack([var + mean.square() for mean, var in moments]).mean(0)
+            mean = means.mean(0)
+            return mean, (second - mean.square()).clamp_min(0)
         outs = [m.predict(*args, num_samples=num_samples, fn=fn, loader=loader, **kwargs) for m in self.members]
         return torch.stack(outs).mean(0)
 
     @torch.no_grad()
-    def predictive_samples(self, *args, num_samples: int = 30, fn=None, **kwargs) -> Tensor:
-        """Outputs under ``num_samples`` draws from each member, stacked: shape (M * S, ...)."""
-        return torch.cat([m.predictive_samples(*args, num_samples=num_samples, fn=fn, **kwargs)
+    def predictive_samples(self, *args, num_samples: int = 30, fn=None, pred_type: str = "nn", **kwargs) -> Tensor:
+        """Outputs (``pred_type="glm"``: linearised outputs) under ``num_samples`` draws from each member, stacked:
+        shape (M * S, ...)."""
+        return torch.cat([m.predictive_samples(*args, num_samples=num_samples, fn=fn, pred_type=pred_type, **kwargs)
                           for m in self.members])
 
-    def predict_proba(self, *args, num_samples: int = 30, **kwargs) -> Tensor:
-        """Class probabilities of the mixture's model average for modules that return logits (..., C)."""
-        return self.predict(*args, num_samples=num_samples, fn=lambda z: z.softmax(-1), **kwargs)
+    def predict_proba(self, *args, num_samples: int = 30, pred_type: str = "nn", link_approx: str = "mc",
+                      chunk_size: Optional[int] = None, **kwargs) -> Tensor:
+        """Class probabilities of the mixture's model average for modules that return logits (N, C).
 
-    def predict_log_proba(self, *args, num_samples: int = 30, **kwargs) -> Tensor:
+        The members' :meth:`SWAG.predict_proba` (same ``pred_type`` and ``link_approx``), equally weighted:
+        ``num_samples`` draws from each member for ``"mc"``.
+        """
+        check_pred_type(type(self).__name__, pred_type, link_approx)
+        return torch.stack([m.predict_proba(*args, num_samples=num_samples, pred_type=pred_type,
+                                            link_approx=link_approx, chunk_size=chunk_size, **kwargs)
+                            for m in self.members]).mean(0)
+
+    def predict_log_proba(self, *args, num_samples: int = 30, pred_type: str = "nn", link_approx: str = "mc",
+                          chunk_size: Optional[int] = None, **kwargs) -> Tensor:
         """Log class probabilities of the mixture's model average, computed stably (see
-        :meth:`SWAG.predict_log_proba`): ``num_samples`` draws from each member, equally weighted."""
-        logp = self.predictive_samples(*args, num_samples=num_samples, fn=lambda z: z.log_softmax(-1), **kwargs)
+        :meth:`SWAG.predict_log_proba`): ``num_samples`` draws from each member, equally weighted
+        (``"probit"``: the members' log-probabilities, averaged in probability)."""
+        check_pred_type(type(self).__name__, pred_type, link_approx)
+        if link_approx == "probit":
+            return log_mean_exp(torch.stack([m.predict_log_proba(*args, pred_type=pred_type, link_approx=link_approx,
+                                                                 chunk_size=chunk_size, **kwargs)
+                                             for m in self.members]))
+        logp = self.predictive_samples(*args, num_samples=num_samples, fn=lambda z: z.log_softmax(-1),
+                                       pred_type=pred_type, **kwargs)
         return log_mean_exp(logp)
 
     def log_likelihood(self, inputs, targets, likelihood="categorical", *, num_samples: int = 30,
