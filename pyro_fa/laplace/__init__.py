@@ -1,0 +1,19 @@
+r"""Laplace approximation with a factor-analysis curvature: the third way to a low-rank-plus-diagonal posterior.
+
+* :class:`FactorLaplace` — post hoc at a trained network, laplace-torch's verbs (``fit``,
+  ``log_marginal_likelihood``, ``optimize_prior_precision``, ``predict_proba`` / ``predict``);
+* :class:`LowRankPrecisionNormal` — the Gaussian whose *precision* is low rank plus diagonal, the
+  currency it hands to other layers;
+* :func:`curvature_vectors`, :func:`select_parameters` — per-example GGN factors and Monte Carlo Fisher
+  gradients by ``torch.func``; :func:`fit_second_moment` — their uncentred second moment fitted by the
+  factor-analysis core.
+
+"Laplace approximation" throughout: not :class:`pyro_fa.LaplacePrior`, the Laplace prior distribution.
+"""
+from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_network, select_parameters
+from pyro_fa.laplace.laplace import LIKELIHOODS, FactorLaplace
+from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
+from pyro_fa.laplace.posterior import LowRankPrecisionNormal
+
+__all__ = ["FactorLaplace", "LowRankPrecisionNormal", "curvature_vectors", "select_parameters", "flat_network",
+           "fit_second_moment", "CURVATURES", "MOMENT_FITS", "LIKELIHOODS"]

@@ -1,0 +1,210 @@
+r"""Curvature vectors of a network at its trained weights, per example, by ``torch.func``.
+
+Each example :math:`n` gives a few vectors :math:`v_{nj} \in \mathbb{R}^D` whose outer products sum to the
+curvature of its negative log-likelihood, :math:`\sum_j v_{nj}v_{nj}^\top`:
+
+* ``"ggn"``, the generalised Gauss-Newton matrix :math:`J_n^\top \Lambda_n J_n` (Schraudolph, *Fast curvature
+  matrix-vector products for second-order gradient descent*, 2002; Martens, *New insights and perspectives on
+  the natural gradient method*, 2020, §8), :math:`J_n` the :math:`C\times D` Jacobian of the outputs and
+  :math:`\Lambda_n` the Hessian of the negative log-likelihood in the outputs, exactly as :math:`C` vectors:
+  for a Gaussian likelihood the rows of :math:`J_n` (:math:`\Lambda = I/\sigma^2`; the :math:`1/\sigma^2` is
+  applied later, so the noise stays a free, differentiable hyperparameter), for a categorical one the columns
+  of :math:`J_n^\top L_n` with :math:`L_n = \mathrm{diag}(\sqrt{p_n}) - p_n\sqrt{p_n}^\top`, whose
+  :math:`L_nL_n^\top = \mathrm{diag}(p_n) - p_np_n^\top` (using :math:`\sum_c p_{nc} = 1`), and for a
+  Bernoulli one (a single logit) :math:`\sqrt{p_n(1-p_n)}\,J_n`;
+* ``"mc"``, the Monte Carlo Fisher: gradients of :math:`\log p(\tilde y \mid f(x_n; \theta))` with labels
+  :math:`\tilde y` drawn from the model's own predictive, divided by :math:`\sqrt{M}` for :math:`M` draws. Its
+  expectation is the Fisher, equal to the GGN for these exponential-family likelihoods in their natural
+  parameters; it is *not* the empirical Fisher, which uses the observed labels and is biased (Kunstner, Hennig
+  & Balles, *Limitations of the empirical Fisher approximation for natural gradient descent*, 2019, §3).
+
+Never a :math:`D\times C\times N` Jacobian: examples are processed ``chunk_size`` at a time.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, jacrev, vmap
+
+__all__ = ["select_parameters", "flat_network", "curvature_vectors", "CURVATURES"]
+
+#: the curvature kinds by name
+CURVATURES = ("ggn", "mc")
+
+
+def select_parameters(model: nn.Module, subset: Union[str, Iterable[Tensor]], owner: str) -> List[Tuple[str, Tensor]]:
+    """The named parameters a Laplace approximation is over.
+
+    Parameters
+    ----------
+    model : nn.Module
+    subset : {"all", "last_layer"} or iterable of Tensors
+        ``"all"``: every parameter that requires a gradient; ``"last_layer"``: those of the last leaf module
+        (in registration order) that holds parameters; or parameters of ``model`` given one by one.
+    owner : str
+        The caller's name, the start of error messages.
+
+    Returns
+    -------
+    list of (str, Tensor)
+        In ``model.named_parameters()`` order.
+
+    Raises
+    ------
+    ValueError
+        Unknown string, an empty selection, or a tensor that is not a parameter of ``model``.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if isinstance(subset, str):
+        if subset == "all":
+            chosen = named
+        elif subset == "last_layer":
+            leaves = [m for m in model.modules()
+                      if not list(m.children()) and any(p.requires_grad for p in m.parameters(recurse=False))]
+            if not leaves:
+                raise ValueError(f"{owner}: subset='last_layer' needs a module with parameters, got none in "
+                                 f"{type(model).__name__}.")
+            ids = {id(p) for p in leaves[-1].parameters(recurse=False) if p.requires_grad}
+            chosen = [(n, p) for n, p in named if id(p) in ids]
+        else:
+            raise ValueError(f"{owner}: subset must be 'all', 'last_layer' or an iterable of the model's "
+                             f"parameters, got {subset!r}.")
+    else:
+        try:
+            wanted = list(subset)
+        except TypeError:
+            raise TypeError(f"{owner}: subset must be 'all', 'last_layer' or an iterable of the model's "
+                            f"parameters, got {type(subset).__name__}.") from None
+        by_id = {id(p): n for n, p in named}
+        strangers = [i for i, p in enumerate(wanted) if not torch.is_tensor(p) or id(p) not in by_id]
+        if strangers:
+            raise ValueError(f"{owner}: subset must hold parameters of the model that require grad, got "
+                             f"entries {strangers!r} that are not.")
+        ids = {id(p) for p in wanted}
+        chosen = [(n, p) for n, p in named if id(p) in ids]
+    if not chosen:
+        raise ValueError(f"{owner}: subset must select at least one parameter, got none.")
+    return chosen
+
+
+def flat_network(model: nn.Module, named: Sequence[Tuple[str, Tensor]]) -> Callable[[Tensor, Tensor], Tensor]:
+    """``f(theta, x)``: the model's outputs at the flattened selected parameters ``theta`` (others as they are).
+
+    Parameters
+    ----------
+    model : nn.Module
+    named : sequence of (str, Tensor)
+        The selected parameters, whose flattened concatenation ``theta`` is (shape (D,)).
+
+    Returns
+    -------
+    callable
+        ``f(theta, x)`` with ``theta`` of shape (D,) and ``x`` a batch; the outputs as ``model(x)`` returns them.
+        It reads the model's other parameters and buffers at call time (by ``torch.func.functional_call``).
+    """
+    names = [n for n, _ in named]
+    shapes = [p.shape for _, p in named]
+    sizes = [s.numel() for s in shapes]
+
+    def f(theta: Tensor, x: Tensor) -> Tensor:
+        pieces = torch.split(theta, sizes)
+        return functional_call(model, {n: t.view(s) for n, t, s in zip(names, pieces, shapes)}, (x,))
+
+    return f
+
+
+def _outputs_2d(out: Tensor, owner: str) -> Tensor:
+    if out.dim() == 1:
+        return out.unsqueeze(-1)
+    if out.dim() != 2:
+        raise ValueError(f"{owner}: the model's outputs must have shape (B, C) or (B,), got {tuple(out.shape)!r}.")
+    return out
+
+
+def _jacobians(f: Callable, theta: Tensor, x: Tensor) -> Tuple[Tensor, Tensor]:
+    """Outputs (B, C) and per-example Jacobians (B, C, D)."""
+    def one(th, xi):
+        out = f(th, xi.unsqueeze(0)).reshape(-1)
+        return out, out
+
+    J, out = vmap(jacrev(one, has_aux=True), in_dims=(None, 0))(theta, x)
+    return out, J
+
+
+def curvature_vectors(f: Callable, theta: Tensor, x: Tensor, likelihood: str, kind: str = "ggn", *,
+                      num_samples: int = 1, generator: Optional[torch.Generator] = None) -> Tensor:
+    r"""The curvature vectors of a batch of examples.
+
+    Parameters
+    ----------
+    f : callable
+        ``f(theta, x)`` (see :func:`flat_network`), outputs of shape (B, C) or (B,).
+    theta : Tensor of shape (D,)
+        The weights (the MAP).
+    x : Tensor of shape (B, ...)
+        Inputs.
+    likelihood : {"regression", "classification"}
+        Gaussian (unit noise: divide the curvature by :math:`\sigma^2`) or categorical (softmax of C >= 2
+        outputs; Bernoulli for a single logit).
+    kind : {"ggn", "mc"}, default "ggn"
+    num_samples : int, default 1
+        Labels drawn per example for ``"mc"``.
+    generator : torch.Generator, optional
+        For the labels of ``"mc"``.
+
+    Returns
+    -------
+    Tensor of shape (V, D)
+        ``V = B * C`` (``"ggn"``) or ``B * num_samples`` (``"mc"``), with
+        :math:`\sum_v v v^\top` the batch's curvature (exactly or in expectation).
+
+    Notes
+    -----
+    ``"ggn"`` costs :math:`C` reverse-mode products per example and holds a (B, C, D) block; ``"mc"`` one
+    gradient per example and draw.
+    """
+    theta = theta.detach()
+    if kind == "ggn":
+        out, J = _jacobians(f, theta, x)  # (B, C), (B, C, D)
+        B, C, D = J.shape
+        if likelihood == "regression":
+            return J.reshape(B * C, D)
+        if C == 1:
+            p = torch.sigmoid(out)
+            return (p * (1 - p)).sqrt().unsqueeze(-1).mul(J).reshape(B, D)
+        p = out.softmax(-1)
+        sp = p.sqrt()
+        L = torch.diag_embed(sp) - p.unsqueeze(-1) * sp.unsqueeze(-2)  # (B, C, C), L L^T = diag(p) - p p^T
+        return torch.einsum("bcd,bce->bed", J, L).reshape(B * C, D)
+    if kind != "mc":
+        raise ValueError(f"curvature_vectors: kind must be one of {CURVATURES}, got {kind!r}.")
+    with torch.no_grad():
+        out = _outputs_2d(f(theta, x), "curvature_vectors")
+    B, C = out.shape
+    M = num_samples
+    xs = x.repeat_interleave(M, 0)
+    outs = out.repeat_interleave(M, 0)
+    if likelihood == "regression":
+        noise = torch.randn(outs.shape, dtype=outs.dtype, device=outs.device, generator=generator)
+        targets = outs + noise
+
+        def loglik(th, xi, yi):
+            return -0.5 * (yi - f(th, xi.unsqueeze(0)).reshape(-1)).pow(2).sum()
+    elif C == 1:
+        u = torch.rand(outs.shape, dtype=outs.dtype, device=outs.device, generator=generator)
+        targets = (u < torch.sigmoid(outs)).to(outs.dtype)
+
+        def loglik(th, xi, yi):
+            z = f(th, xi.unsqueeze(0)).reshape(-1)
+            return -nn.functional.binary_cross_entropy_with_logits(z, yi, reduction="sum")
+    else:
+        labels = torch.multinomial(outs.softmax(-1), 1, generator=generator).squeeze(-1)
+        targets = nn.functional.one_hot(labels, C).to(outs.dtype)
+
+        def loglik(th, xi, yi):
+            z = f(th, xi.unsqueeze(0)).reshape(-1)
+            return (z.log_softmax(-1) * yi).sum()
+    g = vmap(grad(loglik), in_dims=(None, 0, 0))(theta, xs, targets)
+    return g / M ** 0.5

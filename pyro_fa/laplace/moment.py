@@ -1,0 +1,135 @@
+r"""Factor analysis of the *uncentred* second moment of a stream of curvature vectors.
+
+The curvature of :math:`N` examples is :math:`G = \sum_v vv^\top` over their :math:`V` vectors; here
+:math:`G/V \approx FF^\top + \Psi` is fitted (the caller rescales by :math:`V/N`). The FA core fits a covariance
+around a mean; two routes give it the uncentred moment:
+
+* ``"scatter"`` (exact, small :math:`D`): :math:`S = G/N` is accumulated as a :math:`D\times D` matrix in one
+  pass (float64) and handed to :func:`pyro_fa.fa.batch.em_from_covariance` (Barber's exact-F iteration,
+  run to convergence: the fit of the curvature converges, not one pass of it). With ``rank >= D`` the
+  curvature is kept exactly, :math:`F = U\Lambda^{1/2}` from the eigendecomposition of :math:`S` and
+  :math:`\psi = 0`.
+* ``"online"`` (:math:`O(DK)` memory, any :math:`D`): the stream :math:`\pm v` (each vector and its
+  negative, so the mean is exactly zero and the centred covariance *is* the uncentred moment) is fed to
+  :class:`pyro_fa.fa.online.OnlineFactorAnalysis` (online EM) for ``passes`` passes over the data.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Iterator, Tuple
+
+import torch
+from torch import Tensor
+
+from pyro_fa.fa.batch import ConvergenceWarning, em_from_covariance
+from pyro_fa.fa.linalg import check_dense_dim
+from pyro_fa.fa.moments import wide_dtype
+from pyro_fa.fa.online import OnlineFactorAnalysis
+
+__all__ = ["fit_second_moment", "MOMENT_FITS"]
+
+#: the ways of fitting the second moment, by name ("auto" picks "scatter" up to ``dense_max_dim``)
+MOMENT_FITS = ("auto", "scatter", "online")
+
+
+def _check_block(V: Tensor, D: int, owner: str) -> None:
+    if V.dim() != 2 or V.shape[-1] != D:
+        raise ValueError(f"{owner}: curvature vectors must have shape (V, {D}), got {tuple(V.shape)!r}.")
+    if not bool(torch.isfinite(V).all()):
+        raise ValueError(f"{owner}: curvature vectors must be finite, got NaN or inf; the network's outputs or "
+                         "its Jacobian at these weights are not finite. Nothing was fitted.")
+
+
+def _check_count(n_vec: int, owner: str) -> None:
+    if n_vec == 0:
+        raise ValueError(f"{owner}: train_loader must yield at least one example, got none.")
+
+
+def _scatter(passes: Callable[[], Iterator[Tensor]], D: int, dtype, device, owner: str) -> Tuple[Tensor, int]:
+    wide = wide_dtype(device)
+    G = torch.zeros(D, D, dtype=wide, device=device)
+    n_vec = 0
+    for V in passes():
+        _check_block(V, D, owner)
+        W = V.to(wide)
+        G.addmm_(W.T, W)
+        n_vec += V.shape[0]
+    return G, n_vec
+
+
+def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: int, *,
+                      method: str = "auto", num_passes: int = 1, dense_max_dim: int = 4096,
+                      tol: float = 1e-3, max_iter: int = 2000, seed: int = 0, dtype=None, device=None,
+                      owner: str = "fit_second_moment") -> Tuple[Tensor, Tensor, dict]:
+    r"""Fit :math:`FF^\top + \Psi \approx \frac1V\sum_v vv^\top` to the :math:`V` curvature vectors.
+
+    Parameters
+    ----------
+    passes : callable
+        ``passes()`` yields one pass over the data as blocks of curvature vectors, Tensors of shape (V_b, D).
+    dim : int
+        :math:`D`.
+    rank : int
+        :math:`K \ge 1`.
+    method : {"auto", "scatter", "online"}, default "auto"
+        ``"auto"``: ``"scatter"`` when ``dim <= dense_max_dim``, else ``"online"``.
+    num_passes : int, default 1
+        Passes over the data for ``"online"``.
+    dense_max_dim : int, default 4096
+    tol, max_iter : float, int
+        Convergence of the batch fit (on the total log-likelihood of the FA model).
+    seed : int, default 0
+    dtype, device
+        Of the returned factors (the model's).
+    owner : str
+        Name starting error messages.
+
+    Returns
+    -------
+    cov_factor : Tensor of shape (D, K)
+    cov_diag : Tensor of shape (D,), non-negative
+    info : dict
+        ``method``, ``n_vectors``, and for the batch fit ``n_iter`` and ``converged``.
+
+    Notes
+    -----
+    ``"scatter"``: :math:`O(D^2)` memory, :math:`O(VD^2)` per pass and :math:`O(D^2K)` per EM iteration.
+    ``"online"``: :math:`O(DK)` memory and :math:`O(VDK)` per pass.
+    """
+    if method == "auto":
+        method = "scatter" if dim <= dense_max_dim else "online"
+    if method == "scatter":
+        check_dense_dim(owner, "fit(curvature_fit='scatter')", dim, torch.float64,
+                        "Use curvature_fit='online' (O(DK) memory).")
+        G, n_vec = _scatter(passes, dim, dtype, device, owner)
+        _check_count(n_vec, owner)
+        S = G / max(n_vec, 1)
+        if rank >= dim:
+            lam, U = torch.linalg.eigh(S)
+            F = U * lam.clamp_min(0).sqrt()
+            return F.to(dtype), torch.zeros(dim, dtype=dtype, device=device), {
+                "method": "exact", "n_vectors": n_vec, "n_iter": 0, "converged": True}
+        generator = torch.Generator(device=S.device).manual_seed(seed)
+        result = em_from_covariance(S, rank, n_vec, tol=tol, max_iter=max_iter, method="svd",
+                                    svd_method="lapack", generator=generator)
+        if not result.converged:
+            warnings.warn(f"{owner}: the factor analysis of the curvature did not converge in max_iter={max_iter} "
+                          f"iterations (tol={tol}); the fit is the last iterate.", ConvergenceWarning, stacklevel=3)
+        return result.cov_factor.to(dtype), result.cov_diag.to(dtype), {
+            "method": "scatter", "n_vectors": n_vec, "n_iter": result.n_iter, "converged": result.converged}
+    if method != "online":
+        raise ValueError(f"{owner}: curvature_fit must be one of {MOMENT_FITS}, got {method!r}.")
+    if rank >= dim:
+        raise ValueError(f"{owner}: rank must be < dim={dim} for curvature_fit='online', got {rank!r}; use "
+                         "curvature_fit='scatter' for a full-rank curvature.")
+    fa = OnlineFactorAnalysis(dim, rank, method="em", seed=seed, dtype=dtype, device=device)
+    n_vec = 0
+    for _ in range(num_passes):
+        n_vec = 0
+        for V in passes():
+            _check_block(V, dim, owner)
+            fa.update(torch.cat([V, -V]).to(dtype))
+            n_vec += V.shape[0]
+    _check_count(n_vec, owner)
+    return fa.cov_factor.detach().clone(), fa.cov_diag.detach().clone(), {
+        "method": "online", "n_vectors": n_vec, "passes": num_passes}
