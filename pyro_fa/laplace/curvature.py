@@ -170,14 +170,14 @@ def curvature_vectors(f: Callable, theta: Tensor, x: Tensor, likelihood: str, ki
         out, J = _jacobians(f, theta, x)  # (B, C), (B, C, D)
         B, C, D = J.shape
         if likelihood == "regression":
-            return J.reshape(B * C, D)
+            return J.reshape(B * C, D).detach()
         if C == 1:
             p = torch.sigmoid(out)
-            return (p * (1 - p)).sqrt().unsqueeze(-1).mul(J).reshape(B, D)
+            return (p * (1 - p)).sqrt().unsqueeze(-1).mul(J).reshape(B, D).detach()
         p = out.softmax(-1)
         sp = p.sqrt()
         L = torch.diag_embed(sp) - p.unsqueeze(-1) * sp.unsqueeze(-2)  # (B, C, C), L L^T = diag(p) - p p^T
-        return torch.einsum("bcd,bce->bed", J, L).reshape(B * C, D)
+        return torch.einsum("bcd,bce->bed", J, L).reshape(B * C, D).detach()
     if kind != "mc":
         raise ValueError(f"curvature_vectors: kind must be one of {CURVATURES}, got {kind!r}.")
     with torch.no_grad():
@@ -207,4 +207,4 @@ def curvature_vectors(f: Callable, theta: Tensor, x: Tensor, likelihood: str, ki
             z = f(th, xi.unsqueeze(0)).reshape(-1)
             return (z.log_softmax(-1) * yi).sum()
     g = vmap(grad(loglik), in_dims=(None, 0, 0))(theta, xs, targets)
-    return g / M ** 0.5
+    return (g / M ** 0.5).detach()
