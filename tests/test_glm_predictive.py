@@ -76,6 +76,9 @@ def test_moments_equal_dense_covariance(factor_sign, chunk_size):
     assert mean.shape == (7, 3) and cov.shape == (7, 3, 3)
     torch.testing.assert_close(mean, f_loc, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(cov, dense, rtol=1e-10, atol=1e-12)
+    _, var = linearized_moments(net, loc, x, cov_diag=cov_diag, cov_factor=cov_factor, factor_sign=factor_sign,
+                                scale=0.7, chunk_size=chunk_size, diagonal=True)
+    torch.testing.assert_close(var, dense.diagonal(dim1=-2, dim2=-1), rtol=1e-10, atol=1e-12)
 
 
 def test_moments_rank_zero_params_subset_and_tuple_inputs():

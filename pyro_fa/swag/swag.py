@@ -478,7 +478,8 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         return SampledPredictive(lambda S, generator: self.sample_parameters(S, generator=generator), network,
                                  module=module, loc=self.loc, deviations=self._scale_search_deviations)
 
-    def linearized_moments(self, *args, chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    def linearized_moments(self, *args, chunk_size: Optional[int] = None,
+                           diagonal: bool = False) -> Tuple[Tensor, Tensor]:
         r"""Mean and covariance of the linearised network's outputs, :math:`f(x; c)` and :math:`s\,J_x(FF^\top + \Psi)J_x^\top`.
 
         See :func:`pyro_fa.predictive.linearized_moments` (called with :attr:`loc`, :attr:`cov_factor`,
@@ -490,11 +491,13 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
             The module's inputs, each of shape (N, ...).
         chunk_size : int, optional
             Examples per chunk of per-example Jacobians.
+        diagonal : bool, default False
+            Only the variances (:math:`C` times cheaper).
 
         Returns
         -------
         mean : Tensor of shape (N, C)
-        cov : Tensor of shape (N, C, C)
+        cov : Tensor of shape (N, C, C), or (N, C) with ``diagonal=True``
 
         Raises
         ------
@@ -508,7 +511,7 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
             raise RuntimeError(f"{cls}: linearized_moments() needs the whole factor, got a SWAG sharded as "
                                f"{self.sharding!r}; use pred_type='glm' with link_approx='mc' (sampled, collective).")
         return linearized_moments(module, self.loc, args, cov_diag=self.cov_diag, cov_factor=self.cov_factor,
-                                  scale=self._scale, chunk_size=chunk_size, params=params)
+                                  scale=self._scale, chunk_size=chunk_size, params=params, diagonal=diagonal)
 
     def _scale_search_deviations(self, num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
         self._check_ready("tune_scale()")
@@ -564,8 +567,8 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
                                  f"fn={fn!r}, loader={loader!r}, keywords {sorted(kwargs)!r}. Use "
                                  "predictive(pred_type='glm').average(...) to average a function of sampled "
                                  "linearised outputs.")
-            mean, cov = self.linearized_moments(*args, chunk_size=chunk_size)
-            return _glm_mean_variance(cls, self._source.module, args, mean, cov, noise_std)
+            mean, var = self.linearized_moments(*args, chunk_size=chunk_size, diagonal=True)
+            return _glm_mean_variance(cls, self._source.module, args, mean, var, noise_std)
         _positive_int(cls, "num_samples", num_samples)
         module = self._source.module
         if module is None:
@@ -626,7 +629,7 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
             if kwargs:
                 raise ValueError(f"{type(self).__name__}: link_approx='probit' takes positional inputs only, got "
                                  f"keywords {sorted(kwargs)!r}.")
-            return probit_proba(*self.linearized_moments(*args, chunk_size=chunk_size))
+            return probit_proba(*self.linearized_moments(*args, chunk_size=chunk_size, diagonal=True))
         if pred_type == "glm":
             _positive_int(type(self).__name__, "num_samples", num_samples)
             thetas = self.sample_parameters(num_samples, generator=generator)
@@ -655,8 +658,8 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         """
         check_pred_type(type(self).__name__, pred_type, link_approx)
         if link_approx == "probit":
-            mean, cov = self.linearized_moments(*args, chunk_size=chunk_size)
-            return probit_proba(mean, cov, log=True)
+            mean, var = self.linearized_moments(*args, chunk_size=chunk_size, diagonal=True)
+            return probit_proba(mean, var, log=True)
         logp = self.predictive_samples(*args, num_samples=num_samples, fn=lambda z: z.log_softmax(-1),
                                        generator=generator, pred_type=pred_type, **kwargs)
         return log_mean_exp(logp)
@@ -698,9 +701,8 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
                 f"collect_every={self.collect_every}, window={self.window}")
 
 
-def _glm_mean_variance(cls: str, module, args, mean: Tensor, cov: Tensor, noise_std):
+def _glm_mean_variance(cls: str, module, args, mean: Tensor, var: Tensor, noise_std):
     """The GLM's (mean, marginal variance) in the module's output shape, the noise variance added if given."""
-    var = cov.diagonal(dim1=-2, dim2=-1).clone()
     if noise_std is not None:
         noise = torch.as_tensor(noise_std, dtype=var.dtype, device=var.device)
         if not bool(torch.isfinite(noise).all()) or bool((noise <= 0).any()):
