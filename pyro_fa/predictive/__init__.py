@@ -8,6 +8,8 @@ r"""Predictives: what a posterior over a module's weights predicts, shared by ev
   :class:`ScaleSelectionWarning` — the posterior's scale chosen on validation data by a rule
   that never does worse there than the mean (scale 0), for any posterior with a ``scale`` and a
   ``predictive()`` (or ``members`` that have them);
+* :func:`fit_temperature`, :class:`TemperatureScaling` — post-hoc temperature on any classifier's
+  logits or model average's log class probabilities, fitted on validation data (Guo et al. 2017);
 * :func:`linearized_moments`, :func:`probit_proba`, :func:`linearized_network` — the linearised
   (GLM) predictive: the outputs' mean and covariance :math:`f(x; c),\ J_x \Sigma J_x^\top` without a
   D × D matrix, the probit approximation, the linearised network at a draw (``pred_type="glm"``);
@@ -23,7 +25,8 @@ from pyro_fa.predictive.likelihood import LIKELIHOODS, check_targets, point_log_
 from pyro_fa.predictive.sampled import SampledPredictive, log_mean_exp
 from pyro_fa.predictive.scale import (DEFAULT_SCALES, ScaleSearch, ScaleSelectionWarning, bma_log_likelihood,
                                      select_scale, tune_scale)
+from pyro_fa.predictive.temperature import TemperatureScaling, fit_temperature
 
 __all__ = ["SampledPredictive", "log_mean_exp", "tune_scale", "select_scale", "bma_log_likelihood", "ScaleSearch",
-           "ScaleSelectionWarning", "DEFAULT_SCALES", "point_log_likelihood", "check_targets", "LIKELIHOODS", "linearized_moments",
-           "linearized_network", "probit_proba", "check_pred_type", "PRED_TYPES", "LINK_APPROXES"]
+           "ScaleSelectionWarning", "DEFAULT_SCALES", "fit_temperature", "TemperatureScaling", "point_log_likelihood",
+           "check_targets", "LIKELIHOODS", "linearized_moments", "linearized_network", "probit_proba", "check_pred_type", "PRED_TYPES", "LINK_APPROXES"]

@@ -160,7 +160,7 @@ def select_scale(scales: Sequence[float], point_log_likelihoods: Tensor, rule: s
 
     Examples
     --------
-    >>> L = torch.tensor([[-1.0, -1.0, -1.0, -1.0], [-0.5, -0.6, -0.5, -0.6], [-0.4, -0.5, -0.3, -0.5]])
+    >>> L = torch.tensor([[-1.0, -1.0, -1.0, -1.0], [-0.5, -0.6, -0.5, -0.6], [-0.45, -0.55, -0.4, -0.5]])
     >>> select_scale([0.0, 1.0, 10.0], L)[0]
     1
     """
