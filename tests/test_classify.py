@@ -71,15 +71,35 @@ def test_ood_transforms():
     torch.testing.assert_close(sh.sort(-1).values, d.x_test.sort(-1).values)
     assert (sh != d.x_test).float().mean() > 0.9  # the order changed
     g = cdata.load_classify("digits")
-    # undo the standardisation with the training statistics (train + validation parts = the training part)
-    raw = torch.as_tensor(cdata._digits()[0])
-    mean, std = raw.mean(0), raw.std(0, unbiased=False)
-    std = torch.where(std > 0, std, torch.ones_like(std))
-    test_raw = (g.x_test * std + mean).reshape(-1, 8, 8)
-    rot_raw = (g.ood["rotated"] * std + mean).reshape(-1, 8, 8)
-    torch.testing.assert_close(rot_raw, torch.rot90(test_raw, 1, (1, 2)), atol=1e-4, rtol=0)
-    shuf_raw = g.ood["shuffled"] * std + mean
-    torch.testing.assert_close(shuf_raw.sort(-1).values, test_raw.reshape(-1, 64).sort(-1).values, atol=1e-4, rtol=0)
+    raw_test = torch.as_tensor(cdata._digits()[2])
+    torch.testing.assert_close(g.x_test, raw_test / 16)  # intensities 0..16 -> [0, 1], no per-pixel statistics
+    assert float(g.x_train.min()) == 0.0 and float(g.x_train.max()) == 1.0
+    torch.testing.assert_close(g.ood["rotated"].reshape(-1, 8, 8), torch.rot90(g.x_test.reshape(-1, 8, 8), 1, (1, 2)))
+    torch.testing.assert_close(g.ood["shuffled"].sort(-1).values, g.x_test.sort(-1).values)
+    # the OOD sets sit at the test part's distance from the origin (rotation and shuffling keep each norm)
+    for d in (cdata.load_classify("digits"), cdata.load_classify("mnist1d")):
+        norms = cdata.median_norms(d)
+        assert set(norms) == {"test", *d.ood}
+        assert norms["test"] == pytest.approx(float(d.x_test.norm(dim=-1).median()))
+        for name in d.ood:
+            assert norms[name] == pytest.approx(norms["test"], rel=1e-5)
+
+
+@pytest.mark.parametrize("name, n_test", [("digits-8", 540), ("mnist1d-8", 1000)])
+def test_held_out_classes(name, n_test):
+    """Classes 8 and 9 are out of every training / validation / test part and form the OOD set "heldout"."""
+    d, full = cdata.load_classify(name), cdata.load_classify(name.split("-")[0])
+    assert d.num_classes == 8 and d.base == name.split("-")[0]
+    for y in (d.y_train, d.y_val, d.y_test):
+        assert int(y.max()) <= 7 and int(y.min()) >= 0
+    held = (full.y_test >= 8)
+    torch.testing.assert_close(d.ood["heldout"], full.x_test[held])
+    torch.testing.assert_close(d.x_test, full.x_test[~held])
+    assert d.x_test.shape[0] + d.ood["heldout"].shape[0] == n_test
+    n_train = int((torch.cat([full.y_train, full.y_val]) < 8).sum())
+    assert d.x_train.shape[0] + d.x_val.shape[0] == n_train
+    assert set(d.ood) == set(full.ood) | {"heldout"}
+    assert make_network("mlp", d)(d.x_test[:3]).shape == (3, 8)
 
 
 def test_load_classify_bad_input():
@@ -99,15 +119,19 @@ def test_networks_output_logits():
 def test_benchmark_files_and_metrics_recomputed(tmp_path):
     """Every method on a tiny budget: the files, and results.json's metrics equal pyro_fa.metrics recomputed."""
     torch.set_num_threads(1)
-    budget = Budget(epochs=4, swag_epochs=3, rank=2, ensemble=2, samples=4)
+    budget = Budget(epochs=4, swag_epochs=3, rank=2, ensemble=2, samples=4, prior_precisions=(1.0, 10.0),
+                    dropouts=(0.1,), swag_lrs=(3e-3,), vi_lrs=(3e-3,), ivon_lrs=(0.1,), ivon_hess_inits=(0.5,))
     out = classify.run_benchmark([("digits", "mlp")], list(METHODS), budget, [0], tmp_path, progress=False,
                                  subset=(200, 120))
-    for name in ("results.json", "table.md", "reliability.png", "entropy.png", "predictions.pt"):
+    for name in ("results.json", "table.md", "reliability.png", "entropy.png", "predictions.pt", "front_digits-mlp.png"):
         assert (tmp_path / name).stat().st_size > 0
     results = json.loads((tmp_path / "results.json").read_text())
     combo = results["combos"]["digits-mlp"]
     ran = set(combo["methods"])
-    assert ran >= set(METHODS) - {"laplace", "ivon"}
+    assert ran >= set(METHODS) - {"laplace", "laplace-grid", "laplace-diag", "ivon"}
+    assert combo["methods"]["map"]["extra"][0]["prior_precision"] in (1.0, 10.0)  # chosen on validation
+    assert set(combo["methods"]["map"]["extra"][0]["val_nll"]) == {"1.0", "10.0"}
+    assert combo["norms"]["test"] > 0
     saved = torch.load(tmp_path / "predictions.pt")
     y = saved["targets"]["digits-mlp"]
     assert y.shape == (120,)
@@ -124,7 +148,10 @@ def test_benchmark_files_and_metrics_recomputed(tmp_path):
         for name, q in zip(combo["ood"], probs[1:]):
             expect = float(metrics.ood_auroc(h, metrics.predictive_entropy(q.double())))
             assert got[f"auroc_{name}"][0] == pytest.approx(expect, abs=1e-6)
-    assert combo["methods"]["swag-em"]["extra"][0]["scale"] > 0
+    assert combo["methods"]["swag-em"]["extra"][0]["scale"] >= 0  # 0: the mean (SWA) was chosen
+    # sampled methods are scored by mutual information too, deterministic ones are not
+    assert "auroc_mi_rotated" in combo["methods"]["swag-em"]["per_seed"]
+    assert "auroc_mi_rotated" not in combo["methods"]["map"]["per_seed"]
     assert any(c["check"].startswith("SWAG-EM NLL") for c in results["bar"])
     assert "## The bars" in (tmp_path / "table.md").read_text()
 
@@ -156,37 +183,61 @@ def test_classify_command_bad_input(tmp_path):
         cli.main(["classify", "--datasets", "digits", "--networks", "cnn", "--output-dir", str(tmp_path)])
 
 
+def _combo(per_method, ood=("x",)):
+    return {"ood": list(ood), "methods": {m: {"per_seed": v} for m, v in per_method.items()}}
+
+
+def test_mutual_information_scores_against_a_dense_computation():
+    """evaluate(): the MI AUROC equals the Mann-Whitney statistic of the MI computed by hand from the draws."""
+    g = torch.Generator().manual_seed(0)
+    draws_in = torch.softmax(torch.randn(6, 40, 3, generator=g) * 0.3 + 3 * torch.eye(3)[torch.arange(40) % 3], -1)
+    draws_out = torch.softmax(torch.randn(6, 30, 3, generator=g) * 2.0, -1)
+    y = torch.arange(40) % 3
+
+    def mi(d):
+        p = d.double()
+        ent = lambda q: -(q * q.log()).sum(-1)  # noqa: E731
+        return ent(p.mean(0)) - ent(p).mean(0)
+
+    a, b = mi(draws_in), mi(draws_out)
+    mann_whitney = float(((b[:, None] > a[None, :]).double() + 0.5 * (b[:, None] == a[None, :]).double()).mean())
+    got = rep.evaluate([draws_in, draws_out], y, ["o"])
+    assert got["auroc_mi_o"] == pytest.approx(mann_whitney, abs=1e-12)
+    assert got["nll"] == pytest.approx(float(-draws_in.double().mean(0)[torch.arange(40), y].log().mean()), abs=1e-9)
+    assert "auroc_mi_o" not in rep.evaluate([draws_in.mean(0), draws_out.mean(0)], y, ["o"])
+
+
+def test_paired_verdicts():
+    assert rep.paired([1.0, 2.0, 3.0], [0.5, 1.5, 2.7]) == pytest.approx((0.4333333, 0.0666667), abs=1e-6)
+    assert rep.verdict(-0.1, 0.04) == "better" and rep.verdict(-0.1, 0.06) == "tie"
+    assert rep.verdict(0.1, 0.01) == "worse" and rep.verdict(0.1, 0.01, lower_is_better=False) == "better"
+    assert rep.verdict(-1.0, float("nan")) == "tie"
+
+
 def test_bar_checks():
-    def combo(nll, ece, acc, auroc):
-        return {"per_seed": {"nll": [nll], "ece": [ece], "accuracy": [acc], "auroc_x": [auroc]}}
+    combos = {"d-mlp": _combo({
+        "map": {"nll": [0.50, 0.52, 0.51], "ece": [0.05] * 3, "accuracy": [0.9] * 3, "auroc_x": [0.50, 0.52, 0.51]},
+        "swa": {"nll": [0.45, 0.47, 0.46], "ece": [0.04] * 3, "accuracy": [0.9] * 3, "auroc_x": [0.5] * 3},
+        "swag-em": {"nll": [0.40, 0.41, 0.462], "ece": [0.03, 0.031, 0.029], "accuracy": [0.9] * 3,
+                    "auroc_x": [0.60, 0.63, 0.61]},
+        "dropout": {"nll": [0.35, 0.36, 0.37], "ece": [0.031, 0.028, 0.030], "accuracy": [0.9] * 3,
+                    "auroc_x": [0.7, 0.7, 0.7]}})}
+    checks = {c["check"]: c for c in rep.bar_checks(combos)}
+    swa = checks["SWAG-EM NLL never > 1 % above SWA's on a seed"]
+    assert swa["verdict"] == "met" and "worst seed +0.4 %" in swa["detail"]
+    assert checks["SWAG-EM OOD AUROC (x) > MAP"]["verdict"] == "met"  # +0.103 ± 0.003
+    assert checks["SWAG-EM NLL < MC dropout"]["verdict"] == "NOT met"  # +0.064 ± 0.014: worse by > 2 se
+    assert checks["SWAG-EM ECE < MC dropout"]["verdict"] == "tie"
+    front = checks["a factor-analysis posterior on the NLL / AUROC (x) front"]
+    assert front["verdict"] == "NOT met" and front["detail"] == "front: MC dropout"
+    combos["d-mlp"]["methods"]["swag-em"]["per_seed"]["nll"][2] = 0.47  # 2.2 % above SWA on one seed
+    swa = {c["check"]: c for c in rep.bar_checks(combos)}["SWAG-EM NLL never > 1 % above SWA's on a seed"]
+    assert swa["verdict"] == "NOT met" and "worst seed +2.2 %" in swa["detail"]
 
-    combos = {"d-mlp": {"ood": ["x"], "methods": {
-        "map": combo(0.5, 0.05, 0.90, 0.5), "swa": combo(0.45, 0.04, 0.90, 0.5),
-        "swag-em": combo(0.4, 0.03, 0.90, 0.6), "multiswag": combo(0.3, 0.02, 0.91, 0.7),
-        "vifa": combo(0.35, 0.02, 0.80, 0.7), "dropout": combo(0.35, 0.01, 0.90, 0.6),
-        "ensemble": combo(0.29, 0.02, 0.92, 0.7)}}}
-    checks = {c["check"]: c["ok"] for c in rep.bar_checks(combos)}
-    assert checks["SWAG-EM NLL < SWA"] and checks["SWAG-EM OOD AUROC (x) > MAP"]
-    assert checks["MultiSWAG-EM (5) NLL < MC dropout"] and not checks["MultiSWAG-EM (5) ECE < MC dropout"]
-    assert not checks["(stretch) MultiSWAG-EM (5) NLL < deep ensemble"]
 
-
-def test_bar_rows_tell_close_values_apart_and_flag_aurocs_below_chance():
-    """Values equal at the default rounding print with more digits; an AUROC below 0.5 is called below chance."""
-    def combo(nll, ece, auroc):
-        return {"per_seed": {"nll": [nll], "ece": [ece], "accuracy": [0.9], "auroc_rotated": [auroc]}}
-
-    combos = {"digits-mlp": {"ood": ["rotated"], "methods": {
-        "map": combo(0.5004, 0.05, 0.0598), "swag-em": combo(0.5001, 0.04, 0.0612),
-        "swa": combo(0.45, 0.04, 0.7)}}}
-    rows = {c["check"]: c for c in rep.bar_checks(combos)}
-    auroc = rows["SWAG-EM OOD AUROC (rotated) > MAP"]
-    assert auroc["ok"] and auroc["detail"] == "0.061 vs 0.060 (both below chance, 0.5)"
-    nll = rows["SWAG-EM NLL < MAP (Adam)"]
-    assert nll["ok"] and nll["detail"] == "0.5001 vs 0.5004"
-    assert rows["SWAG-EM NLL < SWA"]["detail"] == "0.500 vs 0.450"  # apart at 3 decimals: 3 decimals
+def test_bar_rows_tell_close_values_apart():
+    """Values equal at the default rounding print with more digits."""
+    assert rep.versus(0.0612, 0.0598, 2) == "0.061 vs 0.060"
+    assert rep.versus(0.5001, 0.5004) == "0.5001 vs 0.5004"
     assert rep.versus(0.25, 0.25, 2) == "0.25 vs 0.25"
     assert rep.versus(1.0, 1.0 + 1e-9) == "1.000000 vs 1.000000"  # at most 6 decimals
-    above = {"digits-mlp": {"ood": ["rotated"], "methods": {"map": combo(0.5, 0.05, 0.40), "swag-em": combo(0.4, 0.04, 0.7)}}}
-    (row,) = [c for c in rep.bar_checks(above) if "AUROC" in c["check"]]
-    assert row["detail"] == "0.70 vs 0.40 (MAP below chance, 0.5)"

@@ -114,7 +114,27 @@ def test_laplace_probs_mc_and_gridsearch(problem):
     info = {}
     (p_grid,) = peers.laplace_probs(*args, prior_method="gridsearch", info=info)
     _assert_probs(p_grid, (200, 3))
-    assert 1e-4 <= info["prior_precision"][0] <= 1e4
+    assert 1e-4 <= info["prior_precision"][0] <= 1e8 and info["prior_method"] == "gridsearch"
+    # the grid reaches the MAP limit: on a range of only huge precisions the search returns the MAP's softmax
+    (p_top,) = peers.laplace_probs(*args, prior_method="gridsearch", log_prior_prec_range=(7.0, 8.0))
+    with torch.no_grad():
+        p_map = problem["net"](problem["test"][0]).softmax(-1)
+    torch.testing.assert_close(p_top, p_map, atol=1e-4, rtol=0)
+
+
+def test_laplace_probs_all_weights_diagonal(problem):
+    """All-weights diagonal Laplace: widens the MAP's softmax, and collapses onto it at a huge prior precision."""
+    _need("laplace")
+    x_te = problem["test"][0]
+    args = (problem["net"], problem["train"], problem["val"], [x_te])
+    options = {"subset_of_weights": "all", "hessian_structure": "diag"}
+    (p,) = peers.laplace_probs(*args, **options)
+    _assert_probs(p, (200, 3))
+    with torch.no_grad():
+        p_map = problem["net"](x_te).softmax(-1)
+    assert p.max(1).values.mean() < p_map.max(1).values.mean() - 0.01
+    (p_sharp,) = peers.laplace_probs(*args, prior_precision=1e8, **options)
+    torch.testing.assert_close(p_sharp, p_map, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -125,6 +145,10 @@ def test_laplace_probs_mc_and_gridsearch(problem):
         ({"prior_precision": 0.0}, ValueError, "prior_precision must be a finite number > 0 or None, got 0.0"),
         ({"n_samples": 0}, ValueError, "n_samples must be a positive integer, got 0"),
         ({"batch_size": 2.5}, ValueError, "batch_size must be a positive integer, got 2.5"),
+        ({"subset_of_weights": "subnetwork"}, ValueError,
+         "subset_of_weights must be 'last_layer' or 'all', got 'subnetwork'"),
+        ({"hessian_structure": "full"}, ValueError, "hessian_structure must be 'kron' or 'diag', got 'full'"),
+        ({"log_prior_prec_range": (4, -4)}, ValueError, r"log_prior_prec_range must be two finite numbers"),
     ],
 )
 def test_laplace_probs_refuses_bad_options(problem, kwargs, error, match):
@@ -163,7 +187,8 @@ def test_ivon_probs_samples_and_accuracy(problem):
     assert torch.equal(torch.random.get_rng_state(), state)  # the caller's generator is untouched
     _assert_probs(p_te, (8, 200, 3))
     _assert_probs(p_far, (8, 50, 3))
-    assert info["lr"] in peers.IVON_LR_GRID and set(info["val_nll"]) == set(peers.IVON_LR_GRID)
+    assert info["lr"] in peers.IVON_LR_GRID and info["hess_init"] == 0.5
+    assert set(info["val_nll"]) == {repr((r, 0.5)) for r in peers.IVON_LR_GRID}
     assert (p_te.mean(0).argmax(1) == y_te).float().mean() > 0.7  # chance is 1/3
     assert (p_te.std(0) > 0).any()  # the draws differ
 
@@ -174,7 +199,7 @@ def test_ivon_probs_fixed_lr_is_reproducible(problem):
     info = {}
     (a,) = peers.ivon_probs(*args, epochs=5, batch_size=64, num_samples=3, lr=0.1, info=info)
     (b,) = peers.ivon_probs(*args, epochs=5, batch_size=64, num_samples=3, lr=0.1)
-    assert info == {"lr": 0.1, "val_nll": {}}
+    assert info == {"lr": 0.1, "hess_init": 0.5, "val_nll": {}}
     torch.testing.assert_close(a, b)
     (c,) = peers.ivon_probs(*args, epochs=5, batch_size=64, num_samples=3, lr=0.1, seed=1)
     assert not torch.equal(a, c)
@@ -187,6 +212,7 @@ def test_ivon_probs_fixed_lr_is_reproducible(problem):
         ({"num_samples": -1}, "num_samples must be a positive integer, got -1"),
         ({"lr": -0.1}, r"lr and lr_grid must hold finite numbers > 0, got lr=-0.1"),
         ({"lr_grid": ()}, r"lr and lr_grid must hold finite numbers > 0, got lr=None, lr_grid=\(\)"),
+        ({"hess_init_grid": (0.5, -1.0)}, r"hess_init and hess_init_grid must hold finite numbers > 0"),
     ],
 )
 def test_ivon_probs_refuses_bad_options(problem, kwargs, match):

@@ -51,6 +51,8 @@ INSTALL_HINT = (
     "curvlinops-for-pytorch==3.0.1` (`make setup` does both)"
 )
 IVON_LR_GRID = (0.05, 0.1, 0.2)
+#: base-10 range of laplace-torch's prior-precision grid search: up to the MAP limit
+GRID_LOG10_RANGE = (-4.0, 8.0)
 _MODULES = {"laplace": "laplace", "ivon": "ivon"}
 _EVAL_BATCH = 1024
 
@@ -142,9 +144,12 @@ def laplace_probs(
     link_approx: str = "probit",
     n_samples: int = 100,
     batch_size: int = 256,
+    subset_of_weights: str = "last_layer",
+    hessian_structure: str = "kron",
+    log_prior_prec_range: Tuple[float, float] = GRID_LOG10_RANGE,
     info: Optional[dict] = None,
 ) -> List[Tensor]:
-    r"""Predictive probabilities of last-layer KFAC Laplace (laplace-torch) around a MAP network.
+    r"""Predictive probabilities of Laplace (laplace-torch; by default last-layer KFAC) around a MAP network.
 
     Parameters
     ----------
@@ -167,7 +172,9 @@ def laplace_probs(
     prior_method : {"marglik", "gridsearch"}, default "marglik"
         How the scalar prior precision is fitted when ``prior_precision`` is None:
         by the Laplace marginal likelihood (100 Adam steps on its log, laplace-torch's
-        default) or by a grid of validation NLLs.
+        default) or by laplace-torch's grid search of the validation NLL
+        (``optimize_prior_precision(method="gridsearch", val_loader=...)``, 100 values
+        log-spaced over ``log_prior_prec_range``).
     link_approx : {"probit", "mc"}, default "probit"
         The GLM predictive's approximation of the softmax integral: probit
         (deterministic) or ``n_samples`` Monte Carlo draws of the linearised logits.
@@ -175,6 +182,14 @@ def laplace_probs(
         Draws for ``link_approx="mc"``.
     batch_size : int, default 256
         Batch size of the DataLoaders handed to laplace-torch and of prediction.
+    subset_of_weights : {"last_layer", "all"}, default "last_layer"
+        Which weights get the Gaussian (laplace-torch's option of that name).
+    hessian_structure : {"kron", "diag"}, default "kron"
+        KFAC or diagonal generalised Gauss-Newton (laplace-torch's option of that name).
+    log_prior_prec_range : (float, float), default (-4, 8)
+        Base-10 logarithms of the smallest and largest prior precision of the grid search: the default
+        reaches far past the MAP limit (at 1e8 the last layer's posterior variance is negligible), which
+        laplace-torch's own default (-4, 4) may not.
     info : dict, optional
         If given, receives ``"prior_precision"`` (the value used) and ``"link_approx"``.
 
@@ -209,6 +224,14 @@ def laplace_probs(
     inputs = _check_inputs(caller, test_inputs)
     if prior_method not in ("marglik", "gridsearch"):
         raise ValueError(f"{caller}: prior_method must be 'marglik' or 'gridsearch', got {prior_method!r}.")
+    if subset_of_weights not in ("last_layer", "all"):
+        raise ValueError(f"{caller}: subset_of_weights must be 'last_layer' or 'all', got {subset_of_weights!r}.")
+    if hessian_structure not in ("kron", "diag"):
+        raise ValueError(f"{caller}: hessian_structure must be 'kron' or 'diag', got {hessian_structure!r}.")
+    lo, hi = log_prior_prec_range
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise ValueError(f"{caller}: log_prior_prec_range must be two finite numbers (low, high) with low < high, "
+                         f"got {log_prior_prec_range!r}.")
     if link_approx not in ("probit", "mc"):
         raise ValueError(f"{caller}: link_approx must be 'probit' or 'mc', got {link_approx!r}.")
     if prior_precision is not None and not (math.isfinite(prior_precision) and prior_precision > 0):
@@ -231,8 +254,8 @@ def laplace_probs(
             la = laplace.Laplace(
                 net_map,
                 "classification",
-                subset_of_weights="last_layer",
-                hessian_structure="kron",
+                subset_of_weights=subset_of_weights,
+                hessian_structure=hessian_structure,
                 prior_precision=1.0 if prior_precision is None else float(prior_precision),
             )
             la.fit(_loader(x_tr.to(device, dtype), y_tr.to(device), batch_size))
@@ -245,6 +268,8 @@ def laplace_probs(
                         val_loader=val_loader,
                         link_approx=link_approx,
                         n_samples=n_samples,
+                        **({"log_prior_prec_min": lo, "log_prior_prec_max": hi}
+                           if prior_method == "gridsearch" else {}),
                     )
             out = []
             for x in inputs:
@@ -259,6 +284,7 @@ def laplace_probs(
     if info is not None:
         info["prior_precision"] = la.prior_precision.detach().cpu().reshape(-1).tolist()
         info["link_approx"] = link_approx
+        info["prior_method"] = "fixed" if prior_precision is not None else prior_method
     return out
 
 
@@ -312,6 +338,7 @@ def ivon_probs(
     *,
     lr_grid: Sequence[float] = IVON_LR_GRID,
     hess_init: float = 0.5,
+    hess_init_grid: Optional[Sequence[float]] = None,
     beta2: float = 0.99999,
     weight_decay: float = 1e-4,
     info: Optional[dict] = None,
@@ -348,8 +375,11 @@ def ivon_probs(
         Learning rates tried when ``lr`` is None.
     hess_init, beta2, weight_decay : float
         IVON's initial Hessian, Hessian decay and weight decay (the authors' small-network values).
+    hess_init_grid : sequence of float, optional
+        Initial Hessians tried (with every rate tried) when ``val_xy`` is given; default ``(hess_init,)``.
     info : dict, optional
-        If given, receives ``"lr"`` (the rate used) and ``"val_nll"`` ({rate: NLL} of those tried).
+        If given, receives ``"lr"`` and ``"hess_init"`` (the values used) and ``"val_nll"``
+        ({"(rate, hess_init)": NLL} of those tried).
 
     Returns
     -------
@@ -383,40 +413,42 @@ def ivon_probs(
     _check_positive_int(caller, "batch_size", batch_size)
     _check_positive_int(caller, "num_samples", num_samples)
     if lr is not None:
-        grid = [lr]
+        rates = [lr]
     elif val_xy is None:
-        grid = [0.1]
+        rates = [0.1]
     else:
-        grid = list(lr_grid)
-    if not grid or not all(isinstance(r, (int, float)) and math.isfinite(r) and r > 0 for r in grid):
-        raise ValueError(
-            f"{caller}: lr and lr_grid must hold finite numbers > 0, got lr={lr!r}, lr_grid={lr_grid!r}."
-        )
+        rates = list(lr_grid)
+    hessians = [hess_init] if hess_init_grid is None or val_xy is None else list(hess_init_grid)
+    for name, values in (("lr and lr_grid", rates), ("hess_init and hess_init_grid", hessians)):
+        if not values or not all(isinstance(r, (int, float)) and math.isfinite(r) and r > 0 for r in values):
+            raise ValueError(f"{caller}: {name} must hold finite numbers > 0, got lr={lr!r}, lr_grid={lr_grid!r}, "
+                             f"hess_init={hess_init!r}, hess_init_grid={hess_init_grid!r}.")
+    grid = [(r, h) for r in rates for h in hessians]
 
     train = functools.partial(
         _ivon_train, ivon, make_net, x_tr, y_tr, epochs, batch_size,
-        seed=seed, hess_init=hess_init, beta2=beta2, weight_decay=weight_decay,
+        seed=seed, beta2=beta2, weight_decay=weight_decay,
     )
     fork = [torch.device("cuda")] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=fork):
         if len(grid) == 1:
-            net, opt = train(lr=grid[0])
-            best_lr, val_nll = grid[0], {}
+            net, opt = train(lr=grid[0][0], hess_init=grid[0][1])
+            best_setting, val_nll = grid[0], {}
         else:
             x_va, y_va = _check_xy(caller, "val_xy", val_xy)
             best, val_nll = None, {}
-            for rate in grid:
-                net, opt = train(lr=rate)
+            for setting in grid:
+                net, opt = train(lr=setting[0], hess_init=setting[1])
                 torch.manual_seed(seed)
                 (p_val,) = _ivon_predict(net, opt, [x_va], num_samples)
                 p_bma = p_val.mean(0).gather(1, y_va.to(p_val.device)[:, None]).squeeze(1)
-                val_nll[rate] = float(-p_bma.clamp_min(torch.finfo(p_bma.dtype).tiny).log().mean())
-                if best is None or val_nll[rate] < val_nll[best[0]]:
-                    best = (rate, net, opt)
-            best_lr, net, opt = best
+                val_nll[repr(setting)] = float(-p_bma.clamp_min(torch.finfo(p_bma.dtype).tiny).log().mean())
+                if best is None or val_nll[repr(setting)] < val_nll[repr(best[0])]:
+                    best = (setting, net, opt)
+            best_setting, net, opt = best
         torch.manual_seed(seed + 1)
         out = _ivon_predict(net, opt, inputs, num_samples)
     if info is not None:
-        info["lr"] = best_lr
+        info["lr"], info["hess_init"] = best_setting
         info["val_nll"] = val_nll
     return out

@@ -1,125 +1,97 @@
-r"""Networks and methods of the ``pyro-fa classify`` benchmark.
+r"""Methods of the ``pyro-fa classify`` benchmark, each at its best under one stated budget.
 
-Every method trains for the same number of epochs (``Budget.epochs``) of
-minibatches of ``Budget.batch_size`` and returns the class probabilities of its
-predictive (the Bayesian model average over its draws or members) for a list of
-input sets; :func:`run_methods` times each one. Training shared between methods
-is counted in each method that uses it (the deep ensemble's first member is the
-MAP network; SWA, classic SWAG and SWAG-EM follow one trajectory; MultiSWAG's first
-member is that trajectory).
+Every method trains for ``Budget.epochs`` epochs of minibatches of ``Budget.batch_size``
+(MNIST-1D's reference recipe, Greydanus 2020: Adam at a constant rate of 1e-2 on
+minibatches of 100; 150 epochs of the 3 600 training signals are 5 400 steps, the
+paper's notebook runs 6 000) and returns its predictive for a list of input sets:
+the weight draws' or members' class probabilities, (S, N, C), when it samples (so
+that the mutual information can score OOD inputs), else the probabilities (N, C).
+Every hyperparameter is chosen on the validation part, by the validation NLL of the
+method's own predictive, over a small grid of :class:`Budget` (the budget: one
+training per grid point):
 
 =================  ===========================================================================
-``map``            Adam (weight decay = prior precision / N), learning rate on a half cosine to 0
-``ensemble``       5 MAP networks from different initialisations (Lakshminarayanan et al. 2017)
-``dropout``        MC dropout, p = 0.1 after every hidden layer, trained like MAP, kept on when
+``map``            Adam, constant rate, weight decay = prior precision / N; the prior precision
+                   from ``prior_precisions`` (its smallest, 0.01, is the reference's no decay)
+``ensemble``       5 MAP networks at the chosen prior precision, different initialisations
+                   (Lakshminarayanan et al. 2017)
+``dropout``        MC dropout at the chosen prior precision, rate from ``dropouts``, kept on when
                    predicting (Gal & Ghahramani 2016)
 ``swa``            the mean of the iterates collected by SWAG (Izmailov et al. 2018)
-``swag``           classic SWAG (Maddox et al. 2019), rank 10, scale tuned on validation data
+``swag``           classic SWAG (Maddox et al. 2019), rank 10, scale by ``tune_scale``
 ``swag-em``        :class:`~pyro_fa.SWAG` with ``method="em"`` (online EM factor analysis), rank 10,
-                   scale tuned on validation data
-``multiswag``      5 SWAG-EM posteriors from different initialisations (Wilson & Izmailov 2020),
-                   one scale tuned on validation data
-``vifa``           :class:`~pyro_fa.AutoLowRankFactorGuide` (rank 10) with :class:`~pyro_fa.FactorELBO`
-``autonormal``     Pyro's ``AutoNormal`` with ``Trace_ELBO``
+                   scale by ``tune_scale``; the collection rate from ``swag_lrs``
+``multiswag``      5 SWAG-EM posteriors from different initialisations (Wilson & Izmailov 2020)
+``vifa``           :class:`~pyro_fa.AutoLowRankFactorGuide` (rank 10) with :class:`~pyro_fa.FactorELBO`,
+                   Adam rate from ``vi_lrs`` on a half cosine
+``autonormal``     Pyro's ``AutoNormal`` with ``Trace_ELBO``, rate from ``vi_lrs``
 ``lowrank``        Pyro's ``AutoLowRankMultivariateNormal`` (rank 10) with ``Trace_ELBO``
-``laplace``        laplace-torch: last-layer KFAC Laplace on the MAP network, GLM predictive,
-                   prior precision by marginal likelihood (Daxberger et al. 2021)
-``ivon``           IVON (Shen et al. 2024), the variational-learning optimizer ``ivon-opt``
+``laplace``        laplace-torch, last-layer KFAC, GLM probit, prior precision by marginal likelihood
+``laplace-grid``   the same, prior precision by laplace-torch's validation grid search (1e-4 to 1e8:
+                   the top of the range is the MAP limit)
+``laplace-diag``   laplace-torch, all weights, diagonal GGN, GLM probit, marginal likelihood
+``ivon``           IVON (Shen et al. 2024), ``ivon_lrs`` x ``ivon_hess_inits``
 =================  ===========================================================================
 
-SWAG's collection recipe: Adam on the MAP schedule (a half cosine over the whole
-budget) for the first ``epochs - swag_epochs`` epochs, then Adam at a constant
-rate (reached by ``torch.optim.swa_utils.SWALR`` in one epoch) for
-``swag_epochs`` epochs, the weights collected once at the end of each of those
-epochs; the posterior scale is then chosen by
-:meth:`~pyro_fa.SWAG.tune_scale` (validation log-likelihood of the model
-average). The constant rate is chosen among ``swag_lrs`` by the same validation
-log-likelihood of SWAG-EM at its tuned scale, one trajectory per candidate; SWA,
-classic SWAG and the MultiSWAG members use the chosen rate. The variational methods use a Gaussian prior of precision
-``prior_precision``, ``init_scale`` 0.01, Adam at ``vi_lr`` on a half cosine.
+The variational guides and the SWAG family use the prior precision chosen for MAP
+(their Gaussian prior; SWAG's weight decay). SWAG's collection: Adam on the MAP
+schedule for the first ``epochs - swag_epochs`` epochs, then a constant Adam rate
+reached by ``torch.optim.swa_utils.SWALR`` in one epoch, one collection per epoch;
+the scale by :meth:`~pyro_fa.SWAG.tune_scale` (its default rule; scale 0, the mean,
+is a candidate).
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from pyro_fa.experiments.classify.data import ClassifyData
+from pyro_fa.experiments.classify.networks import NETWORKS, CNN1d, make_network
 
-__all__ = ["Budget", "METHODS", "NETWORKS", "make_network", "run_methods"]
+__all__ = ["Budget", "METHODS", "NETWORKS", "PEERS", "CNN1d", "make_network", "run_methods", "epochs_of"]
 
 METHODS = ("map", "ensemble", "dropout", "swa", "swag", "swag-em", "multiswag", "vifa", "autonormal", "lowrank",
-           "laplace", "ivon")
-PEERS = ("laplace", "ivon")
-NETWORKS = ("mlp", "cnn")
+           "laplace", "laplace-grid", "laplace-diag", "ivon")
+#: peer methods run from their own packages, and the package each needs
+PEERS = {"laplace": "laplace", "laplace-grid": "laplace", "laplace-diag": "laplace", "ivon": "ivon"}
 
 
 @dataclass
 class Budget:
-    """Training budget and settings shared by all methods."""
+    """Training budget, shared settings and the hyperparameter grids (one training per grid point)."""
 
     epochs: int = 150
     batch_size: int = 100
     lr: float = 1e-2
-    prior_precision: float = 1.0
-    dropout: float = 0.1
+    prior_precisions: Tuple[float, ...] = (1e-2, 1.0, 10.0, 30.0)
+    dropouts: Tuple[float, ...] = (0.05, 0.1, 0.2)
     swag_epochs: int = 75
     swag_lrs: Tuple[float, ...] = (1e-3, 3e-3)
     rank: int = 10
     ensemble: int = 5
     samples: int = 30
-    vi_lr: float = 3e-3
+    vi_lrs: Tuple[float, ...] = (1e-3, 3e-3, 1e-2)
+    ivon_lrs: Tuple[float, ...] = (0.05, 0.1, 0.2)
+    ivon_hess_inits: Tuple[float, ...] = (0.1, 0.5)
     train_subset: Optional[int] = None  # smoke tests: the first N training points only
 
     @classmethod
     def quick(cls) -> "Budget":
-        return cls(epochs=12, swag_epochs=6, rank=4, samples=10)
+        """12 epochs and one point per grid: every method runs, nothing is tuned (``--quick``)."""
+        return cls(epochs=12, swag_epochs=6, rank=4, samples=10, prior_precisions=(1.0,), dropouts=(0.1,),
+                   swag_lrs=(3e-3,), vi_lrs=(3e-3,), ivon_lrs=(0.1,), ivon_hess_inits=(0.5,))
 
 
-# ----------------------------------------------------------------------------- networks
-
-
-class CNN1d(nn.Module):
-    """The small 1-D CNN of the MNIST-1D paper (Greydanus 2020): three strided convolutions of 25 channels.
-
-    Conv1d(1, 25, 5, stride 2, padding 1) - ReLU - Conv1d(25, 25, 3, 2, 1) - ReLU - Conv1d(25, 25, 3, 2, 1) - ReLU -
-    Linear(125, C), for inputs of shape (N, 40); optional dropout before each convolution after the first and
-    before the linear layer.
-    """
-
-    def __init__(self, length: int = 40, num_classes: int = 10, channels: int = 25, dropout: float = 0.0):
-        super().__init__()
-        drop = (lambda: nn.Dropout(dropout)) if dropout > 0 else nn.Identity
-        self.features = nn.Sequential(
-            nn.Conv1d(1, channels, 5, stride=2, padding=1), nn.ReLU(), drop(),
-            nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU(), drop(),
-            nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU(), drop(),
-        )
-        with torch.no_grad():
-            n = self.features(torch.zeros(1, 1, length)).numel()
-        self.head = nn.Linear(n, num_classes)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.features(x.unsqueeze(-2)).flatten(-2))
-
-
-def make_network(kind: str, data: ClassifyData, dropout: float = 0.0) -> nn.Module:
-    """``"mlp"``: ReLU MLP, 2 × 100 hidden units for MNIST-1D (the paper's), 1 × 100 for digits; ``"cnn"``:
-    :class:`CNN1d` (MNIST-1D only). ``dropout`` > 0 adds dropout after every hidden layer. The weights take the
-    inputs' dtype."""
-    if kind == "cnn":
-        return CNN1d(data.in_features, data.num_classes, dropout=dropout).to(data.x_train.dtype)
-    hidden = (100, 100) if data.name == "mnist1d" else (100,)
-    layers, width = [], data.in_features
-    for h in hidden:
-        layers += [nn.Linear(width, h), nn.ReLU()] + ([nn.Dropout(dropout)] if dropout > 0 else [])
-        width = h
-    layers.append(nn.Linear(width, data.num_classes))
-    return nn.Sequential(*layers).to(data.x_train.dtype)
+def _nll(probs: Tensor, y: Tensor) -> float:
+    """NLL per point of the model average; ``probs`` (N, C) or draws (S, N, C)."""
+    p = probs.mean(0) if probs.dim() == 3 else probs
+    return float(-p.gather(-1, y[:, None]).clamp_min(torch.finfo(p.dtype).tiny).log().mean())
 
 
 # ----------------------------------------------------------------------------- training
@@ -130,29 +102,30 @@ def _epoch_batches(n: int, batch_size: int, generator: torch.Generator):
     return [perm[i:i + batch_size] for i in range(0, n, batch_size)]
 
 
-def _train_adam(net: nn.Module, x: Tensor, y: Tensor, budget: Budget, seed: int, epochs: Optional[int] = None,
-                after_epoch: Optional[Callable[[int, torch.optim.Optimizer], None]] = None, tick=None) -> nn.Module:
-    """Adam on the cross-entropy, weight decay prior_precision / N, rate on a half cosine over ``budget.epochs``.
+def _train_adam(net: nn.Module, data: ClassifyData, budget: Budget, seed: int, prior_precision: float,
+                after_epoch: Optional[Callable[[int, torch.optim.Optimizer, dict], None]] = None, tick=None) -> None:
+    """The reference recipe: Adam at ``budget.lr`` (constant), weight decay prior_precision / N, ``budget.epochs``.
 
-    ``epochs`` (default all) stops early on the same schedule; ``after_epoch(e, opt)`` runs after each epoch.
+    ``after_epoch(e, opt, state)`` runs after each epoch; a scheduler it puts in ``state["sched"]`` is stepped
+    after every later step (SWAG's constant collection rate).
     """
+    x, y = data.x_train, data.y_train
     n = x.shape[0]
-    opt = torch.optim.Adam(net.parameters(), lr=budget.lr, weight_decay=budget.prior_precision / n)
-    steps_per_epoch = math.ceil(n / budget.batch_size)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=budget.epochs * steps_per_epoch)
+    opt = torch.optim.Adam(net.parameters(), lr=budget.lr, weight_decay=prior_precision / n)
     g = torch.Generator().manual_seed(seed)
+    state: dict = {}
     net.train()
-    for e in range(budget.epochs if epochs is None else epochs):
+    for e in range(budget.epochs):
         for idx in _epoch_batches(n, budget.batch_size, g):
             opt.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
             opt.step()
-            sched.step()
+            if "sched" in state:
+                state["sched"].step()
         if after_epoch is not None:
-            after_epoch(e, opt)
+            after_epoch(e, opt, state)
         if tick is not None:
             tick(1)
-    return opt
 
 
 @torch.no_grad()
@@ -161,29 +134,41 @@ def _probs(net: nn.Module, inputs: Sequence[Tensor]) -> List[Tensor]:
     return [net(x).softmax(-1) for x in inputs]
 
 
-def _map_net(make_net, data, budget, seed, tick):
+@torch.no_grad()
+def _mc_dropout(net: nn.Module, inputs: Sequence[Tensor], samples: int) -> List[Tensor]:
+    net.train()  # dropout on when predicting
+    return [torch.stack([net(x).softmax(-1) for _ in range(samples)]) for x in inputs]
+
+
+def _map_net(make_net, data, budget, seed, prior_precision, tick):
     torch.manual_seed(seed)
     net = make_net()
-    _train_adam(net, data.x_train, data.y_train, budget, seed, tick=tick)
+    _train_adam(net, data, budget, seed, prior_precision, tick=tick)
     return net
 
 
-def _swag_choice(make_net, data: ClassifyData, budget: Budget, seed: int, tick, classic: bool = True):
-    """One trajectory per collection rate of ``budget.swag_lrs``; the one whose SWAG-EM (at its tuned scale)
-    has the best validation log-likelihood: ``(rate, net, em, classic, em's ScaleSearch)``."""
-    best = None
-    for lr in budget.swag_lrs:
-        net, em, cl = _swag_run(make_net, data, budget, seed, tick, classic, swag_lr=lr)
-        search = em.tune_scale(data.x_val, data.y_val, num_samples=budget.samples, seed=seed)
-        if best is None or max(search.log_likelihoods) > max(best[4].log_likelihoods):
-            best = (lr, net, em, cl, search)
-    best[2].scale = best[4].scale
-    return best
+def _choose(grid, fit, y_val) -> Tuple[object, object, Dict[str, float]]:
+    """``fit(value) -> (model, val_probs)`` for each grid value; the value of least validation NLL.
+
+    Returns ``(value, model, {str(value): val NLL})``; a single-value grid is fitted without scoring.
+    """
+    best, scores = None, {}
+    for value in grid:
+        model, p_val = fit(value)
+        if len(grid) == 1:
+            return value, model, {}
+        scores[repr(value)] = _nll(p_val, y_val)
+        if best is None or scores[repr(value)] < scores[repr(best[0])]:
+            best = (value, model)
+    return best[0], best[1], scores
 
 
-def _swag_run(make_net, data: ClassifyData, budget: Budget, seed: int, tick, classic: bool = True,
-              swag_lr: Optional[float] = None):
-    """One SWAG trajectory (module docstring): returns the network and its SWAG-EM and classic SWAG posteriors."""
+# ----------------------------------------------------------------------------- SWAG
+
+
+def _swag_run(make_net, data: ClassifyData, budget: Budget, seed: int, prior_precision: float, swag_lr: float,
+              tick, classic: bool = True):
+    """One SWAG trajectory (module docstring): the network and its SWAG-EM and classic SWAG posteriors."""
     from torch.optim.swa_utils import SWALR
 
     from pyro_fa import SWAG
@@ -193,53 +178,66 @@ def _swag_run(make_net, data: ClassifyData, budget: Budget, seed: int, tick, cla
     em = SWAG(net, rank=budget.rank, method="em", warmup=budget.rank, seed=seed)
     cl = SWAG(net, rank=budget.rank, method="swag") if classic else None
     pre = budget.epochs - budget.swag_epochs
-    state = {}
+    steps = math.ceil(data.x_train.shape[0] / budget.batch_size)
 
-    def after_epoch(e, opt):
+    def after_epoch(e, opt, state):
         if e + 1 == pre:  # start of collection: a constant rate from here on
-            steps = math.ceil(data.x_train.shape[0] / budget.batch_size)
-            rate = budget.swag_lrs[0] if swag_lr is None else swag_lr
-            state["swalr"] = SWALR(opt, swa_lr=rate, anneal_epochs=steps, anneal_strategy="cos")
+            state["sched"] = SWALR(opt, swa_lr=swag_lr, anneal_epochs=steps, anneal_strategy="cos")
         elif e + 1 > pre:
             em.collect()
             if cl is not None:
                 cl.collect()
 
-    _train_swag(net, data, budget, seed, after_epoch, state, tick)
+    _train_adam(net, data, budget, seed, prior_precision, after_epoch, tick)
     return net, em, cl
 
 
-def _train_swag(net, data, budget, seed, after_epoch, state, tick):
-    """:func:`_train_adam`, with the cosine replaced by SWALR's constant rate once collection starts."""
-    x, y = data.x_train, data.y_train
-    n = x.shape[0]
-    opt = torch.optim.Adam(net.parameters(), lr=budget.lr, weight_decay=budget.prior_precision / n)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=budget.epochs * math.ceil(n / budget.batch_size))
-    g = torch.Generator().manual_seed(seed)
-    net.train()
-    for e in range(budget.epochs):
-        for idx in _epoch_batches(n, budget.batch_size, g):
-            opt.zero_grad(set_to_none=True)
-            nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
-            opt.step()
-            (state["swalr"] if "swalr" in state else sched).step()
-        after_epoch(e, opt)
-        tick(1)
+def _tune(posterior, data: ClassifyData, budget: Budget, seed: int):
+    """``posterior.tune_scale`` on the validation part; its warnings (a flat curve, the best at an edge) are kept
+    on the returned search as ``warnings`` instead of printed once per seed."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        search = posterior.tune_scale(data.x_val, data.y_val, num_samples=budget.samples, seed=seed)
+    return search, [str(w.message) for w in caught]
 
 
-def _swag_probs(posterior, inputs, samples: int, seed: int) -> List[Tensor]:
+def _chosen_ll(search) -> float:
+    return float(search.log_likelihoods[list(search.scales).index(search.scale)])
+
+
+def _swag_choice(make_net, data, budget, seed, prior_precision, tick, classic: bool = True):
+    """One trajectory per collection rate of ``budget.swag_lrs``; the one whose SWAG-EM (at its chosen scale)
+    has the best validation log-likelihood: ``(rate, net, em, classic, (em's ScaleSearch, its warnings))``."""
+    best = None
+    for lr in budget.swag_lrs:
+        net, em, cl = _swag_run(make_net, data, budget, seed, prior_precision, lr, tick, classic)
+        search = _tune(em, data, budget, seed)
+        if best is None or _chosen_ll(search[0]) > _chosen_ll(best[4][0]):
+            best = (lr, net, em, cl, search)
+    best[2].scale = best[4][0].scale
+    return best
+
+
+def _swag_samples(posterior, inputs, samples: int, seed: int) -> List[Tensor]:
+    """Per-draw class probabilities, (S, N, C) per input set (MultiSWAG: the draws split over its members)."""
     gen = torch.Generator().manual_seed(seed)
-    out = []
-    members = len(getattr(posterior, "members", [posterior]))  # MultiSWAG: the draws split over its members
-    for x in inputs:
-        out.append(posterior.predict_proba(x, num_samples=max(1, samples // members), generator=gen))
-    return out
+    per = max(1, samples // len(getattr(posterior, "members", [posterior])))
+    return [posterior.predictive_samples(x, num_samples=per, fn=lambda z: z.softmax(-1), generator=gen)
+            for x in inputs]
+
+
+def _search_extra(tuned, **more) -> dict:
+    search, caught = tuned
+    return {"scale": search.scale, "rule": getattr(search, "rule", None), "reason": getattr(search, "reason", None),
+            "warnings": caught, **more}
 
 
 # ----------------------------------------------------------------------------- variational inference
 
 
-def _vi_probs(kind: str, make_net, data: ClassifyData, budget: Budget, seed: int, inputs, tick) -> List[Tensor]:
+def _vi_fit(kind: str, make_net, data: ClassifyData, budget: Budget, seed: int, prior_precision: float, lr: float,
+            inputs, tick) -> List[Tensor]:
+    """Train one guide (Adam at ``lr`` on a half cosine) and return its draws' probabilities, (S, N, C) per set."""
     import pyro
     from pyro.infer import SVI, Trace_ELBO
     from pyro.infer.autoguide import AutoLowRankMultivariateNormal, AutoNormal
@@ -257,14 +255,13 @@ def _vi_probs(kind: str, make_net, data: ClassifyData, budget: Budget, seed: int
         "lowrank": lambda model, init: AutoLowRankMultivariateNormal(model, init_loc_fn=init, init_scale=0.01,
                                                                       rank=budget.rank),
     }
-    bnn = BayesianNetwork(net, GaussianPrior(budget.prior_precision), likelihood="categorical", rank=budget.rank,
+    bnn = BayesianNetwork(net, GaussianPrior(prior_precision), likelihood="categorical", rank=budget.rank,
                           guide_builder=builders[kind], name=f"classify_{kind}")
     x, y = data.x_train, data.y_train
     n = x.shape[0]
     steps = budget.epochs * math.ceil(n / budget.batch_size)
     optim = pyro.optim.PyroLRScheduler(torch.optim.lr_scheduler.CosineAnnealingLR,
-                                       {"optimizer": torch.optim.Adam, "optim_args": {"lr": budget.vi_lr},
-                                        "T_max": steps})
+                                       {"optimizer": torch.optim.Adam, "optim_args": {"lr": lr}, "T_max": steps})
     elbo = FactorELBO() if kind == "vifa" else Trace_ELBO()
     svi = SVI(bnn.model, bnn.guide, optim, elbo)
     g = torch.Generator().manual_seed(seed)
@@ -273,11 +270,9 @@ def _vi_probs(kind: str, make_net, data: ClassifyData, budget: Budget, seed: int
             svi.step(x[idx], y[idx], dataset_size=n)
             optim.step()
         tick(1)
-    out = []
     with torch.no_grad():
         draws = [bnn.guide() for _ in range(budget.samples)]
-        for xi in inputs:
-            out.append(torch.stack([condition(bnn.module, data=w)(xi).softmax(-1) for w in draws]).mean(0))
+        out = [torch.stack([condition(bnn.module, data=w)(xi).softmax(-1) for w in draws]) for xi in inputs]
     pyro.clear_param_store()
     return out
 
@@ -294,8 +289,12 @@ def _peers():
 
 
 def peers_available() -> Dict[str, bool]:
-    """Which peer methods (laplace-torch, IVON) can run here."""
+    """Which peer packages (laplace-torch, IVON) can run here: ``{"laplace": bool, "ivon": bool}``."""
     return _peers()[1]
+
+
+def _can_run(method: str, have: Dict[str, bool]) -> bool:
+    return method not in PEERS or bool(have.get(PEERS[method]))
 
 
 def run_methods(methods: Sequence[str], network: str, data: ClassifyData, budget: Budget, seed: int,
@@ -305,108 +304,123 @@ def run_methods(methods: Sequence[str], network: str, data: ClassifyData, budget
     Returns
     -------
     dict
-        ``method -> {"probs": [test, *OOD sets] (N, C) tensors, "seconds": float, "extra": dict}``; a peer
-        method that is not installed is left out.
+        ``method -> {"probs": [test, *OOD sets], "seconds": float, "extra": dict}``, each probability
+        tensor of shape (S, N, C) (draws or members) or (N, C) (a deterministic predictive); ``extra`` holds
+        the values chosen on validation and their validation NLLs. A peer that is not installed is left out.
+        ``seconds`` counts the method's own training and grid; the prior-precision grid is counted in MAP's.
     """
     inputs = [data.x_test, *data.ood.values()]
+    y_val = data.y_val
     make = lambda: make_network(network, data)  # noqa: E731
     out: Dict[str, dict] = {}
-    timers: Dict[str, float] = {}
+    want = [m for m in methods if _can_run(m, peers_available())]
+    clock = time.perf_counter
 
-    def timed(key, fn):
-        t0 = time.perf_counter()
-        value = fn()
-        timers[key] = time.perf_counter() - t0
-        return value
+    # MAP: the prior precision every other method uses (but IVON, which has its own grid)
+    pp, map_net, t_map = budget.prior_precisions[-1], None, 0.0
+    if set(want) - {"ivon"}:
+        t0 = clock()
 
-    want = set(methods)
-    maps: List[nn.Module] = []
-    if want & {"map", "ensemble", "laplace"}:
-        maps.append(timed("map0", lambda: _map_net(make, data, budget, seed, tick)))
-        map_probs = timed("map0_pred", lambda: _probs(maps[0], inputs))
+        def fit_map(value):
+            net = _map_net(make, data, budget, seed, value, tick)
+            return net, _probs(net, [data.x_val])[0]
+        pp, map_net, scores = _choose(budget.prior_precisions, fit_map, y_val)
+        map_probs = _probs(map_net, inputs)
+        t_map = clock() - t0
         if "map" in want:
-            out["map"] = {"probs": map_probs, "seconds": timers["map0"] + timers["map0_pred"]}
+            out["map"] = {"probs": map_probs, "seconds": t_map, "extra": {"prior_precision": pp, "val_nll": scores}}
     if "ensemble" in want:
-        t0 = time.perf_counter()
-        for m in range(1, budget.ensemble):
-            maps.append(_map_net(make, data, budget, seed + 1000 * m, tick))
-        probs = [torch.stack(ps).mean(0) for ps in zip(*[_probs(net, inputs) for net in maps])]
-        out["ensemble"] = {"probs": probs, "seconds": timers["map0"] + time.perf_counter() - t0}
+        t0 = clock()
+        nets = [map_net] + [_map_net(make, data, budget, seed + 1000 * m, pp, tick) for m in range(1, budget.ensemble)]
+        out["ensemble"] = {"probs": [torch.stack(ps) for ps in zip(*[_probs(net, inputs) for net in nets])],
+                           "seconds": clock() - t0 + t_map / len(budget.prior_precisions)}
     if "dropout" in want:
-        def dropout():
-            torch.manual_seed(seed)
-            net = make_network(network, data, dropout=budget.dropout)
-            _train_adam(net, data.x_train, data.y_train, budget, seed, tick=tick)
-            net.train()  # dropout on when predicting
-            with torch.no_grad():
-                return [torch.stack([net(x).softmax(-1) for _ in range(budget.samples)]).mean(0) for x in inputs]
-        out["dropout"] = {"probs": timed("dropout", dropout), "seconds": timers["dropout"]}
-    if want & {"swa", "swag", "swag-em", "multiswag"}:
-        swag_lr, net, em, cl, em_search = timed(
-            "traj", lambda: _swag_choice(make, data, budget, seed, tick, classic="swag" in want))
-        if "swa" in want:
-            def swa():
-                with em.sampled_weights(em.loc.detach().clone()):
-                    return _probs(net, inputs)
-            out["swa"] = {"probs": timed("swa", swa), "seconds": timers["traj"] + timers["swa"]}
-        for name, post in (("swag", cl), ("swag-em", em)):
-            if name in want:
-                def fit(post=post, name=name):
-                    search = (em_search if name == "swag-em" else
-                              post.tune_scale(data.x_val, data.y_val, num_samples=budget.samples, seed=seed))
-                    return _swag_probs(post, inputs, budget.samples, seed), search
-                probs, search = timed(name, fit)
-                out[name] = {"probs": probs, "seconds": timers["traj"] + timers[name],
-                             "extra": {"scale": search.scale, "swag_lr": swag_lr}}
-        if "multiswag" in want:
-            from pyro_fa import MultiSWAG
+        t0 = clock()
 
-            def multi():
-                members = [em] + [_swag_run(make, data, budget, seed + 1000 * m, tick, classic=False,
-                                            swag_lr=swag_lr)[1] for m in range(1, budget.ensemble)]
-                ms = MultiSWAG(members)
-                search = ms.tune_scale(data.x_val, data.y_val, num_samples=budget.samples, seed=seed)
-                return _swag_probs(ms, inputs, budget.samples * len(members) // 2, seed), search
-            probs, search = timed("multiswag", multi)
-            out["multiswag"] = {"probs": probs, "seconds": timers["traj"] + timers["multiswag"],
-                                "extra": {"scale": search.scale}}
+        def fit_dropout(rate):
+            torch.manual_seed(seed)
+            net = make_network(network, data, dropout=rate)
+            _train_adam(net, data, budget, seed, pp, tick=tick)
+            return net, _mc_dropout(net, [data.x_val], budget.samples)[0]
+        rate, net, scores = _choose(budget.dropouts, fit_dropout, y_val)
+        torch.manual_seed(seed)
+        out["dropout"] = {"probs": _mc_dropout(net, inputs, budget.samples), "seconds": clock() - t0,
+                          "extra": {"dropout": rate, "val_nll": scores}}
+    if set(want) & {"swa", "swag", "swag-em", "multiswag"}:
+        _run_swag_family(want, make, data, budget, seed, pp, inputs, tick, out)
     for kind in ("vifa", "autonormal", "lowrank"):
         if kind in want:
-            probs = timed(kind, lambda: _vi_probs(kind, make, data, budget, seed, inputs, tick))
-            out[kind] = {"probs": probs, "seconds": timers[kind]}
-    peers, have = _peers()
-    train_xy, val_xy = (data.x_train, data.y_train), (data.x_val, data.y_val)
-    if "laplace" in want and have.get("laplace"):
-        probs = timed("laplace", lambda: peers.laplace_probs(maps[0], train_xy, val_xy, inputs, seed))
-        out["laplace"] = {"probs": [p.detach() for p in probs], "seconds": timers["map0"] + timers["laplace"]}
-    if "ivon" in want and have.get("ivon"):
-        def ivon():
-            samples = peers.ivon_probs(make, train_xy, val_xy, inputs, budget.epochs, budget.batch_size, seed,
-                                       num_samples=budget.samples)
-            tick(budget.epochs)
-            return [s.detach().mean(0) for s in samples]
-        out["ivon"] = {"probs": timed("ivon", ivon), "seconds": timers["ivon"]}
+            t0 = clock()
+
+            def fit_vi(lr, kind=kind):
+                probs = _vi_fit(kind, make, data, budget, seed, pp, lr, [data.x_val, *inputs], tick)
+                return probs[1:], probs[0]
+            lr, probs, scores = _choose(budget.vi_lrs, fit_vi, y_val)
+            out[kind] = {"probs": probs, "seconds": clock() - t0, "extra": {"lr": lr, "val_nll": scores}}
+    _run_peers(want, make, map_net, data, budget, seed, inputs, tick, out, t_map / len(budget.prior_precisions))
     for v in out.values():
         v.setdefault("extra", {})
-    return out
+    return {m: out[m] for m in METHODS if m in out}
+
+
+def _run_swag_family(want, make, data, budget, seed, pp, inputs, tick, out) -> None:
+    t0 = time.perf_counter()
+    swag_lr, net, em, cl, em_search = _swag_choice(make, data, budget, seed, pp, tick, classic="swag" in want)
+    t_traj = time.perf_counter() - t0
+    if "swa" in want:
+        with em.sampled_weights(em.loc.detach().clone()):
+            out["swa"] = {"probs": _probs(net, inputs), "seconds": t_traj, "extra": {"swag_lr": swag_lr}}
+    for name, post in (("swag", cl), ("swag-em", em)):
+        if name in want:
+            t0 = time.perf_counter()
+            search = em_search if name == "swag-em" else _tune(post, data, budget, seed)
+            out[name] = {"probs": _swag_samples(post, inputs, budget.samples, seed),
+                         "seconds": t_traj + time.perf_counter() - t0, "extra": _search_extra(search, swag_lr=swag_lr)}
+    if "multiswag" in want:
+        from pyro_fa import MultiSWAG
+
+        t0 = time.perf_counter()
+        members = [em] + [_swag_run(make, data, budget, seed + 1000 * m, pp, swag_lr, tick, classic=False)[1]
+                          for m in range(1, budget.ensemble)]
+        ms = MultiSWAG(members)
+        search = _tune(ms, data, budget, seed)
+        out["multiswag"] = {"probs": _swag_samples(ms, inputs, budget.samples * len(members) // 2, seed),
+                            "seconds": t_traj + time.perf_counter() - t0, "extra": _search_extra(search)}
+
+
+def _run_peers(want, make, map_net, data, budget, seed, inputs, tick, out, t_map_one) -> None:
+    peers, _ = _peers()
+    train_xy, val_xy = (data.x_train, data.y_train), (data.x_val, data.y_val)
+    laplace_rows = {"laplace": dict(prior_method="marglik"), "laplace-grid": dict(prior_method="gridsearch"),
+                    "laplace-diag": dict(prior_method="marglik", subset_of_weights="all", hessian_structure="diag")}
+    for name, options in laplace_rows.items():
+        if name in want:
+            t0 = time.perf_counter()
+            info: dict = {}
+            probs = peers.laplace_probs(map_net, train_xy, val_xy, inputs, seed, info=info, **options)
+            out[name] = {"probs": [p.detach() for p in probs], "seconds": t_map_one + time.perf_counter() - t0,
+                         "extra": info}
+    if "ivon" in want:
+        t0 = time.perf_counter()
+        info = {}
+        samples = peers.ivon_probs(make, train_xy, val_xy, inputs, budget.epochs, budget.batch_size, seed,
+                                   num_samples=budget.samples, lr_grid=budget.ivon_lrs,
+                                   hess_init_grid=budget.ivon_hess_inits, info=info)
+        tick(budget.epochs * len(budget.ivon_lrs) * len(budget.ivon_hess_inits))
+        out["ivon"] = {"probs": [s.detach() for s in samples], "seconds": time.perf_counter() - t0, "extra": info}
 
 
 def epochs_of(methods: Sequence[str], budget: Budget) -> int:
     """Training epochs :func:`run_methods` runs for ``methods`` (for progress bars)."""
-    want, have = set(methods), peers_available()
+    have = peers_available()
+    want = {m for m in methods if _can_run(m, have)}
     e = budget.epochs
-    total = 0
-    if want & {"map", "ensemble", "laplace"}:
-        total += e
-    if "ensemble" in want:
-        total += e * (budget.ensemble - 1)
-    if "dropout" in want:
-        total += e
+    total = e * len(budget.prior_precisions) if want - {"ivon"} else 0
+    total += e * (budget.ensemble - 1) * ("ensemble" in want)
+    total += e * len(budget.dropouts) * ("dropout" in want)
     if want & {"swa", "swag", "swag-em", "multiswag"}:
         total += e * len(budget.swag_lrs)
-    if "multiswag" in want:
-        total += e * (budget.ensemble - 1)
-    total += e * len(want & {"vifa", "autonormal", "lowrank"})
-    if "ivon" in want and have.get("ivon"):
-        total += e
+    total += e * (budget.ensemble - 1) * ("multiswag" in want)
+    total += e * len(budget.vi_lrs) * len(want & {"vifa", "autonormal", "lowrank"})
+    total += e * len(budget.ivon_lrs) * len(budget.ivon_hess_inits) * ("ivon" in want)
     return total

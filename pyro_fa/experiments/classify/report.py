@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -13,20 +13,33 @@ from pyro_fa.experiments._io import markdown_table, mean_se
 LABELS = {
     "map": "MAP (Adam)", "ensemble": "Deep ensemble (5)", "dropout": "MC dropout", "swa": "SWA",
     "swag": "SWAG (classic)", "swag-em": "SWAG-EM", "multiswag": "MultiSWAG-EM (5)", "vifa": "VIFA (ours)",
-    "autonormal": "Pyro AutoNormal", "lowrank": "Pyro AutoLowRankMVN", "laplace": "laplace-torch (LL KFAC)",
+    "autonormal": "Pyro AutoNormal", "lowrank": "Pyro AutoLowRankMVN", "laplace": "laplace-torch (LL KFAC, marglik)",
+    "laplace-grid": "laplace-torch (LL KFAC, val. grid)", "laplace-diag": "laplace-torch (all, diag, marglik)",
     "ivon": "IVON",
 }
+#: our factor-analysis posteriors (rows added for other predictives keep these prefixes)
+OURS = ("swag-em", "multiswag", "vifa")
+#: the tuned peers "ours" is held against
+PEER_ROWS = ("ensemble", "dropout", "laplace", "laplace-grid", "laplace-diag", "ivon")
 #: test accuracy reported by Greydanus (2020) for MNIST-1D
 PAPER_ACCURACY = {("mnist1d", "mlp"): 0.68, ("mnist1d", "cnn"): 0.94}
 METRICS = ("accuracy", "nll", "ece", "brier")
 
 
-def evaluate(probs: Sequence[Tensor], targets: Tensor, ood_names: Sequence[str]) -> Dict[str, float]:
-    """Accuracy, NLL, ECE (15 bins), Brier on the test part, and OOD AUROC by predictive entropy per OOD set.
+def _is_ours(name: str) -> bool:
+    return any(name == o or name.startswith(o + "-") for o in OURS)
 
-    ``probs`` is ``[test, *ood]``, each of shape (N, C) (or (S, N, C)); all computed by :mod:`pyro_fa.metrics`.
+
+def evaluate(probs: Sequence[Tensor], targets: Tensor, ood_names: Sequence[str]) -> Dict[str, float]:
+    """Accuracy, NLL, ECE (15 bins), Brier on the test part, and OOD AUROCs per OOD set.
+
+    ``probs`` is ``[test, *ood]``, each of shape (N, C), or draws (S, N, C) whose mean is the predictive.
+    ``auroc_<set>`` scores by the predictive entropy; for draws also ``auroc_mi_<set>`` by the mutual
+    information between label and weights (the epistemic part). All computed by :mod:`pyro_fa.metrics`.
     """
-    p = probs[0].double()
+    p_all = probs[0].double()
+    sampled = p_all.dim() == 3
+    p = p_all.mean(0) if sampled else p_all
     out = {
         "accuracy": float(metrics.accuracy(p, targets)),
         "nll": float(metrics.negative_log_likelihood(p, targets)),
@@ -34,9 +47,33 @@ def evaluate(probs: Sequence[Tensor], targets: Tensor, ood_names: Sequence[str])
         "brier": float(metrics.brier_score(p, targets)),
     }
     h_in = metrics.predictive_entropy(p)
+    mi_in = metrics.mutual_information(p_all) if sampled else None
     for name, q in zip(ood_names, probs[1:]):
-        out[f"auroc_{name}"] = float(metrics.ood_auroc(h_in, metrics.predictive_entropy(q.double())))
+        q = q.double()
+        out[f"auroc_{name}"] = float(metrics.ood_auroc(h_in, metrics.predictive_entropy(q)))
+        if sampled:
+            out[f"auroc_mi_{name}"] = float(metrics.ood_auroc(mi_in, metrics.mutual_information(q)))
     return out
+
+
+def paired(a: Sequence[float], b: Sequence[float]) -> Tuple[float, float]:
+    """Mean and standard error over seeds of the paired differences ``a - b`` (same seeds, same splits)."""
+    return mean_se([x - y for x, y in zip(a, b)])
+
+
+def verdict(diff: float, se: float, lower_is_better: bool = True) -> str:
+    """``"better"`` / ``"worse"`` (for ``a`` in ``a - b``) when ``|diff| > 2 se``, else ``"tie"``.
+
+    One seed (no standard error) is always a tie.
+
+    Examples
+    --------
+    >>> verdict(-0.10, 0.02), verdict(-0.03, 0.02), verdict(0.1, float("nan"))
+    ('better', 'tie', 'tie')
+    """
+    if math.isnan(se) or abs(diff) <= 2 * se:
+        return "tie"
+    return "better" if (diff < 0) == lower_is_better else "worse"
 
 
 def _fmt(values: List[float], digits: int = 3, scale: float = 1.0) -> str:
@@ -46,26 +83,54 @@ def _fmt(values: List[float], digits: int = 3, scale: float = 1.0) -> str:
     return f"{m:.{digits}f}" if math.isnan(se) else f"{m:.{digits}f} ± {se:.{digits}f}"
 
 
+def _chosen(extra: List[dict]) -> str:
+    """The values chosen on validation, over seeds (e.g. ``pp 10 ×4, 30``)."""
+    keys = {"prior_precision": "pp", "dropout": "p", "lr": "lr", "hess_init": "h0", "scale": "scale",
+            "swag_lr": "swag lr"}
+    parts = []
+    for key, short in keys.items():
+        vals = [e[key] for e in extra if isinstance(e.get(key), (int, float))]
+        if vals:
+            counts: Dict[str, int] = {}
+            for v in vals:
+                counts[f"{v:.3g}"] = counts.get(f"{v:.3g}", 0) + 1
+            parts.append(f"{short} " + ", ".join(k if c == 1 else f"{k} ×{c}" for k, c in counts.items()))
+    return "; ".join(parts)
+
+
 def combo_table(combo: dict) -> str:
-    """One dataset × network: a row per method, mean ± s.e. over seeds."""
+    """One dataset × network: a row per method, mean ± s.e. over seeds; AUROC by entropy / by mutual information."""
     ood = combo["ood"]
-    header = ["method", "accuracy %", "NLL", "ECE", "Brier", *[f"AUROC {o}" for o in ood], "seconds"]
+    header = ["method", "accuracy %", "NLL", "ECE", "Brier", *[f"AUROC {o} (H / MI)" for o in ood], "seconds",
+              "chosen on validation"]
     rows = []
     for name, r in combo["methods"].items():
         s = r["per_seed"]
+        aurocs = [_fmt(s[f"auroc_{o}"], 2) + (f" / {_fmt(s[f'auroc_mi_{o}'], 2)}" if f"auroc_mi_{o}" in s else "")
+                  for o in ood]
         rows.append([LABELS.get(name, name), _fmt(s["accuracy"], 1, 100), _fmt(s["nll"]), _fmt(s["ece"]),
-                     _fmt(s["brier"]), *[_fmt(s[f"auroc_{o}"], 2) for o in ood], _fmt(r["seconds"], 1)])
+                     _fmt(s["brier"]), *aurocs, _fmt(r["seconds"], 1), _chosen(r.get("extra", []))])
     return markdown_table(header, rows)
+
+
+def norms_line(combo: dict) -> str:
+    """The median input norms of the test part and each OOD set."""
+    norms = combo.get("norms") or {}
+    return "Median input norm: " + ", ".join(f"{k} {v:.2f}" for k, v in norms.items()) + "." if norms else ""
 
 
 def _mean(combo, method, metric) -> float:
     return mean_se(combo["methods"][method]["per_seed"][metric])[0]
 
 
+def _seeds(combo, method, metric) -> List[float]:
+    return combo["methods"][method]["per_seed"][metric]
+
+
 #: printed under the bars of a run smaller than the full one (``--quick``, fewer epochs or seeds)
-SMALL_RUN_NOTE = ("(The bars are set for the full run, `pyro-fa classify`: 150 epochs, 3 seeds. This run is smaller "
-                  "(e.g. --quick), so its rows only show the checks at work; a \"NOT met\" here says nothing about "
-                  "the bar.)")
+SMALL_RUN_NOTE = ("(The bars are set for the full run, `pyro-fa classify`: 150 epochs, 5 seeds, every grid. This run "
+                  "is smaller (e.g. --quick), so its rows only show the checks at work; a \"NOT met\" here says "
+                  "nothing about the bar.)")
 
 
 def versus(a: float, b: float, digits: int = 3, most: int = 6) -> str:
@@ -84,56 +149,105 @@ def versus(a: float, b: float, digits: int = 3, most: int = 6) -> str:
     return f"{a:.{d}f} vs {b:.{d}f}"
 
 
-def _auroc_versus(a: float, b: float, name_a: str, name_b: str) -> str:
-    """:func:`versus` for two AUROCs, saying which lie below chance (0.5: the in-distribution inputs look *more*
-    uncertain than the OOD ones)."""
-    below = [who for who, v in ((name_a, a), (name_b, b)) if v < 0.5]
-    note = "" if not below else f" ({'both' if len(below) == 2 else below[0]} below chance, 0.5)"
-    return versus(a, b, 2) + note
+def _paired_detail(combo, a: str, b: str, metric: str, lower_is_better: bool = True) -> Tuple[str, str]:
+    """``("a vs b; diff ± se", verdict)`` over the seeds both ran."""
+    xa, xb = _seeds(combo, a, metric), _seeds(combo, b, metric)
+    d, se = paired(xa, xb)
+    digits = 2 if metric.startswith("auroc") else 3
+    text = versus(mean_se(xa)[0], mean_se(xb)[0], digits)
+    text += f"; paired diff {d:+.{digits + 1}f}" + ("" if math.isnan(se) else f" ± {se:.{digits + 1}f}")
+    return text, verdict(d, se, lower_is_better)
+
+
+def front(combo: dict, ood: str) -> List[str]:
+    """Methods on the front of (test NLL, OOD AUROC by entropy on ``ood``): no other row has both a lower NLL
+    and a higher AUROC (means over seeds)."""
+    pts = {m: (_mean(combo, m, "nll"), _mean(combo, m, f"auroc_{ood}")) for m in combo["methods"]}
+    return [m for m, (n, a) in pts.items()
+            if not any(n2 < n and a2 > a for m2, (n2, a2) in pts.items() if m2 != m)]
 
 
 def bar_checks(combos: Dict[str, dict]) -> List[dict]:
-    """The benchmark's bars per dataset × network, on the means over seeds (see ``pyro-fa classify``'s docstring)."""
+    """The benchmark's bars per dataset × network (see ``docs/classify.md``).
+
+    Each check is ``{"combo", "check", "ok", "verdict", "detail"}``: ``verdict`` is ``"met"`` / ``"NOT met"``,
+    and for comparisons ``"tie"`` when the paired difference over seeds is within twice its standard error.
+    """
     checks = []
     for key, combo in combos.items():
         have = combo["methods"]
 
-        def add(check, ok, detail):
-            checks.append({"combo": key, "check": check, "ok": bool(ok), "detail": detail})
+        def add(check, ok, detail, tie=False):
+            checks.append({"combo": key, "check": check, "ok": bool(ok) and not tie, "detail": detail,
+                           "verdict": "tie" if tie else ("met" if ok else "NOT met")})
 
-        if "swag-em" in have:
-            for other in ("swa", "map"):
-                if other in have:
-                    for metric in ("nll", "ece"):
-                        a, b = _mean(combo, "swag-em", metric), _mean(combo, other, metric)
-                        add(f"SWAG-EM {metric.upper()} < {LABELS[other]}", a < b, versus(a, b))
-            if "map" in have:
-                for o in combo["ood"]:
-                    a, b = _mean(combo, "swag-em", f"auroc_{o}"), _mean(combo, "map", f"auroc_{o}")
-                    add(f"SWAG-EM OOD AUROC ({o}) > MAP", a > b, _auroc_versus(a, b, "SWAG-EM", "MAP"))
-        ours = [m for m in ("multiswag", "vifa") if m in have]
-        if ours and "map" in have:
-            acc_map = _mean(combo, "map", "accuracy")
-            close = [m for m in ours if _mean(combo, m, "accuracy") >= acc_map - 0.005]
-            pool = close or ours
-            best = min(pool, key=lambda m: _mean(combo, m, "nll"))
-            acc = _mean(combo, best, "accuracy")
-            add(f"{LABELS[best]} accuracy within 0.5 points of MAP", acc >= acc_map - 0.005,
-                f"{100 * acc:.1f} % vs {100 * acc_map:.1f} %")
-            for peer in ("laplace", "ivon", "dropout"):
-                if peer in have:
-                    for metric in ("nll", "ece"):
-                        a, b = _mean(combo, best, metric), _mean(combo, peer, metric)
-                        add(f"{LABELS[best]} {metric.upper()} < {LABELS[peer]}", a < b, versus(a, b))
-            if "ensemble" in have:
-                a, b = _mean(combo, best, "nll"), _mean(combo, "ensemble", "nll")
-                add(f"(stretch) {LABELS[best]} NLL < deep ensemble", a < b, versus(a, b))
+        paper = combo.get("paper_accuracy")
+        if paper and "map" in have:
+            acc = _mean(combo, "map", "accuracy")
+            add("MAP accuracy within 1 point of Greydanus (2020)", acc >= paper - 0.01,
+                f"{100 * acc:.1f} % vs {100 * paper:.0f} %")
+        if "swag-em" in have and "swa" in have:
+            em, swa = _seeds(combo, "swag-em", "nll"), _seeds(combo, "swa", "nll")
+            worst = max(a / b - 1 for a, b in zip(em, swa))
+            add("SWAG-EM NLL never > 1 % above SWA's on a seed", worst <= 0.01,
+                f"worst seed {100 * worst:+.1f} %; mean ratio {mean_se([a / b for a, b in zip(em, swa)])[0]:.3f}")
+        if "swag-em" in have and "map" in have:
+            for o in combo["ood"]:
+                text, v = _paired_detail(combo, "swag-em", "map", f"auroc_{o}", lower_is_better=False)
+                add(f"SWAG-EM OOD AUROC ({o}) > MAP", v == "better", text, tie=v == "tie")
+        ours = [m for m in have if _is_ours(m)]
+        if not ours:
+            continue
+        best = min(ours, key=lambda m: _mean(combo, m, "nll"))
+        for peer in [p for p in PEER_ROWS if p in have]:
+            for metric in ("nll", "ece"):
+                text, v = _paired_detail(combo, best, peer, metric)
+                add(f"{LABELS.get(best, best)} {metric.upper()} < {LABELS[peer]}", v == "better", text, tie=v == "tie")
+        if "map" in have:
+            for o in combo["ood"]:
+                text, v = _paired_detail(combo, best, "map", f"auroc_{o}", lower_is_better=False)
+                add(f"{LABELS.get(best, best)} OOD AUROC ({o}) > MAP", v == "better", text, tie=v == "tie")
+        for o in combo["ood"]:
+            on = front(combo, o)
+            fa = [m for m in on if _is_ours(m)]
+            add(f"a factor-analysis posterior on the NLL / AUROC ({o}) front", bool(fa),
+                "front: " + ", ".join(LABELS.get(m, m) for m in on))
     return checks
 
 
 def bar_summary(checks: List[dict]) -> str:
-    rows = [[c["combo"], c["check"], c["detail"], "met" if c["ok"] else "NOT met"] for c in checks]
-    return markdown_table(["dataset × network", "check (means over seeds)", "ours vs other", "bar"], rows)
+    rows = [[c["combo"], c["check"], c["detail"], c.get("verdict", "met" if c["ok"] else "NOT met")] for c in checks]
+    return markdown_table(["dataset × network", "check (over seeds; paired where two rows)", "ours vs other", "bar"],
+                          rows)
+
+
+def front_figure(key: str, combo: dict):
+    """Test NLL against OOD AUROC (by entropy), mean ± s.e. over seeds, one panel per OOD set: the trade-off front.
+
+    Ours (factor-analysis posteriors) in blue, the tuned peers in red, MAP / SWA / SWAG / Pyro's guides in grey.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ood = combo["ood"]
+    fig, axes = plt.subplots(1, len(ood), figsize=(4.2 * len(ood), 3.6), squeeze=False)
+    for ax, o in zip(axes[0], ood):
+        for m in combo["methods"]:
+            nll, nse = mean_se(_seeds(combo, m, "nll"))
+            au, ase = mean_se(_seeds(combo, m, f"auroc_{o}"))
+            color = "C0" if _is_ours(m) else ("C3" if m in PEER_ROWS else "0.5")
+            ax.errorbar(nll, au, xerr=0 if math.isnan(nse) else nse, yerr=0 if math.isnan(ase) else ase,
+                        fmt="o" if _is_ours(m) else "s", color=color, ms=4, lw=0.8)
+            ax.annotate(LABELS.get(m, m), (nll, au), fontsize=5.5, xytext=(3, 2), textcoords="offset points")
+        ax.axhline(0.5, color="0.8", lw=0.6)
+        ax.set_xlabel("test NLL (lower is better)", fontsize=8)
+        ax.set_ylabel(f"OOD AUROC, {o} (higher is better)", fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(f"{key}: in-distribution NLL vs OOD detection (blue: ours, red: tuned peers)", fontsize=9)
+    fig.tight_layout()
+    return fig
 
 
 def reliability_figure(combos: Dict[str, dict], probs: Dict[str, Dict[str, List[Tensor]]],
