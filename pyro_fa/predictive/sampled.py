@@ -63,7 +63,9 @@ class SampledPredictive:
     network : callable
         ``network(draw) -> context manager`` yielding a callable, the network with
         the draw's weights (e.g. the module with the draw loaded into its
-        parameters, restored on exit).
+        parameters, restored on exit), or the network linearised at the mean and
+        evaluated at the draw (:func:`~pyro_fa.predictive.linearized_network`, a
+        posterior's ``predictive(pred_type="glm")``).
     module : nn.Module or callable, optional
         The network whose weights the posterior describes; ``None`` when the
         posterior has no module to run (parameters of a Pyro model only).
