@@ -567,8 +567,12 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
                                  f"fn={fn!r}, loader={loader!r}, keywords {sorted(kwargs)!r}. Use "
                                  "predictive(pred_type='glm').average(...) to average a function of sampled "
                                  "linearised outputs.")
+            if noise_std is not None:  # refused before the Jacobians are computed
+                noise = torch.as_tensor(noise_std)
+                if not bool(torch.isfinite(noise).all()) or bool((noise <= 0).any()):
+                    raise ValueError(f"{cls}: noise_std must be positive and finite, got {noise_std!r}.")
             mean, var = self.linearized_moments(*args, chunk_size=chunk_size, diagonal=True)
-            return _glm_mean_variance(cls, self._source.module, args, mean, var, noise_std)
+            return _glm_mean_variance(self._source.module, args, mean, var, noise_std)
         _positive_int(cls, "num_samples", num_samples)
         module = self._source.module
         if module is None:
@@ -701,12 +705,10 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
                 f"collect_every={self.collect_every}, window={self.window}")
 
 
-def _glm_mean_variance(cls: str, module, args, mean: Tensor, var: Tensor, noise_std):
-    """The GLM's (mean, marginal variance) in the module's output shape, the noise variance added if given."""
+def _glm_mean_variance(module, args, mean: Tensor, var: Tensor, noise_std):
+    """The GLM's (mean, marginal variance) in the module's output shape, the noise variance (checked) added if given."""
     if noise_std is not None:
         noise = torch.as_tensor(noise_std, dtype=var.dtype, device=var.device)
-        if not bool(torch.isfinite(noise).all()) or bool((noise <= 0).any()):
-            raise ValueError(f"{cls}: noise_std must be positive and finite, got {noise_std!r}.")
         var = var + (noise.unsqueeze(-1) if noise.dim() == 1 else noise).square()  # (N,) noise: one per example
     with torch.no_grad():  # the module's own output shape: (N,) or (N, C)
         squeeze = module(*(x[:1] for x in args)).dim() == 1
