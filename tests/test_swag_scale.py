@@ -62,11 +62,14 @@ def test_tune_scale_finds_the_known_right_scale_gaussian():
     # scale 0 is the mean's own prediction, one Gaussian per point
     at_mean = torch.distributions.Normal(swag.loc[0] * x[:, 0] + swag.loc[1], 0.5).log_prob(y[:, 0])
     assert found.log_likelihoods[0] == pytest.approx(float(at_mean.mean()), rel=1e-10)
-    # the default rule: the smallest scale reaching 80 % of the best gain over the mean, read off the curve
+    # the default rule: the smallest scale reaching 70 % of the gain over the mean at the scale whose gain has the
+    # best lower bound (gain - 1.5 paired standard errors), read off the per-point curve
     default = swag.tune_scale(x, y[:, 0], "gaussian", noise_std=0.5, num_samples=200)
     assert default.log_likelihoods == found.log_likelihoods and default.rule == "fraction"
-    gains = [v - found.log_likelihoods[0] for v in found.log_likelihoods]
-    expected = next(s for s, g in zip(found.scales, gains) if s > 0 and g >= 0.8 * max(gains))
+    d = (found.point_log_likelihoods - found.point_log_likelihoods[0]).numpy()
+    gains, se = d.mean(1), d.std(1, ddof=1) / math.sqrt(N)
+    best = 1 + int((gains - 1.5 * se)[1:].argmax())
+    expected = next(s for s, g in zip(found.scales, gains) if s > 0 and g >= 0.7 * gains[best])
     assert default.scale == expected == swag.scale and 0 < expected < 100.0
     assert default.gain == pytest.approx(gains[found.scales.index(expected)], rel=1e-12)
 

@@ -1,0 +1,182 @@
+"""Which rule for choosing SWAG's scale on a small validation set generalises to the test set?
+
+For each task and seed: a fresh random split (small validation part), an MLP trained by SGD
+with the SWA recipe (pre-train, then a constant rate with ``SWALR``, one collection per epoch;
+Maddox et al., "A simple baseline for Bayesian uncertainty in deep learning", NeurIPS 2019,
+Algorithm 1), SWAG-EM over its iterates. One validation curve (the per-point log-likelihood of
+the model average at scale 0, the mean, and at every candidate, common draws; the grid widened
+at an edge as :func:`pyro_fa.predictive.tune_scale` does) and one test curve (other draws) are
+computed; every rule of :func:`pyro_fa.predictive.select_scale` (and the old one, the arg-max
+over the positive scales without the mean) picks a scale from the validation curve, and its
+test NLL is compared with the mean's (SWA's).
+
+Tasks: scikit-learn's digits (pixels / 16, 100 validation points), breast cancer (standardised
+on the training part, 80), and UCI regression sets from ``$PYRO_FA_DATA`` (boston, concrete) (``likelihood="gaussian"``
+with the SWA network's training RMSE as the noise, 80 validation points taken from the
+standard split's training part; NLL in the target's original units).
+
+Prints per task and rule: the mean over seeds of test NLL / SWA's, the worst seed's ratio,
+the number of seeds worse than SWA by more than 1 %, and the chosen scales.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_scale_rule.py              # 5 seeds, about 3 minutes
+    OMP_NUM_THREADS=1 python benchmarks/bench_scale_rule.py --seeds 10 --uci boston,energy
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.swa_utils import SWALR
+
+from pyro_fa import SWAG
+from pyro_fa.predictive import ScaleSelectionWarning, bma_log_likelihood, select_scale, tune_scale
+
+RULES = {  # name: (rule, fraction, num_se); rule None: computed here
+    "argmax (old: no mean)": (None, None, None),
+    "80% of max gain (issue)": (None, 0.8, None),
+    "argmax": ("argmax", 0.7, 1.5),
+    "significant (2 SE)": ("significant", 0.7, 1.5),
+    "one_se": ("one_se", 0.7, 1.5),
+    "fraction 0.8, 1 SE": ("fraction", 0.8, 1.0),
+    "fraction 0.5, 1.5 SE": ("fraction", 0.5, 1.5),
+    "fraction 0.7, 1.5 SE (default)": ("fraction", 0.7, 1.5),
+}
+
+
+def _classification(name, seed):
+    from sklearn.datasets import load_breast_cancer, load_digits
+
+    torch.manual_seed(seed)
+    if name == "digits":
+        X, y = load_digits(return_X_y=True)
+        X, y = torch.tensor(X / 16.0, dtype=torch.float32), torch.tensor(y)
+        perm = torch.randperm(len(y))
+        tr, va, te = perm[:1000], perm[1000:1100], perm[1100:]
+    else:
+        X, y = load_breast_cancer(return_X_y=True)
+        X, y = torch.tensor(X, dtype=torch.float32), torch.tensor(y)
+        perm = torch.randperm(len(y))
+        tr, va, te = perm[:300], perm[300:380], perm[380:]
+        mu, sd = X[tr].mean(0), X[tr].std(0).clamp_min(1e-3)
+        X = (X - mu) / sd
+    return X, y, tr, va, te
+
+
+def _fraction_of_max(val, fraction):
+    d = val - val[0]
+    g, se = d.mean(1), d.std(1) / math.sqrt(d.shape[1])
+    b = 1 + int(g[1:].argmax())
+    if not g[b] > se[b]:
+        return 0
+    return next(j for j in range(1, len(g)) if g[j] >= fraction * g[b])
+
+
+def _train(X, y, tr, net, loss, epochs, swa_epochs, lr, swa_lr, wd, batch, seed):
+    steps = math.ceil(len(tr) / batch)
+    pre = epochs - swa_epochs
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9, weight_decay=wd)
+    swag = SWAG(net, rank=10, start_after=pre * steps, collect_every=steps, seed=seed)
+    swag.attach(opt)
+    sched = SWALR(opt, swa_lr=swa_lr, anneal_epochs=1)
+    for epoch in range(epochs):
+        for idx in tr[torch.randperm(len(tr))].split(batch):
+            opt.zero_grad()
+            loss(net(X[idx]), y[idx]).backward()
+            opt.step()
+        if epoch >= pre:
+            sched.step()
+    return swag
+
+
+def run_task(task, seed, uci, samples):
+    """Validation and test curves of one seed: (scales, val point lls (n, N_val), test mean lls (n,))."""
+    if task == "uci":
+        from pyro_fa.datasets import load_uci, uci_n_splits
+
+        d = load_uci(uci, split=seed % uci_n_splits(uci), dtype=torch.float32)  # seeds past 20: new validation parts
+        g = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(len(d.y_train), generator=g)
+        X = torch.cat([d.x_train, d.x_test])
+        y = torch.cat([d.y_train, d.y_test])
+        tr, va = perm[80:], perm[:80]
+        te = torch.arange(len(d.y_train), len(y))
+        torch.manual_seed(seed)
+        net = nn.Sequential(nn.Linear(X.shape[1], 50), nn.ReLU(), nn.Linear(50, 1))
+        swag = _train(X, y, tr, net, lambda out, t: F.mse_loss(out[:, 0], t), 200, 50, 0.01, 0.01, 1e-4, 32, seed)
+        with torch.no_grad(), swag.sampled_weights(swag.loc):
+            noise = float((net(X[tr])[:, 0] - y[tr]).pow(2).mean().sqrt())
+        kw = dict(likelihood="gaussian", noise_std=noise)
+        shift = -math.log(d.y_std)  # log-likelihood in the original units
+    else:
+        X, y, tr, va, te = _classification(task, seed)
+        net = nn.Sequential(nn.Linear(X.shape[1], 64), nn.ReLU(), nn.Linear(64, int(y.max()) + 1))
+        epochs = 40 if task == "digits" else 60
+        swag = _train(X, y, tr, net, F.cross_entropy, epochs, 20 if task == "digits" else 30, 0.05, 0.02, 5e-4, 50,
+                      seed)
+        kw = dict(likelihood="categorical")
+        shift = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ScaleSelectionWarning)
+        search = tune_scale(swag, X[va], y[va], num_samples=samples, seed=seed, rule="argmax", **kw)
+    test = [bma_log_likelihood(swag, X[te], y[te], scale=s, num_samples=samples, seed=seed + 1000, **kw) + shift
+            for s in search.scales]
+    return search.scales, search.point_log_likelihoods, test
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--uci", default="boston,concrete", help="UCI regression sets read from $PYRO_FA_DATA")
+    parser.add_argument("--samples", type=int, default=30, help="draws per candidate scale")
+    parser.add_argument("--tasks", default="digits,breast_cancer,uci")
+    parser.add_argument("--json", help="write the per-seed results and the curves here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if "uci" in args.tasks and not os.environ.get("PYRO_FA_DATA"):
+        parser.error("set PYRO_FA_DATA to the UCI folder (or drop uci from --tasks)")
+    t0 = time.perf_counter()
+    out, curves = {}, {}
+    tasks = [(t, None) for t in args.tasks.split(",") if t != "uci"]
+    tasks += [("uci", name) for name in args.uci.split(",") if "uci" in args.tasks.split(",")]
+    for task, uci in tasks:
+        label = f"{uci} (UCI)" if task == "uci" else task
+        rows = {name: [] for name in RULES}
+        curves[label] = []
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
+            scales, val, test = run_task(task, seed, uci, args.samples)
+            curves[label].append(dict(scales=scales, val=val.tolist(), test=test))
+            swa_nll = -test[0]
+            for name, (rule, fraction, num_se) in RULES.items():
+                if rule is not None:
+                    i, _ = select_scale(scales, val, rule, fraction=fraction, num_se=num_se)
+                elif fraction is None:  # the old rule: arg-max over the positive scales
+                    i = 1 + int(val[1:].mean(1).argmax())
+                else:  # the issue's: the smallest scale reaching 80 % of the best gain, the mean if none > 1 SE
+                    i = _fraction_of_max(val, fraction)
+                rows[name].append(dict(seed=seed, scale=scales[i], nll=-test[i], swa_nll=swa_nll,
+                                       ratio=-test[i] / swa_nll))
+        out[label] = rows
+        print(f"\n{label}: {args.seeds} seeds, test NLL of SWA (scale 0) "
+              f"{sum(r['swa_nll'] for r in rows['argmax']) / args.seeds:.4f} on average")
+        print(f"{'rule':31s} {'mean ratio':>10s} {'worst':>7s} {'>1% worse':>9s}  scales chosen")
+        for name, rs in rows.items():
+            ratios = [r["ratio"] for r in rs]
+            worse = sum(r > 1.01 for r in ratios)
+            print(f"{name:31s} {sum(ratios) / len(ratios):10.3f} {max(ratios):7.3f} {worse:5d}/{len(rs)}  "
+                  + " ".join(f"{r['scale']:.3g}" for r in rs))
+    print(f"\n{time.perf_counter() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(results=out, curves=curves), f)
+
+
+if __name__ == "__main__":
+    main()
