@@ -367,7 +367,8 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         self._scale = float(value)
 
     def tune_scale(self, inputs, targets, likelihood="categorical", *, scales=None, num_samples: int = 30,
-                   noise_std=None, seed: int = 0, rule: str = "fraction", fraction: float = 0.8, widen: int = 3,
+                   noise_std=None, seed: int = 0, rule: str = "fraction", fraction: float = 0.7, num_se: float = 1.5,
+                   widen: int = 3,
                    pred_type: str = "nn"):
         """Choose :attr:`scale` on validation data, never worse there than the mean (scale 0).
 
@@ -379,7 +380,7 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         ScaleSearch
         """
         return tune_scale(self, inputs, targets, likelihood, scales=scales, num_samples=num_samples,
-                          noise_std=noise_std, seed=seed, rule=rule, fraction=fraction, widen=widen,
+                          noise_std=noise_std, seed=seed, rule=rule, fraction=fraction, num_se=num_se, widen=widen,
                           pred_type=pred_type)
 
     @torch.no_grad()
