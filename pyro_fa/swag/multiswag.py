@@ -124,14 +124,15 @@ class MultiSWAG(nn.Module):
             m.scale = value
 
     def tune_scale(self, inputs, targets, likelihood="categorical", *, scales=None, num_samples: int = 30,
-                   noise_std=None, seed: int = 0, rule: str = "fraction", fraction: float = 0.8, widen: int = 3,
+                   noise_std=None, seed: int = 0, rule: str = "fraction", fraction: float = 0.7, num_se: float = 1.5,
+                   widen: int = 3,
                    pred_type: str = "nn"):
         """Choose one scale for all members by the validation log-likelihood of the mixture's model average.
 
         See :func:`pyro_fa.predictive.tune_scale`; the draws are split evenly over the members.
         """
         return tune_scale(self, inputs, targets, likelihood, scales=scales, num_samples=num_samples,
-                          noise_std=noise_std, seed=seed, rule=rule, fraction=fraction, widen=widen,
+                          noise_std=noise_std, seed=seed, rule=rule, fraction=fraction, num_se=num_se, widen=widen,
                           pred_type=pred_type)
 
     def distribution(self) -> MixtureSameFamily:
