@@ -125,6 +125,36 @@ def test_heldout_ll_equals_metrics_per_replica():
         uci.evaluate(bad, nv, data)
 
 
+def test_swag_scale_curve_is_the_held_out_log_likelihood_of_common_draws():
+    """The SWAG family's scale search: scale 0 is the mean's prediction, every scale the model average of the
+    same draws scaled, each point scored as uci.heldout_ll scores its replica."""
+    from pyro_fa.experiments.uci import swag_family
+
+    x, y = _toy(N=60)
+    R = 2
+    data = uci.SplitData(x[:40].expand(R, -1, -1), y[:40].expand(R, -1), x[40:].expand(R, -1, -1),
+                         y[40:].expand(R, -1), torch.tensor([1.0, 2.0]))
+    budget = uci.Budget(swag_steps=60, swag_collections=20, swag_warmup=5, swag_batch=10, rank=2)
+    swags, model = swag_family._map_then_collect(BatchedMLP(3, (6,)), data, 1.0, 1e-2, 30, 1e-2, budget, ("em",),
+                                                 range(R), torch.Generator().manual_seed(0),
+                                                 torch.Generator().manual_seed(1))
+    scales = [0.0, 1.0, 100.0]
+    L = swag_family._scale_curve(swags["em"], model, data, 8, torch.Generator().manual_seed(2), scales)
+    assert L.shape == (3, R * 20)
+    loc = torch.stack([swags["em"][r].loc for r in range(R)])
+    dev = torch.stack([swags["em"][r].predictive().deviations(8, g) for g in [torch.Generator().manual_seed(2)]
+                       for r in range(R)], 1)  # the generator shared by the replicas, in replica order
+    nv = model.likelihood_scale().detach().pow(2).unsqueeze(-1)
+    for i, s in enumerate(scales):
+        means = model.mlp.forward(loc + math.sqrt(s) * dev, data.x_eval)
+        torch.testing.assert_close(L[i].reshape(R, 20).mean(1), uci.heldout_ll(means, nv, data), rtol=1e-5,
+                                   atol=1e-5)
+    scale, record = swag_family._choose_scale(swags["em"], model, data, 8, 2)
+    assert record["scales"][:3] == [0.0, 0.01, 10 ** -1.5] and scale == record["scale"] in record["scales"]
+    # never worse than the mean on the validation points
+    assert record["val_ll"][record["scales"].index(scale)] >= record["val_ll"][0]
+
+
 def test_choose_takes_the_best_mean_over_tuning_splits():
     configs = [{"precision": 1.0, "lr": 0.1}, {"precision": 10.0, "lr": 0.1}]
     curves = [(10, torch.tensor([-2.0, -2.0, -1.0, -4.0])), (20, torch.tensor([-1.5, -1.6, -3.0, -3.0]))]
@@ -159,6 +189,14 @@ def test_uci_command_writes_complete_results(tmp_path, capsys):
     for r in got.values():
         assert len(r["ll"]) == 2 and len(r["rmse"]) == 2 and all(math.isfinite(v) for v in r["ll"])
         assert r["choice"]["precision"] in (0.1, 1.0, 10.0)
+    for name in ("swag-em-1x50", "multiswag-1x50"):  # the scale chosen on validation, scale 0 (the mean) a candidate
+        r, = [got[name]]
+        pick = r["scale_choice"]
+        assert r["scale"] == pick["scale"] in pick["scales"] and pick["scales"][0] == 0.0
+        assert pick["val_ll"][pick["scales"].index(r["scale"])] >= pick["val_ll"][0]
+        assert len(r["mean_ll"]) == 2
+        if r["scale"] == 0.0:  # the model average at scale 0 is the mean's (SWA's; the ensemble of means) prediction
+            np.testing.assert_allclose(r["ll"], r["mean_ll"], rtol=1e-6)
     table = (out / "table.md").read_text()
     assert "VIFA Gaussian 1×50" in table and "-2.36 ± 0.06" in table  # Jiang (2023)'s number beside ours
     assert (out / "ll.png").stat().st_size > 0 and (out / "rmse.png").stat().st_size > 0

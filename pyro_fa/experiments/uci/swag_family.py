@@ -3,16 +3,24 @@ r"""The UCI benchmark's SWAG family: one MAP search, SGD collection phases feedi
 The MAP fits are :class:`pyro_fa.nn.BatchedVI` replicas of the ``"delta"`` family (Pyro's
 ``AutoDelta``), trained by :func:`pyro_fa.experiments.uci.protocol.train`; the collection
 phase steps plain SGD on every replica's weight vector and feeds :class:`~pyro_fa.SWAG`.
+
+Each posterior's scale is chosen on the tuning splits' validation parts by
+:func:`pyro_fa.predictive.select_scale` (its default rule, scale 0 — the SWA mean — among
+the candidates), together with the SGD rate of the collection phase, and used on every split;
+each SWAG row also reports its mean's (SWA's; for MultiSWAG the ensemble of the members'
+means) test log-likelihood as ``mean_ll``.
 """
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+import math
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
 from pyro_fa.experiments.uci.protocol import (Budget, Method, SplitData, _choose, _spec, evaluate, final_data,
-                                               heldout_ll, train, tuning_data)
+                                               train, tuning_data)
 from pyro_fa.nn.batched import BatchedVI, sample_rows, take_rows
+from pyro_fa.predictive import DEFAULT_SCALES, log_mean_exp, select_scale
 
 
 def _collect_schedule(data: SplitData, budget: Budget) -> Tuple[int, int]:
@@ -81,6 +89,51 @@ def _swag_predict(swags: Dict[int, object], model: BatchedVI, data: SplitData, r
         return spec.forward(theta, x), nv
 
 
+@torch.no_grad()
+def _scale_curve(swags: Dict[int, object], model: BatchedVI, data: SplitData, num_samples: int,
+                 generator: torch.Generator, scales: Sequence[float]) -> torch.Tensor:
+    r"""Per-point held-out log-likelihoods (original units) of every replica's SWAG at each scale, common draws.
+
+    Returns a Tensor of shape (len(scales), R * M): the model average over ``num_samples`` draws
+    :math:`c + \sqrt{s}\,\delta` (the same :math:`\delta` for every scale) at every held-out point of every
+    replica, scale 0 being the mean's prediction.
+    """
+    R = data.y.shape[0]
+    loc = torch.stack([swags[r].loc for r in range(R)])  # (R, D)
+    dev = torch.stack([swags[r].predictive().deviations(num_samples, generator) for r in range(R)], 1)  # (S, R, D)
+    sd = model.likelihood_scale().detach()[:R].unsqueeze(-1)  # (R, 1), standardised units
+    shift = data.y_std.log().unsqueeze(-1)  # (R, 1): to the original units
+    rows = []
+    for s in scales:
+        theta = loc.unsqueeze(0) if s == 0 else loc + math.sqrt(s) * dev
+        means = model.mlp.forward(theta, data.x_eval)  # (S, R, M)
+        ll = torch.distributions.Normal(means, sd).log_prob(data.y_eval)
+        rows.append((log_mean_exp(ll) - shift).reshape(-1))
+    return torch.stack(rows)
+
+
+def _choose_scale(swags: Dict[int, object], model: BatchedVI, data: SplitData, num_samples: int, seed: int,
+                  widen: int = 3) -> Tuple[float, dict]:
+    """The scale chosen on the validation parts (grid widened past an upper edge where the best sits), and a record."""
+    scales: List[float] = [0.0, *DEFAULT_SCALES]
+    gen = torch.Generator(device=data.x.device).manual_seed(seed)
+    L = _scale_curve(swags, model, data, num_samples, gen, scales)
+    for _ in range(widen):
+        if int(L[1:].mean(1).argmax()) + 1 != len(scales) - 1:
+            break
+        scales.append(scales[-1] * scales[-1] / scales[-2])
+        gen = torch.Generator(device=data.x.device).manual_seed(seed)  # the same draws again
+        L = torch.cat([L, _scale_curve(swags, model, data, num_samples, gen, scales[-1:])])
+    if not bool(torch.isfinite(L[0]).all()):
+        return 1.0, {"scale": 1.0, "reason": "the mean's validation log-likelihood is not finite: scale 1 kept"}
+    i, reason = select_scale(scales, L)
+    N = L.shape[1]
+    d = L - L[0]
+    return scales[i], {"scale": scales[i], "reason": reason, "scales": scales, "val_ll": L.mean(1).tolist(),
+                       "gain_se": (d.std(1) / math.sqrt(N)).tolist() if N > 1 else [0.0] * len(scales),
+                       "val_points": N}
+
+
 def run_swag(methods: Sequence[Method], splits, budget: Budget, seed: int, progress=None) -> Dict[str, dict]:
     """The SWAG family on one dataset: one shared search, one set of SGD runs, one column per method."""
     device = splits[0].x_train.device
@@ -99,23 +152,25 @@ def run_swag(methods: Sequence[Method], splits, budget: Budget, seed: int, progr
     curves = train(model, tune.take(index), budget.steps, budget, gen, budget.checkpoints, progress,
                    patience=True, n_configs=len(configs))
     choice, map_val_ll, table = _choose(curves, configs, n_tune)
-    # 2. the SGD learning rate of the collection phase, by SWAG-EM's validation log-likelihood
-    swag_scores = []
-    tune_gen = torch.Generator(device=device).manual_seed(seed + 1)
+    # 2. the SGD learning rate of the collection phase, by SWAG-EM's validation log-likelihood at its chosen
+    # scale; each kind's scale chosen on the same validation parts (scale 0, the SWA mean, a candidate)
+    kinds = sorted({"em" if m.swag == "multiswag" else m.swag for m in methods} | {"em"})
+    swag_scores, scale_choices = [], []
     for swag_lr in budget.swag_lrs:
         swags, m = _map_then_collect(spec, tune, choice["precision"], choice["lr"], choice["steps"], swag_lr,
-                                     budget, ("em",), (), cpu_gen, gen, progress)
-        means, nv = _swag_predict(swags["em"], m, tune, [[r] for r in range(n_tune)], budget.eval_samples,
-                                  tune_gen)
-        swag_scores.append(float(heldout_ll(means, nv, tune).mean()))
+                                     budget, kinds, range(n_tune), cpu_gen, gen, progress)
+        picked = {kind: _choose_scale(swags[kind], m, tune, budget.eval_samples, seed + 1) for kind in kinds}
+        scale_choices.append(picked)
+        rec = picked["em"][1]
+        swag_scores.append(rec["val_ll"][rec["scales"].index(rec["scale"])] if "val_ll" in rec else -math.inf)
     best = max(range(len(budget.swag_lrs)), key=lambda i: swag_scores[i])
     choice = {**choice, "swag_lr": budget.swag_lrs[best]}
+    scales = {kind: picked[0] for kind, picked in scale_choices[best].items()}
     # 3. every split: `ensemble` members per split (member 0 is the single-SWAG run)
     final = final_data(splits)
     n = final.y.shape[0]
     M = budget.ensemble if any(m.swag == "multiswag" for m in methods) else 1
     data = final.take(torch.arange(n, device=device).repeat(M))  # replica = member * n + split
-    kinds = sorted({"em" if m.swag == "multiswag" else m.swag for m in methods})
     swags, model = _map_then_collect(spec, data, choice["precision"], choice["lr"], choice["steps"],
                                      choice["swag_lr"], budget, kinds, range(n), cpu_gen, gen, progress)
     test_gen = torch.Generator(device=device).manual_seed(seed + 2)
@@ -124,11 +179,18 @@ def run_swag(methods: Sequence[Method], splits, budget: Budget, seed: int, progr
         kind = "em" if method.swag == "multiswag" else method.swag
         groups = [[m * n + s for m in range(M)] for s in range(n)] if method.swag == "multiswag" \
             else [[s] for s in range(n)]
+        for sw in swags[kind].values():  # the mean first (SWA; MultiSWAG: the ensemble of the members' means)
+            sw.scale = 0.0
+        means, nv = _swag_predict(swags[kind], model, data, groups, len(groups[0]), test_gen)  # one draw a member
+        mean_ll = evaluate(means, nv, final)["ll"]
+        for sw in swags[kind].values():
+            sw.scale = scales[kind]
         means, nv = _swag_predict(swags[kind], model, data, groups, budget.test_samples, test_gen)
         scores = evaluate(means, nv, final)
         out[method.name] = {
             "choice": choice, "val_ll": map_val_ll, "tune_splits": n_tune,
             "swag_val_ll": dict(zip(map(str, budget.swag_lrs), swag_scores)),
+            "scale": scales[kind], "scale_choice": scale_choices[best][kind][1], "mean_ll": mean_ll.tolist(),
             "search": table, "dim": spec.dim, **{k: v.tolist() for k, v in scores.items()},
             "noise_scale": (model.likelihood_scale()[:n].detach() * final.y_std).tolist(),
         }
