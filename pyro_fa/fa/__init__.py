@@ -12,6 +12,6 @@ from pyro_fa.fa import linalg
 from pyro_fa.fa.batch import BatchFactorAnalysis, ScatterStatistics
 from pyro_fa.fa.moments import RunningMoments
 from pyro_fa.fa.online import OnlineFactorAnalysis
-from pyro_fa.fa.fitters import em as _em, sga as _sga  # noqa: F401  the built-in fitters register themselves
+from pyro_fa.fa.fitters import em as _em, sga as _sga, sketch as _sketch  # noqa: F401  the built-in fitters register themselves
 
 __all__ = ["linalg", "BatchFactorAnalysis", "ScatterStatistics", "OnlineFactorAnalysis", "RunningMoments"]
