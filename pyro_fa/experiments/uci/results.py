@@ -28,6 +28,8 @@ def _units(names: Sequence[str], method_names: Sequence[str]) -> List[Tuple[str,
 #: bumped whenever a change to the protocol changes what a unit computes: older unit files are then not reused.
 #: 1: the protocol of the unit files without a ``key`` (named ``<dataset>__<unit>.json``), still read.
 UNIT_PROTOCOL = 1
+#: how the SWAG family's scales are chosen (:func:`pyro_fa.predictive.select_scale`'s default rule): part of its key
+SWAG_SCALE_SELECTION = "fraction 0.7 of the best 1.5-SE lower bound, the mean a candidate"
 #: what every unit file holds (a file without them is not a unit, and is ignored with a warning); files
 #: written since units are keyed also hold ``key`` (see :func:`_unit_key`)
 _UNIT_FIELDS = {"dataset": str, "unit": str, "n_splits": int, "budget": dict, "seed": int, "device": str,
@@ -45,9 +47,11 @@ def _run_key(budget: Budget, splits_n: Optional[int], seed: int) -> dict:
 
 def _unit_key(run_key: dict, dataset: str, unit: str, method_names: Sequence[str]) -> dict:
     """Everything a unit's results depend on: the run's key, the dataset and the unit's methods (the SWAG
-    family's columns share their fits, so its set of methods is part of its key)."""
+    family's columns share their fits, so its set of methods is part of its key; its scales are chosen on
+    validation by :data:`SWAG_SCALE_SELECTION`, so SWAG units from before that choice are not reused)."""
     methods = sorted(m for m in method_names if METHODS[m].swag is not None) if unit == "swag-family" else [unit]
-    return {**run_key, "dataset": dataset, "unit": unit, "methods": methods}
+    key = {**run_key, "dataset": dataset, "unit": unit, "methods": methods}
+    return {**key, "scale_selection": SWAG_SCALE_SELECTION} if unit == "swag-family" else key
 
 
 def _unit_path(out_dir, key: dict) -> Path:
