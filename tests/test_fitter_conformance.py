@@ -15,7 +15,7 @@ from pyro_fa import OnlineFactorAnalysis
 from pyro_fa.fa.batch import BatchFactorAnalysis
 from pyro_fa.fa.fitters import FITTERS, Fitter, fitter_class, register_fitter
 
-BUILTIN = ["em", "sga"]
+BUILTIN = ["em", "sga", "sketch"]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
@@ -77,7 +77,7 @@ def test_registry_holds_the_builtin_fitters(method):
 
 
 def test_unknown_method_is_refused_at_the_boundary():
-    with pytest.raises(ValueError, match=r"OnlineFactorAnalysis: method must be one of \('em', 'sga'\), got 'pca'"):
+    with pytest.raises(ValueError, match=r"OnlineFactorAnalysis: method must be one of \('em', 'sga', 'sketch'\), got 'pca'"):
         OnlineFactorAnalysis(5, 2, method="pca")
 
 
