@@ -43,10 +43,10 @@ RULES = {  # name: (rule, fraction, num_se); rule None: computed here
     "80% of max gain (issue)": (None, 0.8, None),
     "argmax": ("argmax", 0.7, 1.5),
     "significant (2 SE)": ("significant", 0.7, 1.5),
-    "one_se": ("one_se", 0.7, 1.5),
+    "one_se, paired (default)": ("one_se", 0.7, 1.5),
     "fraction 0.8, 1 SE": ("fraction", 0.8, 1.0),
     "fraction 0.5, 1.5 SE": ("fraction", 0.5, 1.5),
-    "fraction 0.7, 1.5 SE (default)": ("fraction", 0.7, 1.5),
+    "fraction 0.7, 1.5 SE": ("fraction", 0.7, 1.5),
 }
 
 

@@ -60,15 +60,21 @@ def test_select_scale_matches_the_rules_written_in_numpy(rule, seed):
 def test_fraction_rule_steps_back_from_a_noisy_optimum_and_falls_back_to_the_mean():
     scales, L = _curve(0, N=200)
     assert select_scale(scales, L, "argmax")[0] == 4  # the noisy cliff has the highest mean
-    i, reason = select_scale(scales, L)  # the lower bound prefers 10 (0.08 +- 0.004); 70 % of its gain: scale 1
+    # the lower bound prefers 10 (0.08 +- 0.004); 70 % of its gain: scale 1
+    i, reason = select_scale(scales, L, "fraction")
     assert scales[i] == 1.0 and "at scale 10" in reason and "the best lower bound" in reason
-    assert select_scale(scales, L, fraction=1.0)[0] == 3 and select_scale(scales, L, fraction=0.2)[0] == 1
+    assert select_scale(scales, L, "fraction", fraction=1.0)[0] == 3
+    assert select_scale(scales, L, "fraction", fraction=0.2)[0] == 1
+    # one paired standard error below the noisy best (100): scales 1 (0.07) and 10 (0.08) are within it
+    i, reason = select_scale(scales, L)
+    assert scales[i] == 1.0 and "within one paired standard error" in reason
     # every scale a little worse than the mean, with noise: the mean is chosen
     g = torch.Generator().manual_seed(3)
     noise = L[0] - 0.01 + 0.05 * torch.randn(5, L.shape[1], generator=g, dtype=torch.float64)
     noise[0] = L[0]
-    i, reason = select_scale(scales, noise)
-    assert i == 0 and "no scale beats the mean by more than its paired standard error" in reason
+    for rule in ("one_se", "fraction"):
+        i, reason = select_scale(scales, noise, rule)
+        assert i == 0 and "no scale beats the mean by more than its paired standard error" in reason
 
 
 def test_select_scale_refusals():
@@ -179,7 +185,7 @@ def test_warnings_for_a_flat_curve_and_a_small_validation_set():
     with pytest.warns(ScaleSelectionWarning, match=r"tune_scale: the validation curve is flat: no scale beats the "
                                                    r"mean by more than its paired standard error"):
         search = tune_scale(swag, x, y, "gaussian", scales=[1.0, 10.0, 100.0], num_samples=20, noise_std=0.5)
-    assert search.scale == 0.0 and swag.scale == 0.0 and search.gain == 0.0 and search.rule == "fraction"
+    assert search.scale == 0.0 and swag.scale == 0.0 and search.gain == 0.0 and search.rule == "one_se"
     with pytest.warns(ScaleSelectionWarning, match=r"tune_scale: 30 validation points are too few"):
         tune_scale(swag, x[:30], y[:30], "gaussian", scales=[1.0, 10.0], num_samples=5, noise_std=0.5)
 
