@@ -231,6 +231,21 @@ def select_scale(scales: Sequence[float], point_log_likelihoods: Tensor, rule: s
                f"{scales[best]:.3g} ({g:.3g} +- {s:.3g} per point, the best lower bound)")
 
 
+def _stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel of the first caller outside pyro_fa (``SWAG.tune_scale`` calls
+    :func:`tune_scale`: the warning names the user's line either way)."""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    no_grad = os.path.join("torch", "utils", "_contextlib.py")  # torch.no_grad's decorator frame
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (os.path.abspath(frame.f_code.co_filename).startswith(root)
+                                 or frame.f_code.co_filename.endswith(no_grad)):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _check_rule(fn: str, rule, fraction, num_se) -> None:
     if rule not in RULES:
         raise ValueError(f"{fn}: rule must be one of {RULES}, got {rule!r}.")
@@ -427,12 +442,12 @@ def tune_scale(posterior, inputs, targets, likelihood: Union[str, Callable] = "c
     best_pos = max(range(1, len(cands)), key=lambda j: float(means[j]))
     if N < MIN_POINTS:
         warnings.warn(f"{fn}: {N} validation points are too few to tell scales apart reliably (fewer than "
-                      f"{MIN_POINTS}); chose {search.scale:.3g} by {reason}.", ScaleSelectionWarning, stacklevel=3)
+                      f"{MIN_POINTS}); chose {search.scale:.3g} by {reason}.", ScaleSelectionWarning, stacklevel=_stacklevel())
     elif search.scale == 0.0 and rule != "argmax":
-        warnings.warn(f"{fn}: the validation curve is flat: {reason}.", ScaleSelectionWarning, stacklevel=3)
+        warnings.warn(f"{fn}: the validation curve is flat: {reason}.", ScaleSelectionWarning, stacklevel=_stacklevel())
     if best_pos == len(cands) - 1 and float(means[best_pos]) > float(means[0]):
         warnings.warn(f"{fn}: the best scale is still the largest tried ({cands[-1]:.3g}) after widening the grid by "
-                      f"{widen}; pass larger scales= to see the curve fall.", ScaleSelectionWarning, stacklevel=3)
+                      f"{widen}; pass larger scales= to see the curve fall.", ScaleSelectionWarning, stacklevel=_stacklevel())
     for member in members:
         member.scale = search.scale
     return search
