@@ -52,8 +52,9 @@ def test_recipe_example_runs_and_is_sane(capsys):
         nll, acc = out[name]
         assert math.isfinite(nll) and 0 < nll < math.log(10)  # far better than chance
         assert acc > 0.9
-    # the scale is chosen on validation data among the candidates; the model average is never far from its mean
-    assert out["scale"] > 0
+    # the scale is chosen on validation data among the candidates (0: the mean, where sampling does not help on
+    # validation); the model average is never far from its mean
+    assert out["scale"] >= 0
     assert out["swag"][0] <= out["swa"][0] + 0.05
     for line in ("SWA ", "SWAG ", "scale chosen on validation"):
         assert line in printed
