@@ -162,12 +162,37 @@ def test_classify_command(tmp_path, capsys):
     assert code == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results["combos"]) == {"digits-mlp"}
-    assert set(results["combos"]["digits-mlp"]["methods"]) == {"map", "swa", "swag-em"}
+    assert set(results["combos"]["digits-mlp"]["methods"]) == {"map", "swa", "swag-em", "map+T", "swag-em+T"}
     assert results["budget"]["epochs"] == 4
     printed = capsys.readouterr().out
     assert "SWAG-EM" in printed
     # a run smaller than the full one says so under its bars
     assert rep.SMALL_RUN_NOTE in printed and "says nothing about the bar" in printed
+
+
+def test_merge_runs_equals_one_run_over_the_seeds(tmp_path):
+    """Two one-seed runs merged give the per-seed numbers, means and bars of one two-seed run."""
+    torch.set_num_threads(1)
+    budget = Budget(epochs=4, swag_epochs=3, rank=2, samples=4, prior_precisions=(1.0,), swag_lrs=(3e-3,),
+                    temperature=False)
+    args = ([("digits", "mlp")], ["map", "swag-em"], budget)
+    both = classify.run_benchmark(*args, [0, 1], tmp_path / "both", progress=False, subset=(150, 60))
+    for s in (0, 1):
+        classify.run_benchmark(*args, [s], tmp_path / f"s{s}", progress=False, subset=(150, 60))
+    merged = classify.merge_runs([tmp_path / "s1", tmp_path / "s0"], tmp_path / "merged")
+    a, b = both["combos"]["digits-mlp"]["methods"], merged["combos"]["digits-mlp"]["methods"]
+    for m in ("map", "swag-em"):
+        for k, v in a[m]["per_seed"].items():
+            assert b[m]["per_seed"][k] == pytest.approx(v, abs=1e-12), (m, k)
+        assert b[m]["mean"]["nll"] == pytest.approx(a[m]["mean"]["nll"], abs=1e-12)
+    assert [c["verdict"] for c in merged["bar"]] == [c["verdict"] for c in both["bar"]]
+    saved = json.loads((tmp_path / "merged" / "results.json").read_text())
+    assert saved["seeds_per_combo"] == {"digits-mlp": [0, 1]}
+    assert (tmp_path / "merged" / "front_digits-mlp.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="seed"):
+        classify.merge_runs([tmp_path / "s0", tmp_path / "both"], tmp_path / "bad")
+    with pytest.raises(SystemExit, match="without results.json"):
+        classify.merge_runs([tmp_path / "nothing"], tmp_path / "bad")
 
 
 def test_classify_command_bad_input(tmp_path):
@@ -205,6 +230,30 @@ def test_mutual_information_scores_against_a_dense_computation():
     assert got["auroc_mi_o"] == pytest.approx(mann_whitney, abs=1e-12)
     assert got["nll"] == pytest.approx(float(-draws_in.double().mean(0)[torch.arange(40), y].log().mean()), abs=1e-9)
     assert "auroc_mi_o" not in rep.evaluate([draws_in.mean(0), draws_out.mean(0)], y, ["o"])
+
+
+def test_temperature_rows_minimise_the_validation_nll():
+    """The "+T" row: the temperature is the validation-NLL minimiser (brute force over a fine grid), and the
+    test probabilities are softmax(log p / T) of the row's model average."""
+    from pyro_fa.experiments.classify.posthoc import tempered_rows
+
+    g = torch.Generator().manual_seed(1)
+    y_val = torch.randint(0, 4, (300,), generator=g)
+    logits = 3.0 * torch.nn.functional.one_hot(y_val, 4) + 2.5 * torch.randn(300, 4, generator=g)  # overconfident
+    draws_val = torch.softmax(logits[None] * torch.tensor([1.5, 2.5])[:, None, None], -1)  # (2, 300, 4)
+    draws_test = torch.softmax(torch.randn(2, 50, 4, generator=g) * 4, -1)
+    rows = tempered_rows({"swag-em": {"probs": [draws_val, draws_test], "seconds": 1.0, "extra": {"scale": 1.0}},
+                          "swa": {"probs": [draws_val[0], draws_test[0]], "seconds": 1.0}}, y_val)
+    assert set(rows) == {"swag-em+T"}  # SWA is not among the tempered rows
+    row = rows["swag-em+T"]
+    z = draws_val.double().mean(0).log()
+    grid = torch.linspace(0.2, 10, 20001, dtype=torch.float64)
+    nll = torch.stack([torch.nn.functional.cross_entropy(z / t, y_val) for t in grid])
+    assert row["extra"]["temperature"] == pytest.approx(float(grid[nll.argmin()]), abs=1e-3)
+    assert row["extra"]["temperature"] > 1  # overconfident: the temperature softens
+    expect = (draws_test.double().mean(0).log() / row["extra"]["temperature"]).softmax(-1)
+    torch.testing.assert_close(row["probs"][0].double(), expect, atol=1e-6, rtol=0)
+    assert row["extra"]["scale"] == 1.0 and row["seconds"] >= 1.0
 
 
 def test_paired_verdicts():

@@ -21,17 +21,27 @@ training per grid point):
 ``swag``           classic SWAG (Maddox et al. 2019), rank 10, scale by ``tune_scale``
 ``swag-em``        :class:`~pyro_fa.SWAG` with ``method="em"`` (online EM factor analysis), rank 10,
                    scale by ``tune_scale``; the collection rate from ``swag_lrs``
+``swag-em-glm``    the same posterior, linearised (GLM) predictive with the probit approximation
+                   (Immer, Korzepa & Bauer 2021), its scale tuned for that predictive
 ``multiswag``      5 SWAG-EM posteriors from different initialisations (Wilson & Izmailov 2020)
+``multiswag-glm``  the same mixture, GLM probit predictive
 ``vifa``           :class:`~pyro_fa.AutoLowRankFactorGuide` (rank 10) with :class:`~pyro_fa.FactorELBO`,
                    Adam rate from ``vi_lrs`` on a half cosine
-``autonormal``     Pyro's ``AutoNormal`` with ``Trace_ELBO``, rate from ``vi_lrs``
-``lowrank``        Pyro's ``AutoLowRankMultivariateNormal`` (rank 10) with ``Trace_ELBO``
+``autonormal``     Pyro's ``AutoNormal`` with ``Trace_ELBO``, at the rate chosen for VIFA
+``lowrank``        Pyro's ``AutoLowRankMultivariateNormal`` (rank 10) with ``Trace_ELBO``, likewise
+``factor-laplace`` :class:`pyro_fa.laplace.FactorLaplace` on the MAP network: all weights, GGN fitted
+                   by factor analysis (rank 20), GLM probit, prior precision by marginal likelihood
+``factor-laplace-grid`` the same, prior precision by validation grid search (1e-4 to 1e8)
 ``laplace``        laplace-torch, last-layer KFAC, GLM probit, prior precision by marginal likelihood
 ``laplace-grid``   the same, prior precision by laplace-torch's validation grid search (1e-4 to 1e8:
                    the top of the range is the MAP limit)
 ``laplace-diag``   laplace-torch, all weights, diagonal GGN, GLM probit, marginal likelihood
 ``ivon``           IVON (Shen et al. 2024), ``ivon_lrs`` x ``ivon_hess_inits``
 =================  ===========================================================================
+
+Every row of ``TEMPERED`` also appears as ``<row>+T``: the model average's log
+probabilities divided by a temperature fitted on the validation part
+(:func:`pyro_fa.predictive.fit_temperature`), for ours and the peers alike.
 
 The variational guides and the SWAG family use the prior precision chosen for MAP
 (their Gaussian prior; SWAG's weight decay). SWAG's collection: Adam on the MAP
@@ -53,13 +63,15 @@ from torch import Tensor, nn
 
 from pyro_fa.experiments.classify.data import ClassifyData
 from pyro_fa.experiments.classify.networks import NETWORKS, CNN1d, make_network
+from pyro_fa.experiments.classify.posthoc import PEERS, TEMPERED, can_run, peers_available, run_factor_laplace, \
+    run_peers, tempered_rows
 
-__all__ = ["Budget", "METHODS", "NETWORKS", "PEERS", "CNN1d", "make_network", "run_methods", "epochs_of"]
+__all__ = ["Budget", "METHODS", "NETWORKS", "PEERS", "TEMPERED", "peers_available", "CNN1d", "make_network", "run_methods", "epochs_of"]
 
-METHODS = ("map", "ensemble", "dropout", "swa", "swag", "swag-em", "multiswag", "vifa", "autonormal", "lowrank",
-           "laplace", "laplace-grid", "laplace-diag", "ivon")
-#: peer methods run from their own packages, and the package each needs
-PEERS = {"laplace": "laplace", "laplace-grid": "laplace", "laplace-diag": "laplace", "ivon": "ivon"}
+METHODS = ("map", "ensemble", "dropout", "swa", "swag", "swag-em", "swag-em-glm", "multiswag", "multiswag-glm",
+           "vifa", "autonormal", "lowrank", "factor-laplace", "factor-laplace-grid", "laplace", "laplace-grid",
+           "laplace-diag", "ivon")
+
 
 
 @dataclass
@@ -79,6 +91,8 @@ class Budget:
     vi_lrs: Tuple[float, ...] = (1e-3, 3e-3, 1e-2)
     ivon_lrs: Tuple[float, ...] = (0.05, 0.1, 0.2)
     ivon_hess_inits: Tuple[float, ...] = (0.1, 0.5)
+    laplace_rank: int = 20
+    temperature: bool = True
     train_subset: Optional[int] = None  # smoke tests: the first N training points only
 
     @classmethod
@@ -192,13 +206,20 @@ def _swag_run(make_net, data: ClassifyData, budget: Budget, seed: int, prior_pre
     return net, em, cl
 
 
-def _tune(posterior, data: ClassifyData, budget: Budget, seed: int):
-    """``posterior.tune_scale`` on the validation part; its warnings (a flat curve, the best at an edge) are kept
-    on the returned search as ``warnings`` instead of printed once per seed."""
+def _tune(posterior, data: ClassifyData, budget: Budget, seed: int, pred_type: str = "nn"):
+    """``posterior.tune_scale`` on the validation part: ``(ScaleSearch, its warnings)``; the warnings (a flat
+    curve, the best at an edge) are kept for the results instead of printed once per seed."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        search = posterior.tune_scale(data.x_val, data.y_val, num_samples=budget.samples, seed=seed)
+        search = posterior.tune_scale(data.x_val, data.y_val, num_samples=budget.samples, seed=seed,
+                                      pred_type=pred_type)
     return search, [str(w.message) for w in caught]
+
+
+@torch.no_grad()
+def _glm_probs(posterior, inputs) -> List[Tensor]:
+    """The linearised (GLM) predictive with the probit approximation, (N, C) per input set."""
+    return [posterior.predict_proba(x, pred_type="glm", link_approx="probit") for x in inputs]
 
 
 def _chosen_ll(search) -> float:
@@ -280,23 +301,6 @@ def _vi_fit(kind: str, make_net, data: ClassifyData, budget: Budget, seed: int, 
 # ----------------------------------------------------------------------------- all methods
 
 
-def _peers():
-    try:
-        from pyro_fa.experiments.classify import baselines as peers
-    except ImportError:
-        return None, {"laplace": False, "ivon": False}
-    return peers, peers.available()
-
-
-def peers_available() -> Dict[str, bool]:
-    """Which peer packages (laplace-torch, IVON) can run here: ``{"laplace": bool, "ivon": bool}``."""
-    return _peers()[1]
-
-
-def _can_run(method: str, have: Dict[str, bool]) -> bool:
-    return method not in PEERS or bool(have.get(PEERS[method]))
-
-
 def run_methods(methods: Sequence[str], network: str, data: ClassifyData, budget: Budget, seed: int,
                 tick=lambda k: None) -> Dict[str, dict]:
     """Train and predict with every method of ``methods`` on one dataset, network and seed.
@@ -309,11 +313,11 @@ def run_methods(methods: Sequence[str], network: str, data: ClassifyData, budget
         the values chosen on validation and their validation NLLs. A peer that is not installed is left out.
         ``seconds`` counts the method's own training and grid; the prior-precision grid is counted in MAP's.
     """
-    inputs = [data.x_test, *data.ood.values()]
+    inputs = [data.x_val, data.x_test, *data.ood.values()]  # the validation part first: for the "+T" rows
     y_val = data.y_val
     make = lambda: make_network(network, data)  # noqa: E731
     out: Dict[str, dict] = {}
-    want = [m for m in methods if _can_run(m, peers_available())]
+    want = [m for m in methods if can_run(m, peers_available())]
     clock = time.perf_counter
 
     # MAP: the prior precision every other method uses (but IVON, which has its own grid)
@@ -346,24 +350,35 @@ def run_methods(methods: Sequence[str], network: str, data: ClassifyData, budget
         torch.manual_seed(seed)
         out["dropout"] = {"probs": _mc_dropout(net, inputs, budget.samples), "seconds": clock() - t0,
                           "extra": {"dropout": rate, "val_nll": scores}}
-    if set(want) & {"swa", "swag", "swag-em", "multiswag"}:
+    if set(want) & {"swa", "swag", "swag-em", "swag-em-glm", "multiswag", "multiswag-glm"}:
         _run_swag_family(want, make, data, budget, seed, pp, inputs, tick, out)
+    vi_lr = budget.vi_lrs[len(budget.vi_lrs) // 2]
     for kind in ("vifa", "autonormal", "lowrank"):
         if kind in want:
             t0 = clock()
 
             def fit_vi(lr, kind=kind):
-                probs = _vi_fit(kind, make, data, budget, seed, pp, lr, [data.x_val, *inputs], tick)
-                return probs[1:], probs[0]
-            lr, probs, scores = _choose(budget.vi_lrs, fit_vi, y_val)
+                probs = _vi_fit(kind, make, data, budget, seed, pp, lr, inputs, tick)
+                return probs, probs[0]
+            # VIFA's rate on the grid; Pyro's guides at the rate VIFA chose (the budget: one grid per family)
+            grid = budget.vi_lrs if kind == "vifa" else (vi_lr,)
+            lr, probs, scores = _choose(grid, fit_vi, y_val)
+            vi_lr = lr if kind == "vifa" else vi_lr
             out[kind] = {"probs": probs, "seconds": clock() - t0, "extra": {"lr": lr, "val_nll": scores}}
-    _run_peers(want, make, map_net, data, budget, seed, inputs, tick, out, t_map / len(budget.prior_precisions))
-    for v in out.values():
-        v.setdefault("extra", {})
-    return {m: out[m] for m in METHODS if m in out}
+    run_factor_laplace(want, map_net, data, budget, seed, inputs, out, t_map / len(budget.prior_precisions))
+    run_peers(want, make, map_net, data, budget, seed, inputs, tick, out, t_map / len(budget.prior_precisions))
+    rows = {}
+    for m in METHODS:
+        if m in out:
+            v = out[m]
+            rows[m] = {"probs": v["probs"][1:], "seconds": v["seconds"], "extra": v.get("extra", {})}
+    if budget.temperature:
+        rows.update(tempered_rows(out, y_val))
+    return rows
 
 
 def _run_swag_family(want, make, data, budget, seed, pp, inputs, tick, out) -> None:
+    want = set(want)
     t0 = time.perf_counter()
     swag_lr, net, em, cl, em_search = _swag_choice(make, data, budget, seed, pp, tick, classic="swag" in want)
     t_traj = time.perf_counter() - t0
@@ -376,51 +391,42 @@ def _run_swag_family(want, make, data, budget, seed, pp, inputs, tick, out) -> N
             search = em_search if name == "swag-em" else _tune(post, data, budget, seed)
             out[name] = {"probs": _swag_samples(post, inputs, budget.samples, seed),
                          "seconds": t_traj + time.perf_counter() - t0, "extra": _search_extra(search, swag_lr=swag_lr)}
-    if "multiswag" in want:
+    if "swag-em-glm" in want:
+        t0 = time.perf_counter()
+        search = _tune(em, data, budget, seed, pred_type="glm")
+        out["swag-em-glm"] = {"probs": _glm_probs(em, inputs), "seconds": t_traj + time.perf_counter() - t0,
+                              "extra": _search_extra(search, swag_lr=swag_lr)}
+    if want & {"multiswag", "multiswag-glm"}:
         from pyro_fa import MultiSWAG
 
         t0 = time.perf_counter()
         members = [em] + [_swag_run(make, data, budget, seed + 1000 * m, pp, swag_lr, tick, classic=False)[1]
                           for m in range(1, budget.ensemble)]
         ms = MultiSWAG(members)
-        search = _tune(ms, data, budget, seed)
-        out["multiswag"] = {"probs": _swag_samples(ms, inputs, budget.samples * len(members) // 2, seed),
-                            "seconds": t_traj + time.perf_counter() - t0, "extra": _search_extra(search)}
-
-
-def _run_peers(want, make, map_net, data, budget, seed, inputs, tick, out, t_map_one) -> None:
-    peers, _ = _peers()
-    train_xy, val_xy = (data.x_train, data.y_train), (data.x_val, data.y_val)
-    laplace_rows = {"laplace": dict(prior_method="marglik"), "laplace-grid": dict(prior_method="gridsearch"),
-                    "laplace-diag": dict(prior_method="marglik", subset_of_weights="all", hessian_structure="diag")}
-    for name, options in laplace_rows.items():
-        if name in want:
-            t0 = time.perf_counter()
-            info: dict = {}
-            probs = peers.laplace_probs(map_net, train_xy, val_xy, inputs, seed, info=info, **options)
-            out[name] = {"probs": [p.detach() for p in probs], "seconds": t_map_one + time.perf_counter() - t0,
-                         "extra": info}
-    if "ivon" in want:
-        t0 = time.perf_counter()
-        info = {}
-        samples = peers.ivon_probs(make, train_xy, val_xy, inputs, budget.epochs, budget.batch_size, seed,
-                                   num_samples=budget.samples, lr_grid=budget.ivon_lrs,
-                                   hess_init_grid=budget.ivon_hess_inits, info=info)
-        tick(budget.epochs * len(budget.ivon_lrs) * len(budget.ivon_hess_inits))
-        out["ivon"] = {"probs": [s.detach() for s in samples], "seconds": time.perf_counter() - t0, "extra": info}
+        t_members = time.perf_counter() - t0
+        if "multiswag" in want:
+            search = _tune(ms, data, budget, seed)
+            out["multiswag"] = {"probs": _swag_samples(ms, inputs, budget.samples * len(members) // 2, seed),
+                                "seconds": t_traj + time.perf_counter() - t0, "extra": _search_extra(search)}
+        if "multiswag-glm" in want:
+            t1 = time.perf_counter()
+            search = _tune(ms, data, budget, seed, pred_type="glm")
+            out["multiswag-glm"] = {"probs": _glm_probs(ms, inputs),
+                                    "seconds": t_traj + t_members + time.perf_counter() - t1,
+                                    "extra": _search_extra(search)}
 
 
 def epochs_of(methods: Sequence[str], budget: Budget) -> int:
     """Training epochs :func:`run_methods` runs for ``methods`` (for progress bars)."""
     have = peers_available()
-    want = {m for m in methods if _can_run(m, have)}
+    want = {m for m in methods if can_run(m, have)}
     e = budget.epochs
     total = e * len(budget.prior_precisions) if want - {"ivon"} else 0
     total += e * (budget.ensemble - 1) * ("ensemble" in want)
     total += e * len(budget.dropouts) * ("dropout" in want)
-    if want & {"swa", "swag", "swag-em", "multiswag"}:
+    if want & {"swa", "swag", "swag-em", "swag-em-glm", "multiswag", "multiswag-glm"}:
         total += e * len(budget.swag_lrs)
-    total += e * (budget.ensemble - 1) * ("multiswag" in want)
-    total += e * len(budget.vi_lrs) * len(want & {"vifa", "autonormal", "lowrank"})
+    total += e * (budget.ensemble - 1) * bool(want & {"multiswag", "multiswag-glm"})
+    total += e * (len(budget.vi_lrs) * ("vifa" in want) + len(want & {"autonormal", "lowrank"}))
     total += e * len(budget.ivon_lrs) * len(budget.ivon_hess_inits) * ("ivon" in want)
     return total

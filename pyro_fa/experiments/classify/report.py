@@ -15,10 +15,11 @@ LABELS = {
     "swag": "SWAG (classic)", "swag-em": "SWAG-EM", "multiswag": "MultiSWAG-EM (5)", "vifa": "VIFA (ours)",
     "autonormal": "Pyro AutoNormal", "lowrank": "Pyro AutoLowRankMVN", "laplace": "laplace-torch (LL KFAC, marglik)",
     "laplace-grid": "laplace-torch (LL KFAC, val. grid)", "laplace-diag": "laplace-torch (all, diag, marglik)",
-    "ivon": "IVON",
+    "ivon": "IVON", "swag-em-glm": "SWAG-EM, GLM probit", "multiswag-glm": "MultiSWAG-EM (5), GLM probit",
+    "factor-laplace": "FactorLaplace (ours, marglik)", "factor-laplace-grid": "FactorLaplace (ours, val. grid)",
 }
 #: our factor-analysis posteriors (rows added for other predictives keep these prefixes)
-OURS = ("swag-em", "multiswag", "vifa")
+OURS = ("swag-em", "multiswag", "vifa", "factor-laplace")
 #: the tuned peers "ours" is held against
 PEER_ROWS = ("ensemble", "dropout", "laplace", "laplace-grid", "laplace-diag", "ivon")
 #: test accuracy reported by Greydanus (2020) for MNIST-1D
@@ -26,8 +27,22 @@ PAPER_ACCURACY = {("mnist1d", "mlp"): 0.68, ("mnist1d", "cnn"): 0.94}
 METRICS = ("accuracy", "nll", "ece", "brier")
 
 
+def _base(name: str) -> str:
+    """The row without its "+T" (temperature) suffix."""
+    return name.split("+")[0]
+
+
 def _is_ours(name: str) -> bool:
-    return any(name == o or name.startswith(o + "-") for o in OURS)
+    return any(_base(name) == o or _base(name).startswith(o + "-") for o in OURS)
+
+
+def _is_peer(name: str) -> bool:
+    return _base(name) in PEER_ROWS
+
+
+def label(name: str) -> str:
+    """The table's name of a row (``"<row>+T"``: the row's label with "+ T")."""
+    return LABELS.get(_base(name), _base(name)) + (" + T" if name.endswith("+T") else "")
 
 
 def evaluate(probs: Sequence[Tensor], targets: Tensor, ood_names: Sequence[str]) -> Dict[str, float]:
@@ -108,7 +123,7 @@ def combo_table(combo: dict) -> str:
         s = r["per_seed"]
         aurocs = [_fmt(s[f"auroc_{o}"], 2) + (f" / {_fmt(s[f'auroc_mi_{o}'], 2)}" if f"auroc_mi_{o}" in s else "")
                   for o in ood]
-        rows.append([LABELS.get(name, name), _fmt(s["accuracy"], 1, 100), _fmt(s["nll"]), _fmt(s["ece"]),
+        rows.append([label(name), _fmt(s["accuracy"], 1, 100), _fmt(s["nll"]), _fmt(s["ece"]),
                      _fmt(s["brier"]), *aurocs, _fmt(r["seconds"], 1), _chosen(r.get("extra", []))])
     return markdown_table(header, rows)
 
@@ -199,19 +214,19 @@ def bar_checks(combos: Dict[str, dict]) -> List[dict]:
         if not ours:
             continue
         best = min(ours, key=lambda m: _mean(combo, m, "nll"))
-        for peer in [p for p in PEER_ROWS if p in have]:
+        for peer in [p for p in have if _is_peer(p)]:
             for metric in ("nll", "ece"):
                 text, v = _paired_detail(combo, best, peer, metric)
-                add(f"{LABELS.get(best, best)} {metric.upper()} < {LABELS[peer]}", v == "better", text, tie=v == "tie")
+                add(f"{label(best)} {metric.upper()} < {label(peer)}", v == "better", text, tie=v == "tie")
         if "map" in have:
             for o in combo["ood"]:
                 text, v = _paired_detail(combo, best, "map", f"auroc_{o}", lower_is_better=False)
-                add(f"{LABELS.get(best, best)} OOD AUROC ({o}) > MAP", v == "better", text, tie=v == "tie")
+                add(f"{label(best)} OOD AUROC ({o}) > MAP", v == "better", text, tie=v == "tie")
         for o in combo["ood"]:
             on = front(combo, o)
             fa = [m for m in on if _is_ours(m)]
             add(f"a factor-analysis posterior on the NLL / AUROC ({o}) front", bool(fa),
-                "front: " + ", ".join(LABELS.get(m, m) for m in on))
+                "front: " + ", ".join(label(m) for m in on))
     return checks
 
 
@@ -224,7 +239,8 @@ def bar_summary(checks: List[dict]) -> str:
 def front_figure(key: str, combo: dict):
     """Test NLL against OOD AUROC (by entropy), mean ± s.e. over seeds, one panel per OOD set: the trade-off front.
 
-    Ours (factor-analysis posteriors) in blue, the tuned peers in red, MAP / SWA / SWAG / Pyro's guides in grey.
+    Ours (factor-analysis posteriors) in blue, the tuned peers in red, MAP / SWA / SWAG / Pyro's guides in grey;
+    open markers: with a temperature ("+T").
     """
     import matplotlib
 
@@ -237,12 +253,14 @@ def front_figure(key: str, combo: dict):
         for m in combo["methods"]:
             nll, nse = mean_se(_seeds(combo, m, "nll"))
             au, ase = mean_se(_seeds(combo, m, f"auroc_{o}"))
-            color = "C0" if _is_ours(m) else ("C3" if m in PEER_ROWS else "0.5")
+            color = "C0" if _is_ours(m) else ("C3" if _is_peer(m) else "0.5")
             ax.errorbar(nll, au, xerr=0 if math.isnan(nse) else nse, yerr=0 if math.isnan(ase) else ase,
-                        fmt="o" if _is_ours(m) else "s", color=color, ms=4, lw=0.8)
-            ax.annotate(LABELS.get(m, m), (nll, au), fontsize=5.5, xytext=(3, 2), textcoords="offset points")
+                        fmt=("o" if _is_ours(m) else "s"), mfc="none" if m.endswith("+T") else color, color=color,
+                        ms=4, lw=0.8)
+            ax.annotate(label(m), (nll, au), fontsize=5.5, xytext=(3, 2), textcoords="offset points")
         ax.axhline(0.5, color="0.8", lw=0.6)
-        ax.set_xlabel("test NLL (lower is better)", fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlabel("test NLL (lower is better; log scale)", fontsize=8)
         ax.set_ylabel(f"OOD AUROC, {o} (higher is better)", fontsize=8)
         ax.tick_params(labelsize=7)
     fig.suptitle(f"{key}: in-distribution NLL vs OOD detection (blue: ours, red: tuned peers)", fontsize=9)
@@ -259,7 +277,7 @@ def reliability_figure(combos: Dict[str, dict], probs: Dict[str, Dict[str, List[
     import matplotlib.pyplot as plt
 
     keys = list(probs)
-    methods = list(dict.fromkeys(m for k in keys for m in probs[k]))
+    methods = list(dict.fromkeys(m for k in keys for m in probs[k] if "+" not in m))  # the "+T" rows: see the tables
     fig, axes = plt.subplots(len(keys), len(methods), figsize=(1.9 * len(methods), 2.0 * len(keys)), squeeze=False,
                              sharex=True, sharey=True)
     edges = torch.linspace(0, 1, n_bins + 1)
@@ -280,7 +298,7 @@ def reliability_figure(combos: Dict[str, dict], probs: Dict[str, Dict[str, List[
                 ece = combos[key]["methods"][m]["per_seed"]["ece"][0]
                 ax.text(0.04, 0.88, f"ECE {ece:.3f}", fontsize=7, transform=ax.transAxes)
             if i == 0:
-                ax.set_title(LABELS.get(m, m), fontsize=7)
+                ax.set_title(label(m), fontsize=7)
             if j == 0:
                 ax.set_ylabel(f"{key}\naccuracy", fontsize=7)
             if i == len(keys) - 1:
@@ -298,7 +316,7 @@ def entropy_figure(combos: Dict[str, dict], probs: Dict[str, Dict[str, List[Tens
     import matplotlib.pyplot as plt
 
     keys = list(probs)
-    methods = list(dict.fromkeys(m for k in keys for m in probs[k]))
+    methods = list(dict.fromkeys(m for k in keys for m in probs[k] if "+" not in m))
     fig, axes = plt.subplots(len(keys), len(methods), figsize=(1.9 * len(methods), 1.9 * len(keys)), squeeze=False,
                              sharex=True)
     bins = torch.linspace(0, math.log(10), 31).tolist()
@@ -312,7 +330,7 @@ def entropy_figure(combos: Dict[str, dict], probs: Dict[str, Dict[str, List[Tens
                     ax.hist(h, bins=bins, histtype="step" if k else "stepfilled", alpha=1 if k else 0.4,
                             color=f"C{k}", label=name, density=True)
             if i == 0:
-                ax.set_title(LABELS.get(m, m), fontsize=7)
+                ax.set_title(label(m), fontsize=7)
             if j == 0:
                 ax.set_ylabel(key, fontsize=7)
                 ax.legend(fontsize=5)
