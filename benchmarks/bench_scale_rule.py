@@ -41,6 +41,7 @@ from pyro_fa.predictive import ScaleSelectionWarning, bma_log_likelihood, select
 RULES = {  # name: (rule, fraction, num_se); rule None: computed here
     "argmax (old: no mean)": (None, None, None),
     "80% of max gain (issue)": (None, 0.8, None),
+    "one_se, unpaired": (None, None, 1.0),
     "argmax": ("argmax", 0.7, 1.5),
     "significant (2 SE)": ("significant", 0.7, 1.5),
     "one_se, paired (default)": ("one_se", 0.7, 1.5),
@@ -76,6 +77,13 @@ def _fraction_of_max(val, fraction):
     if not g[b] > se[b]:
         return 0
     return next(j for j in range(1, len(g)) if g[j] >= fraction * g[b])
+
+
+def _one_se_unpaired(val):
+    m = val.mean(1)
+    best = int(m.argmax())
+    se = float(val[best].std() / math.sqrt(val.shape[1]))
+    return min(k for k in range(len(m)) if float(m[best] - m[k]) <= se)
 
 
 def _train(X, y, tr, net, loss, epochs, swa_epochs, lr, swa_lr, wd, batch, seed):
@@ -157,6 +165,8 @@ def main(argv=None):
             for name, (rule, fraction, num_se) in RULES.items():
                 if rule is not None:
                     i, _ = select_scale(scales, val, rule, fraction=fraction, num_se=num_se)
+                elif num_se is not None:  # one SE of the best's own log-likelihood, not of the paired difference
+                    i = _one_se_unpaired(val)
                 elif fraction is None:  # the old rule: arg-max over the positive scales
                     i = 1 + int(val[1:].mean(1).argmax())
                 else:  # the issue's: the smallest scale reaching 80 % of the best gain, the mean if none > 1 SE
