@@ -80,3 +80,12 @@ def test_bad_shapes_named():
         LowRankPrecisionNormal(torch.zeros(3), torch.zeros(2, 1), torch.ones(3))
     with pytest.raises(ValueError, match=r"prec_diag must have shape \(3,\), got \(2,\)"):
         LowRankPrecisionNormal(torch.zeros(3), torch.zeros(3, 1), torch.ones(2))
+
+
+@pytest.mark.parametrize("name", ["posterior", "laplace", "curvature", "moment"])
+def test_doctests(name):
+    import doctest
+    import importlib
+
+    module = importlib.import_module(f"pyro_fa.laplace.{name}")
+    assert doctest.testmod(module, optionflags=doctest.ELLIPSIS, extraglobs={"torch": torch}).failed == 0

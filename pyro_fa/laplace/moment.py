@@ -111,7 +111,7 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
                 "method": "exact", "n_vectors": n_vec, "n_iter": 0, "converged": True}
         generator = torch.Generator(device=S.device).manual_seed(seed)
         result = em_from_covariance(S, rank, n_vec, tol=tol, max_iter=max_iter, method="svd",
-                                    svd_method="lapack", generator=generator)
+                                    svd_method="randomized", generator=generator)
         if not result.converged:
             warnings.warn(f"{owner}: the factor analysis of the curvature did not converge in max_iter={max_iter} "
                           f"iterations (tol={tol}); the fit is the last iterate.", ConvergenceWarning, stacklevel=3)
