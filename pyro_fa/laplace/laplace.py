@@ -79,10 +79,10 @@ class FactorLaplace(nn.Module):
         Exact GGN factors (C vectors per example) or the Monte Carlo Fisher (``mc_samples`` per example).
     curvature_fit : {"auto", "scatter", "online"}, default "auto"
         How the factor-analysis core fits the curvature (:func:`~pyro_fa.laplace.moment.fit_second_moment`):
-        exact scatter and batch FA to convergence at small D (``"auto"``: D <= 4096), or online EM on the
+        exact scatter and batch FA to convergence at small D (``"auto"``: D <= 2048, about where the two cost the same, see docs/laplace.md), or online EM on the
         stream in :math:`O(DK)` memory.
     mc_samples : int, default 1
-    num_passes : int, default 1
+    num_passes : int, default 4
         Passes over the data for ``curvature_fit="online"``.
     chunk_size : int, default 32
         Examples per ``torch.func`` block: the largest tensor held is (chunk_size, C, D).
@@ -132,7 +132,7 @@ class FactorLaplace(nn.Module):
 
     def __init__(self, model: nn.Module, likelihood: str, rank: int = 20,
                  subset: Union[str, Iterable[Tensor]] = "all", prior_precision=1.0, sigma_noise: float = 1.0, *,
-                 curvature: str = "ggn", curvature_fit: str = "auto", mc_samples: int = 1, num_passes: int = 1,
+                 curvature: str = "ggn", curvature_fit: str = "auto", mc_samples: int = 1, num_passes: int = 4,
                  chunk_size: int = 32, seed: int = 0):
         super().__init__()
         name = type(self).__name__

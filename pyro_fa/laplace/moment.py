@@ -58,7 +58,7 @@ def _scatter(passes: Callable[[], Iterator[Tensor]], D: int, dtype, device, owne
 
 
 def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: int, *,
-                      method: str = "auto", num_passes: int = 1, dense_max_dim: int = 4096,
+                      method: str = "auto", num_passes: int = 1, dense_max_dim: int = 2048,
                       tol: float = 1e-3, max_iter: int = 2000, seed: int = 0, dtype=None, device=None,
                       owner: str = "fit_second_moment") -> Tuple[Tensor, Tensor, dict]:
     r"""Fit :math:`FF^\top + \Psi \approx \frac1V\sum_v vv^\top` to the :math:`V` curvature vectors.
@@ -75,7 +75,7 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
         ``"auto"``: ``"scatter"`` when ``dim <= dense_max_dim``, else ``"online"``.
     num_passes : int, default 1
         Passes over the data for ``"online"``.
-    dense_max_dim : int, default 4096
+    dense_max_dim : int, default 2048
     tol, max_iter : float, int
         Convergence of the batch fit (on the total log-likelihood of the FA model).
     seed : int, default 0
