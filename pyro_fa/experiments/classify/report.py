@@ -247,23 +247,35 @@ def front_figure(key: str, combo: dict):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
     ood = combo["ood"]
-    fig, axes = plt.subplots(1, len(ood), figsize=(4.2 * len(ood), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(ood), figsize=(5.0 * len(ood), 4.6), squeeze=False)
     for ax, o in zip(axes[0], ood):
+        pts = {}
         for m in combo["methods"]:
             nll, nse = mean_se(_seeds(combo, m, "nll"))
             au, ase = mean_se(_seeds(combo, m, f"auroc_{o}"))
+            pts[m] = (nll, au)
             color = "C0" if _is_ours(m) else ("C3" if _is_peer(m) else "0.5")
             ax.errorbar(nll, au, xerr=0 if math.isnan(nse) else nse, yerr=0 if math.isnan(ase) else ase,
                         fmt=("o" if _is_ours(m) else "s"), mfc="none" if m.endswith("+T") else color, color=color,
                         ms=4, lw=0.8)
-            ax.annotate(label(m), (nll, au), fontsize=5.5, xytext=(3, 2), textcoords="offset points")
+            if m.endswith("+T") and _base(m) in pts:  # a thin line from the row to its "+T" version
+                ax.plot([pts[_base(m)][0], nll], [pts[_base(m)][1], au], color=color, lw=0.4, alpha=0.6)
+            elif not m.endswith("+T"):
+                ax.annotate(label(m), (nll, au), fontsize=5.5, xytext=(3, 2), textcoords="offset points",
+                            color=color if color != "0.5" else "0.3")
         ax.axhline(0.5, color="0.8", lw=0.6)
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%.2g"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("test NLL (lower is better; log scale)", fontsize=8)
-        ax.set_ylabel(f"OOD AUROC, {o} (higher is better)", fontsize=8)
+        ax.set_ylabel(f"OOD AUROC by entropy, {o} (higher is better)", fontsize=8)
         ax.tick_params(labelsize=7)
-    fig.suptitle(f"{key}: in-distribution NLL vs OOD detection (blue: ours, red: tuned peers)", fontsize=9)
+    fig.suptitle(f"{key}: in-distribution NLL vs OOD detection, mean ± s.e. over seeds (blue: ours, red: tuned "
+                 "peers, grey: baselines; open: + temperature, joined to its row)", fontsize=8)
     fig.tight_layout()
     return fig
 
