@@ -77,6 +77,14 @@ def test_fraction_rule_steps_back_from_a_noisy_optimum_and_falls_back_to_the_mea
         assert i == 0 and "no scale beats the mean by more than its paired standard error" in reason
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_select_scale_reads_a_curve_on_any_device(device):
+    scales, L = _curve(1)
+    for rule in ("one_se", "fraction", "argmax", "significant"):
+        assert select_scale(scales, L.to(device), rule) == select_scale(scales, L, rule)
+
+
 def test_select_scale_refusals():
     scales, L = _curve()
     with pytest.raises(ValueError, match=r"select_scale: rule must be one of .*got 'max'"):

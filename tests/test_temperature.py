@@ -13,11 +13,19 @@ def _nll(z, y, T):
     return float(nn.functional.cross_entropy(z.double() / T, y))
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_fit_temperature_matches_a_dense_grid_search(dtype):
+def test_fit_temperature_matches_a_dense_grid_search(dtype, device):
     g = torch.Generator().manual_seed(0)
     z = (3.0 * torch.randn(300, 5, generator=g)).to(dtype)
     y = torch.randint(5, (300,), generator=g)
+    T_dev = fit_temperature(z.to(device), y.to(device))
+    scaled = TemperatureScaling(lambda x: x).fit(z.to(device), y.to(device))
+    out = scaled.log_proba(z.to(device))
+    assert out.device.type == device and out.dtype == dtype and scaled.temperature == T_dev
     T = fit_temperature(z, y)
     grid = torch.logspace(-2, 2, 40001, dtype=torch.float64)
     nlls = torch.tensor([_nll(z, y, float(t)) for t in grid[::40]])  # coarse pass, then a fine one around it
@@ -26,6 +34,7 @@ def test_fit_temperature_matches_a_dense_grid_search(dtype):
     fine_nll = torch.tensor([_nll(z, y, float(t)) for t in fine])
     t_grid = float(fine[fine_nll.argmin()])
     assert T == pytest.approx(t_grid, rel=5e-4)  # the grid's spacing is 2.3e-4 in log T
+    assert T_dev == pytest.approx(T, rel=1e-6)
     assert _nll(z, y, T) <= float(fine_nll.min()) + 1e-12
 
 
