@@ -4,9 +4,10 @@ The MAP fits are :class:`pyro_fa.nn.BatchedVI` replicas of the ``"delta"`` famil
 ``AutoDelta``), trained by :func:`pyro_fa.experiments.uci.protocol.train`; the collection
 phase steps plain SGD on every replica's weight vector and feeds :class:`~pyro_fa.SWAG`.
 
-Each posterior's scale is chosen on the tuning splits' validation parts by
+Each kind's scale (online EM, SGA, classic SWAG) is chosen on the tuning splits' validation parts by
 :func:`pyro_fa.predictive.select_scale` (its default rule, scale 0 — the SWA mean — among
-the candidates), together with the SGD rate of the collection phase, and used on every split;
+the candidates), together with the SGD rate of the collection phase, and used on every split
+(MultiSWAG mixes SWAG-EM members at SWAG-EM's scale);
 each SWAG row also reports its mean's (SWA's; for MultiSWAG the ensemble of the members'
 means) test log-likelihood as ``mean_ll``.
 """
