@@ -1,0 +1,118 @@
+"""Peak memory and fit time of a Laplace approximation against the number of weights D: FactorLaplace vs laplace-torch.
+
+An MLP (32 inputs, one hidden layer whose width sets D, 10 classes) on 512 random examples, float32, CPU. Each
+(method, D) runs in its own process so that its peak resident memory (VmHWM) is its own; printed is the peak
+added by the fit (over the process after building the model and data) and the fit time, each also as a ratio to
+FactorLaplace's at the same D, measured in one run:
+
+* FactorLaplace, all weights, K = 20, exact GGN vectors, ``curvature_fit="online"`` (O(DK)), one pass;
+* laplace-torch 0.3, all weights, ``diag``, ``kron`` and ``full`` (its default backend).
+
+``full`` is not started where its D x D float32 matrix alone would exceed half the machine's memory: the
+point where a peer cannot run is part of the result.
+
+    python benchmarks/bench_laplace_memory.py                       # D ~ 1e4, 1e5
+    python benchmarks/bench_laplace_memory.py --dims 10000 100000 1000000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+METHODS = ("factor", "diag", "kron", "full")
+
+
+def _rss_peak_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return -1
+
+
+def _mem_total_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _hidden_for(dim: int, d_in: int = 32, c: int = 10) -> int:
+    return max(1, round((dim - c) / (d_in + 1 + c)))
+
+
+def worker(method: str, dim: int, rank: int, n: int) -> dict:
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    h = _hidden_for(dim)
+    net = nn.Sequential(nn.Linear(32, h), nn.Tanh(), nn.Linear(h, 10))
+    D = sum(p.numel() for p in net.parameters())
+    X, y = torch.randn(n, 32), torch.randint(10, (n,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=128)
+    if method == "factor":
+        from pyro_fa.laplace import FactorLaplace
+
+        la = FactorLaplace(net, "classification", rank=rank, curvature_fit="online", num_passes=1, chunk_size=16)
+    else:
+        from laplace import Laplace
+
+        la = Laplace(net, "classification", subset_of_weights="all", hessian_structure=method)
+    base = _rss_peak_kib()
+    t = time.perf_counter()
+    la.fit(loader if method != "factor" else [(X[i:i + 128], y[i:i + 128]) for i in range(0, n, 128)])
+    if method == "factor":
+        la.posterior.variance  # the posterior is usable: the capacitance and the variances are formed
+    else:
+        {"diag": lambda: la.posterior_variance, "kron": lambda: la.posterior_precision,
+         "full": lambda: la.posterior_covariance}[method]()
+    seconds = time.perf_counter() - t
+    return {"method": method, "D": D, "seconds": seconds, "peak_mib": (_rss_peak_kib() - base) / 1024}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", type=int, nargs="+", default=[10_000, 100_000])
+    parser.add_argument("--rank", type=int, default=20)
+    parser.add_argument("--n", type=int, default=512)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--worker", nargs=2, metavar=("METHOD", "DIM"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.rank, args.n)))
+        return
+    total = _mem_total_bytes()
+    print(f"{'D':>9} {'method':<8} {'fit s':>9} {'peak MiB':>10} {'time / ours':>12} {'memory / ours':>14}")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for dim in args.dims:
+        ours = None
+        for method in args.methods:
+            D = _hidden_for(dim) * 43 + 10
+            if method == "full" and 4 * D * D > total / 2:
+                print(f"{D:>9} {method:<8} cannot run: its D x D matrix alone is {4 * D * D / 2 ** 30:.1f} GiB "
+                      f"(machine {total / 2 ** 30:.0f} GiB)")
+                continue
+            proc = subprocess.run([sys.executable, __file__, "--worker", method, str(dim), "--rank", str(args.rank),
+                                   "--n", str(args.n)], capture_output=True, text=True, env=env)
+            if proc.returncode != 0:
+                tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+                print(f"{D:>9} {method:<8} failed: {tail[:100]}")
+                continue
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            if method == "factor":
+                ours = r
+            ratio_t = f"{r['seconds'] / ours['seconds']:.2f}" if ours else "-"
+            ratio_m = f"{max(r['peak_mib'], 0.1) / max(ours['peak_mib'], 0.1):.2f}" if ours else "-"
+            print(f"{r['D']:>9} {method:<8} {r['seconds']:>9.2f} {r['peak_mib']:>10.1f} {ratio_t:>12} {ratio_m:>14}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
