@@ -393,6 +393,8 @@ def tune_scale(posterior, inputs, targets, likelihood: Union[str, Callable] = "c
         ``rule`` or ``pred_type``, empty or mis-shaped ``targets`` (or class labels outside
         the model's logits), an unknown ``likelihood``, a missing ``noise_std``; the
         posterior is then unchanged.
+    RuntimeError
+        The mean's own prediction (scale 0) has a non-finite log-likelihood at some point.
 
     Warns
     -----
