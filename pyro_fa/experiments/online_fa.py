@@ -126,7 +126,7 @@ def run_trial(dim, rank, spectrum, sizes, seed, batch_size=1, methods=METHODS):
         else:
             fa = OnlineFactorAnalysis(
                 dim, rank, method="em" if method == "online_em" else "sga", warmup=100, seed=seed + 1,
-                dtype=X.dtype,
+                lr=1e-3, dtype=X.dtype,  # the thesis's SGA rate (OnlineFactorAnalysis now defaults to 1e-2)
             )
             done = 0
             for n in sorted(sizes):
