@@ -56,7 +56,9 @@ def test_standardising_scale_follows_running_variance():
     ref = X.var(0, unbiased=False)
     assert torch.allclose(fa._scale.pow(2), ref, rtol=1e-10)  # set at the last step, from all vectors
     total = fa.cov_diag + fa.cov_factor.pow(2).sum(-1)
-    assert float((total / ref - 1).abs().max()) < 0.5  # the fitted diagonal is at the data's scale
+    # the fitted diagonal is at the data's scale: after 350 ascent steps (default lr 1e-2) on a stream whose spread
+    # grew fivefold it is within 0.59 of it (0.13 with the thesis's lr 1e-3, which barely leaves its start)
+    assert float((total / ref - 1).abs().max()) < 0.75
 
 
 def test_swag_sga_warns():
@@ -96,3 +98,33 @@ def test_sga_keeps_learning_after_to_replaces_parameters(future_flag, optimizer)
     assert not torch.equal(moved.cov_factor, F_moved)
     assert torch.equal(moved.cov_factor, reference.cov_factor)
     assert torch.equal(moved.cov_diag, reference.cov_diag)
+
+
+def _fa_stream(D, K, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    F = torch.randn(D, K, generator=g, dtype=torch.float64)
+    psi = 0.3 + torch.rand(D, generator=g, dtype=torch.float64)
+    X = -2.0 + torch.randn(T, K, generator=g, dtype=torch.float64) @ F.T
+    X += torch.randn(T, D, generator=g, dtype=torch.float64) * psi.sqrt()
+    return F @ F.T + torch.diag(psi), X
+
+
+@pytest.mark.slow
+def test_default_sga_reaches_the_truth_of_a_synthetic_fa_stream():
+    # stationary FA data with known (F, Psi): the default SGA (lr 1e-2) ends within 0.05 of the true covariance
+    # (relative Frobenius) and within 4 times scikit-learn's batch FactorAnalysis on the same 20 000 vectors
+    # (measured: 0.029 against 0.011); the thesis's lr 1e-3 stays near its start (measured 0.58)
+    from sklearn.decomposition import FactorAnalysis
+
+    C, X = _fa_stream(D=10, K=2, T=20_000, seed=0)
+    rel = lambda cov: float(torch.linalg.norm(cov - C) / torch.linalg.norm(C))  # noqa: E731
+    batch = rel(torch.from_numpy(FactorAnalysis(n_components=2).fit(X.numpy()).get_covariance()))
+    fa = OnlineFactorAnalysis(10, 2, method="sga", seed=0, dtype=torch.float64)
+    assert fa.lr == 1e-2
+    slow = OnlineFactorAnalysis(10, 2, method="sga", seed=0, dtype=torch.float64, lr=1e-3)
+    for chunk in X.split(10):
+        fa.update(chunk)
+        slow.update(chunk)
+    assert batch < 0.02
+    assert rel(fa.covariance()) < min(0.05, 4 * batch)
+    assert rel(slow.covariance()) > 0.3
