@@ -241,3 +241,7 @@ def test_pred_type_glm_agrees_with_sampled_networks_for_a_linear_model_and_is_re
         tune_scale(OnlySampled(), x, y, "gaussian", noise_std=0.5, pred_type="glm")
     with pytest.raises(ValueError, match=r"bma_log_likelihood: scale must be a finite number >= 0, got -1"):
         bma_log_likelihood(swag, x, y, "gaussian", scale=-1, noise_std=0.5)
+    swag.scale = 3.0
+    with pytest.raises(RuntimeError, match=r"tune_scale: the mean \(scale 0\) gives a non-finite log-likelihood"):
+        tune_scale(swag, x, y, lambda out, t: torch.full_like(t, -math.inf), scales=[1.0], num_samples=2)
+    assert swag.scale == 3.0  # left alone
