@@ -217,6 +217,9 @@ def select_scale(scales: Sequence[float], point_log_likelihoods: Tensor, rule: s
             return 0, (f"no scale beats the mean by more than its paired standard error (best gain "
                        f"{float(mean[i] - mean[0]):.3g} +- {float(se_i[0]):.3g} per point at scale {scales[i]:.3g}): "
                        "the mean (scale 0)")
+        if ok[0] == i:
+            return i, (f"the best scale, {scales[i]:.3g}: no smaller one within a paired standard error of it (gain "
+                       f"over the mean {float(mean[i] - mean[0]):.3g} +- {float(se_i[0]):.3g} per point)")
         return ok[0], (f"the smallest scale within one paired standard error ({float(se_i[ok[0]]):.3g}) of the best, "
                        f"scale {scales[i]:.3g}")
     if best == 0 or not g > s:
