@@ -157,7 +157,7 @@ def _ref(fn, **kw) -> Callable[[Stream], Tuple[np.ndarray, np.ndarray]]:
 
 
 VARIANTS: Dict[str, Callable] = {
-    "lib sga lr=1e-3 (old default)": _lib(1e-3),
+    "lib sga lr=1e-3 (SWAG default)": _lib(1e-3),
     "lib sga lr=1e-2": _lib(1e-2),
     "lib sga lr=3e-2": _lib(3e-2),
     "natural SA (a=2)": _ref(natural_sa),
