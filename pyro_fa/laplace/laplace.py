@@ -88,6 +88,12 @@ class FactorLaplace(nn.Module):
         Examples per ``torch.func`` block: the largest tensor held is (chunk_size, C, D).
     seed : int, default 0
         Seeds the sampled labels of ``"mc"`` and the factor-analysis initialisation.
+    process_group : torch.distributed process group, optional
+        Data-parallel fit: every rank holds the same model and passes its own part of the data to
+        :meth:`fit`; the counts and losses are all-reduced and the curvature is fitted from all ranks'
+        vectors (``"scatter"``: the D x D sums all-reduced, equal to one process on all the data;
+        ``"online"``: sharded by coordinates over the ranks, as ``OnlineFactorAnalysis(process_group=...)``).
+        Every rank ends with the same approximation.
 
     Attributes
     ----------
@@ -133,7 +139,7 @@ class FactorLaplace(nn.Module):
     def __init__(self, model: nn.Module, likelihood: str, rank: int = 20,
                  subset: Union[str, Iterable[Tensor]] = "all", prior_precision=1.0, sigma_noise: float = 1.0, *,
                  curvature: str = "ggn", curvature_fit: str = "auto", mc_samples: int = 1, num_passes: int = 4,
-                 chunk_size: int = 32, seed: int = 0):
+                 chunk_size: int = 32, seed: int = 0, process_group=None):
         super().__init__()
         name = type(self).__name__
         if not isinstance(model, nn.Module):
@@ -149,6 +155,7 @@ class FactorLaplace(nn.Module):
         self.num_passes = _positive_int(name, "num_passes", num_passes)
         self.chunk_size = _positive_int(name, "chunk_size", chunk_size)
         self.seed = _positive_int(name, "seed", seed, minimum=0)
+        self.process_group = process_group
         named = select_parameters(model, subset, name)
         object.__setattr__(self, "model", model)  # not a submodule: the network's weights stay out of state_dict
         self.likelihood, self.curvature, self.curvature_fit = likelihood, curvature, curvature_fit
@@ -287,7 +294,17 @@ class FactorLaplace(nn.Module):
 
         F, psi, info = fit_second_moment(passes, self.dim, self.rank, method=self.curvature_fit,
                                          num_passes=self.num_passes, seed=self.seed, dtype=theta.dtype,
-                                         device=theta.device, owner=name)
+                                         device=theta.device, owner=name, process_group=self.process_group)
+        if self.process_group is not None:
+            import torch.distributed as dist
+
+            sums = torch.stack([totals["loss"].to(torch.float64), torch.tensor(float(totals["n"]), dtype=torch.float64,
+                                device=theta.device), torch.tensor(float(totals["outputs"]), dtype=torch.float64,
+                                device=theta.device)])
+            outputs = sums[2].clone()
+            dist.all_reduce(sums, group=self.process_group)
+            dist.all_reduce(outputs, op=dist.ReduceOp.MAX, group=self.process_group)
+            totals["loss"], totals["n"], totals["outputs"] = sums[0].to(theta.dtype), int(sums[1]), int(outputs)
         n_data = totals["n"]
         if n_data == 0:
             raise ValueError(f"{name}: train_loader must yield at least one example, got none.")

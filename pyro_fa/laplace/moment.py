@@ -45,22 +45,78 @@ def _check_count(n_vec: int, owner: str) -> None:
         raise ValueError(f"{owner}: train_loader must yield at least one example, got none.")
 
 
-def _scatter(passes: Callable[[], Iterator[Tensor]], D: int, dtype, device, owner: str) -> Tuple[Tensor, int]:
+def _agree(ok: bool, group, device) -> bool:
+    """Whether every rank's ``ok`` holds (one all-reduce); ``ok`` itself without a group."""
+    if group is None:
+        return ok
+    import torch.distributed as dist
+
+    flag = torch.tensor([0.0 if ok else 1.0], device=device)
+    dist.all_reduce(flag, group=group)
+    return float(flag) == 0.0
+
+
+def _scatter(passes: Callable[[], Iterator[Tensor]], D: int, dtype, device, owner: str,
+             group=None) -> Tuple[Tensor, int]:
     wide = wide_dtype(device)
-    G = torch.zeros(D, D, dtype=wide, device=device)
-    n_vec = 0
-    for V in passes():
-        _check_block(V, D, owner)
-        W = V.to(wide)
-        G.addmm_(W.T, W)
-        n_vec += V.shape[0]
-    return G, n_vec
+    G = torch.zeros(D + 1, D, dtype=wide, device=device)  # the last row carries the vector count
+    error = None
+    try:
+        for V in passes():
+            _check_block(V, D, owner)
+            W = V.to(wide)
+            G[:D].addmm_(W.T, W)
+            G[D, 0] += V.shape[0]
+    except ValueError as exc:  # raised on every rank below, after agreeing (no rank left in a collective)
+        if group is None:
+            raise
+        error = exc
+    if not _agree(error is None, group, device):
+        raise error or ValueError(f"{owner}: another rank's curvature vectors were refused (not finite or of the "
+                                  "wrong shape); nothing was fitted.")
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(G, group=group)
+    return G[:D], int(G[D, 0])
+
+
+def _gathered_blocks(passes: Callable[[], Iterator[Tensor]], D: int, owner: str, group, device, dtype):
+    """Every rank's next block of vectors, concatenated in rank order, until every rank's stream is exhausted."""
+    import torch.distributed as dist
+
+    W = dist.get_world_size(group)
+    it = iter(passes())
+    while True:
+        V, error = None, None
+        try:
+            V = next(it, None)
+            if V is not None:
+                _check_block(V, D, owner)
+        except ValueError as exc:  # raised on every rank after agreeing (no rank left in a collective)
+            error = exc
+        head = torch.tensor([0.0 if V is None or error else float(V.shape[0]), 1.0 if error else 0.0], device=device)
+        heads = [torch.zeros_like(head) for _ in range(W)]
+        dist.all_gather(heads, head, group=group)
+        if any(float(h[1]) for h in heads):
+            raise error or ValueError(f"{owner}: another rank's curvature vectors were refused (not finite or of "
+                                      "the wrong shape); nothing was fitted.")
+        sizes = [int(h[0]) for h in heads]
+        if not any(sizes):
+            return
+        rows = max(sizes)
+        mine = torch.zeros(rows, D, dtype=dtype, device=device)
+        if V is not None:
+            mine[:V.shape[0]] = V.to(dtype)
+        blocks = [torch.empty_like(mine) for _ in range(W)]
+        dist.all_gather(blocks, mine, group=group)
+        yield torch.cat([b[:n] for b, n in zip(blocks, sizes)])
 
 
 def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: int, *,
                       method: str = "auto", num_passes: int = 1, dense_max_dim: int = 2048,
                       tol: float = 1e-3, max_iter: int = 2000, seed: int = 0, dtype=None, device=None,
-                      owner: str = "fit_second_moment") -> Tuple[Tensor, Tensor, dict]:
+                      owner: str = "fit_second_moment", process_group=None) -> Tuple[Tensor, Tensor, dict]:
     r"""Fit :math:`FF^\top + \Psi \approx \frac1V\sum_v vv^\top` to the :math:`V` curvature vectors.
 
     Parameters
@@ -83,6 +139,14 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
         Of the returned factors (the model's).
     owner : str
         Name starting error messages.
+    process_group : torch.distributed process group, optional
+        Data parallel: each rank's ``passes()`` yields the vectors of its own examples, and every rank returns
+        the fit of all ranks' vectors. ``"scatter"``: the :math:`D\times D` sums are all-reduced (one
+        collective), so the fit equals a single process's on the concatenated vectors. ``"online"``: each block
+        of vectors is all-gathered and each rank feeds its coordinates :math:`[lo, hi)` of it to
+        :class:`~pyro_fa.fa.online.OnlineFactorAnalysis` ``(process_group=...)``, sharded by coordinates
+        (the fitter's state is :math:`O(DK/W)` per rank); the shards of :math:`F` and :math:`\psi` are
+        gathered at the end.
 
     Returns
     -------
@@ -101,7 +165,7 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
     if method == "scatter":
         check_dense_dim(owner, "fit(curvature_fit='scatter')", dim, torch.float64,
                         "Use curvature_fit='online' (O(DK) memory).")
-        G, n_vec = _scatter(passes, dim, dtype, device, owner)
+        G, n_vec = _scatter(passes, dim, dtype, device, owner, process_group)
         _check_count(n_vec, owner)
         S = G / max(n_vec, 1)
         if rank >= dim:
@@ -122,14 +186,46 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
     if rank >= dim:
         raise ValueError(f"{owner}: rank must be < dim={dim} for curvature_fit='online', got {rank!r}; use "
                          "curvature_fit='scatter' for a full-rank curvature.")
-    fa = OnlineFactorAnalysis(dim, rank, method="em", seed=seed, dtype=dtype, device=device)
+    fa = OnlineFactorAnalysis(dim, rank, method="em", seed=seed, dtype=dtype, device=device,
+                              process_group=process_group)
+    lo, hi = (0, dim)
+    if process_group is not None:  # the default layout of OnlineFactorAnalysis(process_group=...)
+        import torch.distributed as dist
+
+        from pyro_fa.distributed import shard_bounds
+
+        lo, hi = shard_bounds(dim, dist.get_world_size(process_group), dist.get_rank(process_group))
     n_vec = 0
     for _ in range(num_passes):
         n_vec = 0
-        for V in passes():
+        stream = passes() if process_group is None else _gathered_blocks(passes, dim, owner, process_group, device,
+                                                                           dtype)
+        for V in stream:
             _check_block(V, dim, owner)
-            fa.update(torch.cat([V, -V]).to(dtype))
+            V = V[:, lo:hi].to(dtype)
+            fa.update(torch.cat([V, -V]))
             n_vec += V.shape[0]
     _check_count(n_vec, owner)
-    return fa.cov_factor.detach().clone(), fa.cov_diag.detach().clone(), {
-        "method": "online", "n_vectors": n_vec, "passes": num_passes}
+    F, psi = fa.cov_factor.detach().clone(), fa.cov_diag.detach().clone()
+    if process_group is not None:
+        F, psi = _gather_rows(F, psi, dim, process_group)
+    return F, psi, {"method": "online", "n_vectors": n_vec, "passes": num_passes}
+
+
+def _gather_rows(F: Tensor, psi: Tensor, dim: int, group) -> Tuple[Tensor, Tensor]:
+    """The whole (D, K) factor and (D,) noise from every rank's rows, in rank order."""
+    import torch.distributed as dist
+
+    W = dist.get_world_size(group)
+    local = torch.cat([F, psi.unsqueeze(-1)], -1)
+    rows = torch.tensor([float(local.shape[0])], device=local.device)
+    counts = [torch.zeros_like(rows) for _ in range(W)]
+    dist.all_gather(counts, rows, group=group)
+    counts = [int(c) for c in counts]
+    padded = local.new_zeros(max(counts), local.shape[1])
+    padded[:local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in range(W)]
+    dist.all_gather(parts, padded, group=group)
+    whole = torch.cat([p[:n] for p, n in zip(parts, counts)])
+    assert whole.shape[0] == dim
+    return whole[:, :-1].contiguous(), whole[:, -1].contiguous()
