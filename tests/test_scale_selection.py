@@ -195,7 +195,8 @@ def test_warnings_for_a_flat_curve_and_a_small_validation_set():
         search = tune_scale(swag, x, y, "gaussian", scales=[1.0, 10.0, 100.0], num_samples=20, noise_std=0.5)
     assert search.scale == 0.0 and swag.scale == 0.0 and search.gain == 0.0 and search.rule == "one_se"
     with pytest.warns(ScaleSelectionWarning, match=r"tune_scale: 30 validation points are too few") as record:
-        swag.tune_scale(x[:30], y[:30], "gaussian", scales=[1.0, 10.0], num_samples=5, noise_std=0.5)
+        small = swag.tune_scale(x[:30], y[:30], "gaussian", scales=[1.0, 10.0], num_samples=5, noise_std=0.5)
+    assert small.rule == "one_se" and swag.scale == small.scale  # SWAG.tune_scale's default rule
     assert record[0].filename == __file__  # the warning names the caller's line, not the library's
 
 
