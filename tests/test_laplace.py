@@ -220,6 +220,28 @@ def test_mc_fisher_converges_to_the_ggn_like_one_over_sqrt_samples():
     assert _rel(mc.posterior.precision_matrix, exact.posterior.precision_matrix) < 0.15
 
 
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_mc_fisher_of_one_output_is_unbiased_for_the_ggn(likelihood):
+    # one output: a Gaussian mean, or a Bernoulli logit (GGN factor sqrt(p(1-p)) J)
+    torch.manual_seed(0)
+    net = nn.Linear(3, 1).double()
+    X = torch.randn(10, 3, dtype=torch.float64)
+    named = select_parameters(net, "all", "test")
+    f = flat_network(net, named)
+    theta = torch.cat([p.detach().reshape(-1) for _, p in named])
+    exact = curvature_vectors(f, theta, X, likelihood)
+    G = exact.T @ exact
+    Z = torch.cat([X, torch.ones(10, 1, dtype=X.dtype)], 1)
+    if likelihood == "regression":
+        torch.testing.assert_close(G, Z.T @ Z)
+    else:
+        p = torch.sigmoid(net(X).detach()[:, 0])
+        torch.testing.assert_close(G, Z.T @ (Z * (p * (1 - p))[:, None]))
+    V = curvature_vectors(f, theta, X, likelihood, "mc", num_samples=4000, generator=torch.Generator().manual_seed(0))
+    assert V.shape == (40_000, 4)
+    assert _rel(V.T @ V, G) < 0.05  # about sqrt(2 / 4000) per entry
+
+
 # --------------------------------------------------------------------------- subsets, online fit, predictives
 def test_last_layer_subset_is_the_last_linear_and_equals_passing_its_parameters():
     net = _mlp()
@@ -323,6 +345,10 @@ def test_clear_errors_naming_the_argument():
         la.fit([])
     with pytest.raises(ValueError, match=r"train_loader must yield \(inputs, targets\) pairs, got Tensor"):
         la.fit([X])
+    with pytest.raises(ValueError, match="curvature vectors must be finite, got NaN or inf"):
+        la.fit([(torch.full((4, 2), float("inf"), dtype=torch.float64), y[:4])])
+    with pytest.raises(ValueError, match=r"rank must be < dim=33 for curvature_fit='online', got 33"):
+        FactorLaplace(net, "classification", rank=33, curvature_fit="online").fit([(X, y)])
     assert int(la.n_data) == 0  # nothing was fitted by the refused calls
     la.fit([(X, y)])
     with pytest.raises(ValueError, match="predict needs likelihood='regression', got 'classification'"):
