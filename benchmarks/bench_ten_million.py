@@ -24,7 +24,7 @@ Printed, from one run:
   (Daxberger et al. 2021) and Pyro's ``AutoLowRankMultivariateNormal`` trained by SVI with
   Adam (formulas in :func:`memory_table`).
 
-    python benchmarks/bench_ten_million.py            # D = 1.0e7, about 10 minutes at 1 thread
+    python benchmarks/bench_ten_million.py            # D = 1.0e7, about 8 CPU minutes at 1 thread
     python benchmarks/bench_ten_million.py --quick    # H = 400 (D = 1.8e5), under a minute
 """
 from __future__ import annotations
@@ -191,8 +191,8 @@ def main(argv=None):
     print(f"posterior state (SWAG buffers): {state / 2 ** 20:.0f} MiB = {state / unit:.2f} x D*K*4 bytes; "
           f"resident memory grew by {(rss_after - rss_before) / 2 ** 20:.0f} MiB "
           f"({(rss_after - rss_before) / unit:.2f} x D*K*4) when the SWAG was built and fed")
-    print(f"peak resident memory of the process: {_status_kib('VmHWM') / 2 ** 20:.2f} GiB "
-          f"(network + SGD momentum: {2 * D * 4 / 2 ** 30:.2f} GiB)")
+    print(f"peak resident memory of the process while training and collecting: {_status_kib('VmHWM') / 2 ** 20:.2f} "
+          f"GiB (network + SGD momentum: {2 * D * 4 / 2 ** 30:.2f} GiB)")
     print(f"one collection (past the warm-up): {t_coll * 1e3:.0f} ms = {t_coll / t_step:.1f} x the bare optimizer "
           f"step ({t_step * 1e3:.1f} ms) = {t_coll / t_train_step:.2f} x a training step ({t_train_step * 1e3:.0f} ms) "
           f"= {t_coll / (t_train_step * len(step_times) / (args.pre_epochs + args.swag_epochs)) * 100:.1f} % "
@@ -221,6 +221,7 @@ def main(argv=None):
           f"{acc:.4f} |")
     print(f"paired difference SWAG - SWA in test NLL: {diff.mean():+.4f} +- {se:.4f} (s.e. over "
           f"{diff.numel()} test points)")
+    print(f"peak resident memory of the process with the predictions: {_status_kib('VmHWM') / 2 ** 20:.2f} GiB")
 
     budget = _mem_total_bytes()
     print()
