@@ -37,7 +37,8 @@ from pyro_fa.swag.guide import FactorPosteriorGuide
 
 __all__ = ["SWAG"]
 
-_FITS: Dict[str, Type[IterateFit]] = {"em": OnlineFit, "sga": OnlineFit, "sketch": OnlineFit, "swag": ClassicFit}  # by method
+_FITS: Dict[str, Type[IterateFit]] = {  # by method
+    "em": OnlineFit, "sga": OnlineFit, "sketch": OnlineFit, "swag": ClassicFit}
 _METHODS = tuple(_FITS)
 _ON_NONFINITE = ("raise", "skip")
 
