@@ -126,3 +126,21 @@ def test_sketch_is_within_1_1_of_batch_fa_on_recorded_sgd_iterates(dtype):
     err = relative_distance(swag.cov_factor.double().numpy(), swag.cov_diag.double().numpy(),
                             empirical_covariance(stream.iterates))
     assert err <= 1.1 * r["batch"]
+
+
+def test_swag_sketch_is_online_factor_analysis_sketch_on_the_same_iterates():
+    # SWAG(method="sketch") hands each collected vector to the same fitter: identical factors
+    X = _low_rank_stream(80, 12, 6) + 0.01 * np.random.default_rng(5).standard_normal((80, 12))
+    buf = torch.zeros(12, dtype=torch.float64)
+    swag = SWAG([buf], rank=2, method="sketch", seed=0)
+    fa = OnlineFactorAnalysis(12, 2, method="sketch", seed=0, dtype=torch.float64)
+    with torch.no_grad():
+        for row in torch.from_numpy(X):
+            buf.copy_(row)
+            swag.collect()
+            fa.update(row)
+    torch.testing.assert_close(swag.cov_factor, fa.cov_factor)
+    torch.testing.assert_close(swag.cov_diag, fa.cov_diag)
+    S = _scatter(X) / 80
+    np.testing.assert_allclose(swag.cov_diag.numpy() + (swag.cov_factor.numpy() ** 2).sum(1), S.diagonal(),
+                               rtol=1e-9)
