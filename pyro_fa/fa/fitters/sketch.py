@@ -87,9 +87,9 @@ class ScatterSketch(Fitter):
         fa.register_buffer("_psi", torch.ones_like(F0[:, 0]))
         fa.register_buffer("_sketch", F0.new_zeros(rows, D))
         fa.register_buffer("_sketch_sq", torch.zeros(rows, dtype=torch.float64, device=F0.device))
-        fa.register_buffer("_sketch_used", torch.zeros((), dtype=torch.int64))
-        fa.register_buffer("_sketch_ortho", torch.zeros((), dtype=torch.int64))
-        fa.register_buffer("_fit_at", torch.full((), -1, dtype=torch.int64))
+        fa.register_buffer("_sketch_used", torch.zeros((), dtype=torch.int64, device=F0.device))
+        fa.register_buffer("_sketch_ortho", torch.zeros((), dtype=torch.int64, device=F0.device))
+        fa.register_buffer("_fit_at", torch.full((), -1, dtype=torch.int64, device=F0.device))
 
     # ------------------------------------------------------------------ reading
     def factors(self, fa) -> Tuple[Tensor, Tensor]:
