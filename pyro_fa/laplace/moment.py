@@ -28,6 +28,10 @@ from pyro_fa.fa.online import OnlineFactorAnalysis
 
 __all__ = ["fit_second_moment", "MOMENT_FITS"]
 
+#: elements of one online update's rows (the vectors and their negatives): the fitter's float64 temporaries are a
+#: few such (rows, D) arrays, 32 MB each
+_ONLINE_ELEMENTS = 1 << 22
+
 #: the ways of fitting the second moment, by name ("auto" picks "scatter" up to ``dense_max_dim``)
 MOMENT_FITS = ("auto", "scatter", "online")
 
@@ -203,7 +207,10 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
         for V in stream:
             _check_block(V, dim, owner)
             V = V[:, lo:hi].to(dtype)
-            fa.update(torch.cat([V, -V]))
+            step = max(1, _ONLINE_ELEMENTS // (2 * (hi - lo)))  # bounded updates: bounded temporaries
+            for i in range(0, V.shape[0], step):
+                block = V[i:i + step]
+                fa.update(torch.cat([block, -block]))
             n_vec += V.shape[0]
     _check_count(n_vec, owner)
     F, psi = fa.cov_factor.detach().clone(), fa.cov_diag.detach().clone()
