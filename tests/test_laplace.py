@@ -256,17 +256,18 @@ def test_last_layer_subset_is_the_last_linear_and_equals_passing_its_parameters(
     torch.testing.assert_close(exact.posterior.precision_matrix, torch.eye(18, dtype=G.dtype) + G[last, last])
 
 
-def test_online_fit_approaches_the_exact_scatter_fit():
+@pytest.mark.parametrize("fit", ["online", "sketch"])
+def test_online_fits_approach_the_exact_scatter_fit(fit):
     g = torch.Generator().manual_seed(1)
     X = torch.randn(400, 12, generator=g, dtype=torch.float64) @ torch.randn(12, 12, generator=g, dtype=torch.float64)
     y = torch.randn(400, generator=g, dtype=torch.float64)
     net = nn.Linear(12, 1, bias=False).double()
     scatter = FactorLaplace(net, "regression", rank=3, curvature_fit="scatter").fit([(X, y)])
-    online = FactorLaplace(net, "regression", rank=3, curvature_fit="online", num_passes=3).fit([(X, y)])
+    online = FactorLaplace(net, "regression", rank=3, curvature_fit=fit).fit([(X[:200], y[:200]), (X[200:], y[200:])])
     G = X.T @ X
     e_scatter = _rel(scatter.posterior.precision_matrix - torch.eye(12), G)
     e_online = _rel(online.posterior.precision_matrix - torch.eye(12), G)
-    assert online.fit_info["method"] == "online"
+    assert online.fit_info["method"] == fit
     assert e_online < 1.5 * e_scatter + 0.02, (e_online, e_scatter)
 
 
@@ -332,7 +333,7 @@ def test_clear_errors_naming_the_argument():
         FactorLaplace(net, "regression", rank=0)
     with pytest.raises(ValueError, match=r"curvature must be one of \('ggn', 'mc'\), got 'kfac'"):
         FactorLaplace(net, "regression", curvature="kfac")
-    with pytest.raises(ValueError, match=r"curvature_fit must be one of \('auto', 'scatter', 'online'\), got 'svd'"):
+    with pytest.raises(ValueError, match=r"curvature_fit must be one of \('auto', 'scatter', 'online', 'sketch'\), got 'svd'"):
         FactorLaplace(net, "regression", curvature_fit="svd")
     la = FactorLaplace(net, "classification", rank=2)
     with pytest.raises(RuntimeError, match=r"predict_proba\(\) needs a fitted Laplace approximation; call fit"):

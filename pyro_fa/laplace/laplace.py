@@ -77,13 +77,14 @@ class FactorLaplace(nn.Module):
         :math:`\sigma` of the Gaussian likelihood; must be 1 for classification.
     curvature : {"ggn", "mc"}, default "ggn"
         Exact GGN factors (C vectors per example) or the Monte Carlo Fisher (``mc_samples`` per example).
-    curvature_fit : {"auto", "scatter", "online"}, default "auto"
+    curvature_fit : {"auto", "scatter", "online", "sketch"}, default "auto"
         How the factor-analysis core fits the curvature (:func:`~pyro_fa.laplace.moment.fit_second_moment`):
-        exact scatter and batch FA to convergence at small D (``"auto"``: D <= 2048, about where the two cost the same, see docs/laplace.md), or online EM on the
-        stream in :math:`O(DK)` memory.
+        the exact scatter and batch FA to convergence (:math:`O(D^2)` memory), or in :math:`O(DK)` memory
+        online EM (``num_passes``, shardable) or the core's scatter sketch refitted by batch FA (one pass).
+        ``"auto"``: ``"scatter"`` for D <= 2048, else ``"sketch"`` (``"online"`` with a ``process_group``).
     mc_samples : int, default 1
-    num_passes : int, default 4
-        Passes over the data for ``curvature_fit="online"``.
+    num_passes : int, optional
+        Passes over the data: default 4 for ``"online"``, 1 for ``"sketch"``.
     chunk_size : int, default 32
         Examples per ``torch.func`` block: the largest tensor held is (chunk_size, C, D).
     seed : int, default 0
@@ -138,7 +139,8 @@ class FactorLaplace(nn.Module):
 
     def __init__(self, model: nn.Module, likelihood: str, rank: int = 20,
                  subset: Union[str, Iterable[Tensor]] = "all", prior_precision=1.0, sigma_noise: float = 1.0, *,
-                 curvature: str = "ggn", curvature_fit: str = "auto", mc_samples: int = 1, num_passes: int = 4,
+                 curvature: str = "ggn", curvature_fit: str = "auto", mc_samples: int = 1,
+                 num_passes: Optional[int] = None,
                  chunk_size: int = 32, seed: int = 0, process_group=None):
         super().__init__()
         name = type(self).__name__
@@ -152,7 +154,7 @@ class FactorLaplace(nn.Module):
             raise ValueError(f"{name}: curvature_fit must be one of {MOMENT_FITS}, got {curvature_fit!r}.")
         self.rank = _positive_int(name, "rank", rank)
         self.mc_samples = _positive_int(name, "mc_samples", mc_samples)
-        self.num_passes = _positive_int(name, "num_passes", num_passes)
+        self.num_passes = None if num_passes is None else _positive_int(name, "num_passes", num_passes)
         self.chunk_size = _positive_int(name, "chunk_size", chunk_size)
         self.seed = _positive_int(name, "seed", seed, minimum=0)
         self.process_group = process_group

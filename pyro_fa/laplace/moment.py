@@ -9,14 +9,16 @@ around a mean; two routes give it the uncentred moment:
   run to convergence: the fit of the curvature converges, not one pass of it). With ``rank >= D`` the
   curvature is kept exactly, :math:`F = U\Lambda^{1/2}` from the eigendecomposition of :math:`S` and
   :math:`\psi = 0`.
-* ``"online"`` (:math:`O(DK)` memory, any :math:`D`): the stream :math:`\pm v` (each vector and its
-  negative, so the mean is exactly zero and the centred covariance *is* the uncentred moment) is fed to
-  :class:`pyro_fa.fa.online.OnlineFactorAnalysis` (online EM) for ``passes`` passes over the data.
+* ``"online"`` / ``"sketch"`` (:math:`O(DK)` memory, any :math:`D`): the stream :math:`\pm v` (each vector
+  and its negative, so the mean is exactly zero and the centred covariance *is* the uncentred moment) is
+  fed to :class:`pyro_fa.fa.online.OnlineFactorAnalysis`, by online EM (``"online"``, ``num_passes``
+  passes, shardable) or by its scatter sketch refitted by batch FA (``"sketch"``, one pass: on an MLP
+  with D = 1810 its error against the exact GGN was 0.065, online EM's 0.095 after 4 passes).
 """
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Iterator, Tuple
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -33,7 +35,7 @@ __all__ = ["fit_second_moment", "MOMENT_FITS"]
 _ONLINE_ELEMENTS = 1 << 22
 
 #: the ways of fitting the second moment, by name ("auto" picks "scatter" up to ``dense_max_dim``)
-MOMENT_FITS = ("auto", "scatter", "online")
+MOMENT_FITS = ("auto", "scatter", "online", "sketch")
 
 
 def _check_block(V: Tensor, D: int, owner: str) -> None:
@@ -118,7 +120,7 @@ def _gathered_blocks(passes: Callable[[], Iterator[Tensor]], D: int, owner: str,
 
 
 def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: int, *,
-                      method: str = "auto", num_passes: int = 1, dense_max_dim: int = 2048,
+                      method: str = "auto", num_passes: Optional[int] = None, dense_max_dim: int = 2048,
                       tol: float = 1e-3, max_iter: int = 2000, seed: int = 0, dtype=None, device=None,
                       owner: str = "fit_second_moment", process_group=None) -> Tuple[Tensor, Tensor, dict]:
     r"""Fit :math:`FF^\top + \Psi \approx \frac1V\sum_v vv^\top` to the :math:`V` curvature vectors.
@@ -131,10 +133,11 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
         :math:`D`.
     rank : int
         :math:`K \ge 1`.
-    method : {"auto", "scatter", "online"}, default "auto"
-        ``"auto"``: ``"scatter"`` when ``dim <= dense_max_dim``, else ``"online"``.
-    num_passes : int, default 1
-        Passes over the data for ``"online"``.
+    method : {"auto", "scatter", "online", "sketch"}, default "auto"
+        ``"auto"``: ``"scatter"`` when ``dim <= dense_max_dim``, else ``"sketch"`` (``"online"`` with a
+        ``process_group``: the sketch cannot be sharded).
+    num_passes : int, optional
+        Passes over the data for ``"online"`` (default 4) and ``"sketch"`` (default 1).
     dense_max_dim : int, default 2048
     tol, max_iter : float, int
         Convergence of the batch fit (on the total log-likelihood of the FA model).
@@ -165,7 +168,9 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
     ``"online"``: :math:`O(DK)` memory and :math:`O(VDK)` per pass.
     """
     if method == "auto":
-        method = "scatter" if dim <= dense_max_dim else "online"
+        method = "scatter" if dim <= dense_max_dim else "sketch" if process_group is None else "online"
+    if num_passes is None:
+        num_passes = 4 if method == "online" else 1
     if method == "scatter":
         check_dense_dim(owner, "fit(curvature_fit='scatter')", dim, torch.float64,
                         "Use curvature_fit='online' (O(DK) memory).")
@@ -185,13 +190,13 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
                           f"iterations (tol={tol}); the fit is the last iterate.", ConvergenceWarning, stacklevel=3)
         return result.cov_factor.to(dtype), result.cov_diag.to(dtype), {
             "method": "scatter", "n_vectors": n_vec, "n_iter": result.n_iter, "converged": result.converged}
-    if method != "online":
+    if method not in ("online", "sketch"):
         raise ValueError(f"{owner}: curvature_fit must be one of {MOMENT_FITS}, got {method!r}.")
     if rank >= dim:
-        raise ValueError(f"{owner}: rank must be < dim={dim} for curvature_fit='online', got {rank!r}; use "
+        raise ValueError(f"{owner}: rank must be < dim={dim} for curvature_fit={method!r}, got {rank!r}; use "
                          "curvature_fit='scatter' for a full-rank curvature.")
-    fa = OnlineFactorAnalysis(dim, rank, method="em", seed=seed, dtype=dtype, device=device,
-                              process_group=process_group)
+    fa = OnlineFactorAnalysis(dim, rank, method="em" if method == "online" else "sketch", seed=seed, dtype=dtype,
+                              device=device, process_group=process_group)
     lo, hi = (0, dim)
     if process_group is not None:  # the default layout of OnlineFactorAnalysis(process_group=...)
         import torch.distributed as dist
@@ -216,7 +221,7 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
     F, psi = fa.cov_factor.detach().clone(), fa.cov_diag.detach().clone()
     if process_group is not None:
         F, psi = _gather_rows(F, psi, dim, process_group)
-    return F, psi, {"method": "online", "n_vectors": n_vec, "passes": num_passes}
+    return F, psi, {"method": method, "n_vectors": n_vec, "passes": num_passes}
 
 
 def _gather_rows(F: Tensor, psi: Tensor, dim: int, group) -> Tuple[Tensor, Tensor]:
