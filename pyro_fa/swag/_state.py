@@ -36,8 +36,8 @@ class SWAGState:
                 f"{[tuple(s) for s in self._shapes]!r}, got {state['shapes']!r}; nothing was loaded."
             )
         scale = state.get("scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"{cls}: the saved state's 'scale' must be a positive finite number, got {scale!r}; "
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale >= 0):
+            raise ValueError(f"{cls}: the saved state's 'scale' must be a finite number >= 0, got {scale!r}; "
                              "nothing was loaded.")
         if state["n_window"] >= self.window:
             raise ValueError(f"{cls}: the saved state's 'n_window' must be < window={self.window}, got "
