@@ -34,3 +34,51 @@ def test_a_posterior_at_scale_0_round_trips_through_its_state_dict():
     with pytest.raises(ValueError, match=r"'scale' must be a finite number >= 0, got -1.0"):
         other.load_state_dict(state)
     assert other.scale == 0.0
+
+
+def _bn_swag(extra):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), extra, nn.Linear(4, 2)).double()
+    swag = SWAG(net, rank=1, warmup=5, max_deviation=None, seed=0)
+    for _ in range(30):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        swag.collect()
+    return net, swag
+
+
+@pytest.mark.parametrize("extra", [nn.BatchNorm1d(4), nn.Dropout(0.5)], ids=["batchnorm", "dropout"])
+def test_the_glm_predictive_refuses_a_module_in_train_mode_and_leaves_its_buffers(extra):
+    net, swag = _bn_swag(extra)
+    x = torch.randn(8, 3, dtype=torch.float64)
+    buffers = {k: b.clone() for k, b in net.named_buffers()}
+    calls = [lambda: swag.predict(x, pred_type="glm"),
+             lambda: swag.predict_proba(x, pred_type="glm", link_approx="probit"),
+             lambda: swag.predict_proba(x, pred_type="glm", num_samples=3),
+             lambda: swag.linearized_moments(x)]
+    for call in calls:
+        with pytest.raises(ValueError, match=rf"module must be in eval mode where it has dropout or batch norm .*got "
+                                             rf"{type(extra).__name__} '1' in train mode. Call module.eval\(\)"):
+            call()
+        for k, b in net.named_buffers():
+            assert torch.equal(b, buffers[k]), k  # num_batches_tracked too
+    assert net.training
+    net.eval()
+    mean, var = swag.predict(x, pred_type="glm")
+    # the linearised network's variances against a dense J Sigma J^T (Jacobian by autograd, Sigma dense)
+    loc = swag.loc
+    J = torch.autograd.functional.jacobian(
+        lambda th: torch.func.functional_call(net, dict(zip([n for n, _ in net.named_parameters()],
+                                                            _split(net, th))), (x,)), loc)  # (N, C, D)
+    Sigma = swag.scale * (swag.cov_factor @ swag.cov_factor.T + torch.diag(swag.cov_diag))
+    dense = torch.einsum("ncd,de,nce->nc", J, Sigma, J)
+    torch.testing.assert_close(var, dense, rtol=1e-8, atol=1e-12)
+
+
+def _split(net, theta):
+    out, i = [], 0
+    for p in net.parameters():
+        out.append(theta[i:i + p.numel()].view_as(p))
+        i += p.numel()
+    return out

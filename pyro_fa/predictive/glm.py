@@ -44,6 +44,12 @@ PRED_TYPES = ("nn", "glm")
 LINK_APPROXES = ("mc", "probit")
 
 _JACOBIAN_BUDGET = 2 ** 22  # elements of one chunk's per-example Jacobians (n, C, D) when chunk_size is None
+# layers that are random or update their buffers in train mode: the linearisation is then not of one function
+_RANDOM_IN_TRAINING = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
+                       nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LazyBatchNorm1d,
+                       nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
+_INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LazyInstanceNorm1d,
+                   nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d)
 
 
 def check_pred_type(fn: str, pred_type, link_approx=None) -> None:
@@ -70,6 +76,12 @@ def _named(fn: str, module, params) -> List[Tuple[str, Tensor]]:
     """(name, parameter) pairs of ``module`` for the flattened weights: ``params`` in its order, or all requiring grad."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{fn}: module must be a torch.nn.Module, got {type(module).__name__}.")
+    for name, sub in module.named_modules():  # refused before any forward pass: batch-norm buffers stay as they are
+        if sub.training and (isinstance(sub, _RANDOM_IN_TRAINING)
+                             or (isinstance(sub, _INSTANCE_NORMS) and sub.track_running_stats)):
+            raise ValueError(f"{fn}: module must be in eval mode where it has dropout or batch norm (the network is "
+                             f"linearised as one deterministic function of its weights), got "
+                             f"{type(sub).__name__} {name or '(the module)'!r} in train mode. Call module.eval().")
     if params is None:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     else:
@@ -147,8 +159,8 @@ def linearized_moments(module: nn.Module, loc: Tensor, inputs: Union[Tensor, Tup
     ----------
     module : nn.Module
         The network; ``module(*inputs)`` returns outputs of shape (N, C) (logits or means) or (N,)
-        (read as (N, 1)). Run as it is (call ``module.eval()`` for dropout / batch norm); its buffers
-        are used, its parameters are replaced by ``loc``.
+        (read as (N, 1)). Run as it is; a dropout or batch-norm layer in train mode is refused
+        (call ``module.eval()``). Its buffers are used, its parameters are replaced by ``loc``.
     loc : Tensor of shape (D,)
         The linearisation point :math:`c`: the flattened weights in the order of ``params``
         (``torch.nn.utils.parameters_to_vector`` order).
@@ -185,7 +197,8 @@ def linearized_moments(module: nn.Module, loc: Tensor, inputs: Union[Tensor, Tup
     ValueError
         Shapes that disagree with the module's :math:`D` weights, another dtype or device than the
         module's, ``factor_sign`` not :math:`\pm1`, ``scale`` negative, ``chunk_size`` not positive, inputs of
-        different lengths, an output that is not (N, C) or (N,), ``params`` not the module's.
+        different lengths, an output that is not (N, C) or (N,), ``params`` not the module's, a dropout or
+        batch-norm layer in train mode (before any forward pass).
 
     Notes
     -----
