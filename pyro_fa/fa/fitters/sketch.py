@@ -76,8 +76,9 @@ class ScatterSketch(Fitter):
     memory-bound; online EM 2.1 times in the same run, project's online-EM benchmark). A refit
     costs :math:`O((\ell+K)^2 D)` per iteration (19–50 two mat-vecs) and is done only when the
     posterior is read; its iteration count follows scikit-learn's absolute stopping rule:
-    0.01–0.07 s a refit on the benchmark's SGD iterates (D about 600), but 769 iterations on a
-    white-noise buffer at :math:`D = 10^6` (422 s), so at large D read the posterior rarely.
+    0.01–0.07 s a refit on the benchmark's SGD iterates (D about 600), 59 iterations (19 s) on a
+    white-noise buffer at :math:`D = 10^6` (769, 422 s, without the relative rule), so at large D
+    read the posterior rarely.
     Not shardable (the Gram matrices would need an all-reduce per compression):
     ``process_group`` is refused.
 
