@@ -82,3 +82,27 @@ def _split(net, theta):
         out.append(theta[i:i + p.numel()].view_as(p))
         i += p.numel()
     return out
+
+
+def test_laplace_gridsearch_scores_the_sampled_predictive_with_the_default_link_approx():
+    from pyro_fa.laplace import FactorLaplace
+
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(60, 2, generator=g, dtype=torch.float64)
+    y = (X[:, 0] + 0.5 * torch.randn(60, generator=g, dtype=torch.float64) > 0).long()
+    net = nn.Linear(2, 2).double()
+    la = FactorLaplace(net, "classification", rank=2).fit([(X[:40], y[:40])])
+    grid = [1e-2, 1.0, 1e2]
+    torch.manual_seed(0)  # predict_proba('nn') draws from the global generator: the same draws below
+    chosen = float(la.optimize_prior_precision("gridsearch", val_loader=[(X[40:], y[40:])], grid=grid,
+                                               pred_type="nn", n_samples=20))
+    torch.manual_seed(0)
+    nll = []
+    for v in grid:  # the sampled predictive's NLL, by drawing weights from the dense posterior covariance
+        la.prior_precision.fill_(v)
+        thetas = la.posterior.rsample((20,))
+        p = torch.stack([torch.func.functional_call(net, dict(zip(["weight", "bias"], (t[:4].view(2, 2), t[4:]))),
+                                                    (X[40:],)).softmax(-1) for t in thetas]).mean(0)
+        nll.append(float(-p.gather(1, y[40:, None]).log().mean()))
+    assert la.grid_scores_[1] == pytest.approx(nll, rel=1e-10)
+    assert chosen == grid[min(range(3), key=nll.__getitem__)]

@@ -446,7 +446,9 @@ class FactorLaplace(nn.Module):
         elif method == "gridsearch":
             if val_loader is None:
                 raise ValueError(f"{name}: method='gridsearch' needs val_loader, got None.")
-            check_pred_type(name, pred_type, link_approx if self.likelihood == "classification" else None)
+            # link_approx as predict_proba reads it: only for a classifier's GLM ("nn" always samples)
+            check_pred_type(name, pred_type,
+                            link_approx if self.likelihood == "classification" and pred_type == "glm" else None)
             values = list(_DEFAULT_GRID if grid is None else grid)
             if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
                                  or not math.isfinite(v) for v in values):
