@@ -93,8 +93,9 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         ``"sketch"``: batch FA refitted, when the posterior is read, from a sketch of the
         iterates' scatter (:class:`~pyro_fa.fa.fitters.sketch.ScatterSketch`): within 1.06 times
         batch FA's covariance error on the SGD-iterate streams of the project's benchmark, where
-        ``"em"`` is 1.1–2.6 times off; 4 D·K numbers of state (``"em"``: 2) and about 4.5 times two
-        D x K mat-vecs per collection (``"em"``: 1.6).
+        ``"em"`` is 1.1–2.6 times off; 4 D·K numbers of state (``"em"``: 2), 1.4–1.5 times two
+        D x K mat-vecs per collection at D = 10^6 (``"em"``: 2.1 in the same runs), and a refit
+        when the posterior is read (19 s at D = 10^6 on noise-like iterates).
     start_after : int, default 0
         Optimizer steps to skip (pre-training) before collecting.
     collect_every : int, default 1
