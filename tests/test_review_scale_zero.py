@@ -106,3 +106,30 @@ def test_laplace_gridsearch_scores_the_sampled_predictive_with_the_default_link_
         nll.append(float(-p.gather(1, y[40:, None]).log().mean()))
     assert la.grid_scores_[1] == pytest.approx(nll, rel=1e-10)
     assert chosen == grid[min(range(3), key=nll.__getitem__)]
+
+
+def test_probit_refuses_keyword_inputs_in_predict_log_proba_as_in_predict_proba():
+    torch.manual_seed(0)
+    net = nn.Linear(2, 3).double()
+    swag = SWAG(net, rank=1, warmup=5, max_deviation=None, seed=0)
+    for _ in range(20):
+        with torch.no_grad():
+            net.weight.add_(0.05 * torch.randn_like(net.weight))
+        swag.collect()
+    x = torch.randn(4, 2, dtype=torch.float64)
+    for method in (swag.predict_proba, swag.predict_log_proba):
+        with pytest.raises(ValueError, match=r"link_approx='probit' takes positional inputs only, got keywords "
+                                             r"\['mask'\]"):
+            method(x, pred_type="glm", link_approx="probit", mask=x)
+    # and without keywords, the log of the probit probabilities: softmax of the moderated mean logits, densely
+    logp = swag.predict_log_proba(x, pred_type="glm", link_approx="probit")
+    mean = torch.func.functional_call(
+        net, {"weight": swag.loc[:6].view(3, 2), "bias": swag.loc[6:]}, (x,))
+    Sigma = swag.scale * (swag.cov_factor @ swag.cov_factor.T + torch.diag(swag.cov_diag))
+    J = torch.zeros(4, 3, 9, dtype=torch.float64)  # d logits / d (weight, bias) of a linear layer
+    for c in range(3):
+        J[:, c, 2 * c:2 * c + 2] = x
+        J[:, c, 6 + c] = 1.0
+    var = torch.einsum("ncd,de,nce->nc", J, Sigma, J)
+    expected = (mean / torch.sqrt(1 + math.pi / 8 * var)).log_softmax(-1)
+    torch.testing.assert_close(logp, expected, rtol=1e-10, atol=1e-12)

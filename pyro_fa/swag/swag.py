@@ -679,6 +679,9 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         """
         check_pred_type(type(self).__name__, pred_type, link_approx)
         if link_approx == "probit":
+            if kwargs:  # as predict_proba: keyword inputs would be dropped
+                raise ValueError(f"{type(self).__name__}: link_approx='probit' takes positional inputs only, got "
+                                 f"keywords {sorted(kwargs)!r}.")
             mean, var = self.linearized_moments(*args, chunk_size=chunk_size, diagonal=True)
             return probit_proba(mean, var, log=True)
         logp = self.predictive_samples(*args, num_samples=num_samples, fn=lambda z: z.log_softmax(-1),
