@@ -133,3 +133,46 @@ def test_probit_refuses_keyword_inputs_in_predict_log_proba_as_in_predict_proba(
     var = torch.einsum("ncd,de,nce->nc", J, Sigma, J)
     expected = (mean / torch.sqrt(1 + math.pi / 8 * var)).log_softmax(-1)
     torch.testing.assert_close(logp, expected, rtol=1e-10, atol=1e-12)
+
+
+def _cauchy_model(X, y=None, sigma=1.0):
+    import pyro
+    import pyro.distributions as dist
+
+    w = pyro.sample("w", dist.Cauchy(torch.zeros(X.shape[1], dtype=X.dtype), 1.0).to_event(1))
+    with pyro.plate("n", X.shape[0]):
+        pyro.sample("y", dist.Normal(X @ w, sigma), obs=y)
+
+
+def test_pyro_laplace_keeps_its_fit_after_a_refused_refit_and_its_draws_follow_the_generator():
+    import pyro
+
+    from pyro_fa.laplace import PyroFactorLaplace
+
+    pyro.clear_param_store()
+    g = torch.Generator().manual_seed(0)
+    X2 = torch.randn(10, 2, generator=g, dtype=torch.float64)
+    pyro.param("AutoDelta.w", torch.zeros(2, dtype=torch.float64))
+    la = PyroFactorLaplace(_cauchy_model, rank=1, num_samples=20).fit(X2, torch.zeros(10, dtype=torch.float64))
+    # prior curvature of -log Cauchy at 0: 2; posterior precision 2 + the (positive) Fisher
+    torch.testing.assert_close(la.prior_curvature, torch.full((2,), 2.0, dtype=torch.float64))
+    state = (la.site_names(), list(la._shapes), la.fit_info, la.posterior, la.loc)
+    # at w = 10 the Cauchy prior's curvature is 2 (1 - 100) / 101^2 < 0 and a noise of 100 leaves the Fisher tiny
+    X3 = torch.randn(2, 3, generator=g, dtype=torch.float64)
+    pyro.clear_param_store()
+    pyro.param("AutoDelta.w", torch.full((3,), 10.0, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"prior's curvature plus the Fisher's diagonal must be positive"):
+        la.fit(X3, torch.zeros(2, dtype=torch.float64), sigma=100.0)
+    assert (la.site_names(), list(la._shapes), la.fit_info, la.posterior, la.loc) == state
+    assert la.sample_parameters(4).shape == (4, 2)
+    # draws follow the generator, and leave the global generator alone
+    torch.manual_seed(123)
+    a = la.sample_parameters(3, generator=torch.Generator().manual_seed(7))
+    after = torch.rand(())
+    torch.manual_seed(123)
+    b = la.sample_parameters(3, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a, b) and torch.equal(torch.rand(()), after)
+    assert not torch.equal(a, la.sample_parameters(3, generator=torch.Generator().manual_seed(8)))
+    with pytest.raises(ValueError, match=r"num_samples must be an integer >= 1 or None, got 0"):
+        la.sample_parameters(0)
+    pyro.clear_param_store()

@@ -101,10 +101,22 @@ class PyroFactorLaplace:
 
     def sample_parameters(self, num_samples: Optional[int] = None,
                           generator: Optional[torch.Generator] = None) -> Tensor:
-        """Unconstrained draws, shape (D,) (``num_samples=None``) or (num_samples, D)."""
+        """Unconstrained draws, shape (D,) (``num_samples=None``) or (num_samples, D).
+
+        With a ``generator`` the draws are its (the global generator untouched); without one, the global's.
+        """
         self._check_fitted("sample_parameters()")
+        if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
+                                        or num_samples < 1):
+            raise ValueError(f"{type(self).__name__}: num_samples must be an integer >= 1 or None, got "
+                             f"{num_samples!r}.")
         shape = () if num_samples is None else (num_samples,)
-        return self.posterior.rsample(shape)
+        if generator is None:
+            return self.posterior.rsample(shape)
+        device = self.loc.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(int(torch.randint(2 ** 62, (), generator=generator, device=generator.device)))
+            return self.posterior.rsample(shape)
 
     def to_guide(self, model: Optional[Callable] = None) -> FactorPosteriorGuide:
         """A guide for ``pyro.infer.Predictive(model, guide=..., num_samples=S)`` drawing the latent sites."""
@@ -124,7 +136,7 @@ class PyroFactorLaplace:
         RuntimeError
             No ``prefix.*`` entries in the param store, or a model without observed sites.
         ValueError
-            A latent site without a MAP value, or a non-positive curvature.
+            A latent site without a MAP value, or a non-positive curvature (the previous fit, if any, is kept).
         """
         import pyro
         import pyro.poutine as poutine
@@ -152,13 +164,13 @@ class PyroFactorLaplace:
             raise RuntimeError(f"{name}: the model must have observed sites (its likelihood), got none.")
         names = [n for n, _ in trace.nodes.items() if n in found]
         supports = {n: trace.nodes[n]["fn"].support for n in names}
-        self._names, self._shapes = names, [found[n].shape for n in names]
+        shapes = [found[n].shape for n in names]  # set on self once the fit is accepted
         u_star = torch.cat([found[n].reshape(-1) for n in names])
-        sizes = [s.numel() for s in self._shapes]
+        sizes = [s.numel() for s in shapes]
 
         def constrain(u: Tensor):
             out, logdet = {}, u.new_zeros(())
-            for n, piece, shape in zip(names, u.split(sizes), self._shapes):
+            for n, piece, shape in zip(names, u.split(sizes), shapes):
                 t = biject_to(supports[n])
                 x = t(piece.reshape(shape))
                 out[n] = x
@@ -191,12 +203,13 @@ class PyroFactorLaplace:
                 u = u_star.clone().requires_grad_(True)
                 yield torch.autograd.grad(log_terms(u, data)[1], u)[0].detach().unsqueeze(0)
 
-        F, psi, self.fit_info = fit_second_moment(passes, u_star.numel(), self.rank, seed=self.seed,
+        F, psi, fit_info = fit_second_moment(passes, u_star.numel(), self.rank, seed=self.seed,
                                                   dtype=u_star.dtype, device=u_star.device, owner=name)
         prec_diag = h + psi
         if not bool((prec_diag > 0).all()):
             raise ValueError(f"{name}: the prior's curvature plus the Fisher's diagonal must be positive, got a "
                              f"minimum of {float(prec_diag.min())!r}; the prior is not log-concave at the MAP.")
+        self._names, self._shapes, self.fit_info = names, shapes, fit_info
         self.loc, self.cov_factor, self.cov_diag, self.prior_curvature = u_star, F, psi, h
         self.posterior = LowRankPrecisionNormal(u_star, F, prec_diag)
         return self
