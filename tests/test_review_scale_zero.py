@@ -176,3 +176,26 @@ def test_pyro_laplace_keeps_its_fit_after_a_refused_refit_and_its_draws_follow_t
     with pytest.raises(ValueError, match=r"num_samples must be an integer >= 1 or None, got 0"):
         la.sample_parameters(0)
     pyro.clear_param_store()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_laplace_draws_take_a_generator_on_the_models_device():
+    from pyro_fa.laplace import FactorLaplace
+
+    net = nn.Linear(2, 1).double().cuda()
+    X = torch.randn(30, 2, dtype=torch.float64, device="cuda")
+    la = FactorLaplace(net, "regression", rank=1).fit([(X, X.sum(1))])
+    a = la.sample(4, generator=torch.Generator(device="cuda").manual_seed(3))
+    b = la.sample(4, generator=torch.Generator(device="cuda").manual_seed(3))
+    assert a.device.type == "cuda" and torch.equal(a, b)
+
+
+def test_laplace_draws_follow_a_cpu_generator():
+    from pyro_fa.laplace import FactorLaplace
+
+    net = nn.Linear(2, 1).double()
+    X = torch.randn(30, 2, dtype=torch.float64)
+    la = FactorLaplace(net, "regression", rank=1).fit([(X, X.sum(1))])
+    a = la.sample(4, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, la.sample(4, generator=torch.Generator().manual_seed(3)))
+    assert not torch.equal(a, la.sample(4, generator=torch.Generator().manual_seed(4)))

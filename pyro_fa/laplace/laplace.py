@@ -356,11 +356,11 @@ class FactorLaplace(nn.Module):
         return self.posterior.variance
 
     def sample(self, n_samples: int = 100, generator: Optional[torch.Generator] = None) -> Tensor:
-        """Weight vectors drawn from the Laplace approximation, shape (n_samples, D)."""
+        """Weight vectors drawn from the Laplace approximation, shape (n_samples, D); ``generator`` on any device."""
         _positive_int(type(self).__name__, "n_samples", n_samples)
         if generator is not None:
             with torch.random.fork_rng(devices=[self.loc.device] if self.loc.is_cuda else []):
-                torch.manual_seed(int(torch.randint(2 ** 62, (), generator=generator)))
+                torch.manual_seed(int(torch.randint(2 ** 62, (), generator=generator, device=generator.device)))
                 return self.posterior.rsample((n_samples,))
         return self.posterior.rsample((n_samples,))
 
