@@ -61,7 +61,7 @@ def test_em_and_sga_match_online_factor_analysis():
     for method in ("em", "sga"):
         params = _params()
         swag = SWAG(params, rank=2, method=method, warmup=20, seed=3)
-        fa = OnlineFactorAnalysis(7, 2, method, warmup=20, seed=3, step_scale=1.0)
+        fa = OnlineFactorAnalysis(7, 2, method, warmup=20, seed=3, step_scale=1.0, lr=1e-3)  # SWAG's SGA rate
         _feed(swag, params, thetas)
         for theta in thetas:
             fa.update(theta)
