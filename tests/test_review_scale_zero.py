@@ -199,3 +199,22 @@ def test_laplace_draws_follow_a_cpu_generator():
     a = la.sample(4, generator=torch.Generator().manual_seed(3))
     assert torch.equal(a, la.sample(4, generator=torch.Generator().manual_seed(3)))
     assert not torch.equal(a, la.sample(4, generator=torch.Generator().manual_seed(4)))
+
+
+def test_multiswag_log_likelihood_refuses_members_at_different_scales_instead_of_using_the_first():
+    from pyro_fa import MultiSWAG
+    from pyro_fa.predictive import bma_log_likelihood
+
+    members = [_swag(seed=s)[1] for s in range(2)]
+    ms = MultiSWAG(members)
+    x = torch.randn(20, 2, dtype=torch.float64)
+    y = x.sum(1)
+    members[1].scale = 4.0
+    with pytest.raises(ValueError, match=r"bma_log_likelihood: the members' scales differ, got \[1.0, 4.0\]"):
+        ms.log_likelihood(x, y, "gaussian", noise_std=0.5)
+    ms.scale = 0.0  # a common scale: the ensemble of the members' means, by hand
+    ll = torch.stack([torch.distributions.Normal(x @ m.loc[:2] + m.loc[2], 0.5).log_prob(y) for m in members])
+    expected = float((torch.logsumexp(ll, 0) - math.log(2)).mean())
+    assert ms.log_likelihood(x, y, "gaussian", noise_std=0.5) == pytest.approx(expected, rel=1e-12)
+    assert bma_log_likelihood(members[0], x, y, "gaussian", noise_std=0.5) == pytest.approx(
+        float(ll[0].mean()), rel=1e-12)

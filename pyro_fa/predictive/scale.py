@@ -319,11 +319,17 @@ def bma_log_likelihood(posterior, inputs, targets, likelihood="categorical", *, 
 
     The model's output for ``inputs`` under sampled weights is scored by
     ``likelihood``; see :func:`tune_scale` for the arguments. ``scale`` defaults to the
-    posterior's own; at scale 0 the model average is the mean's prediction (one forward
+    posterior's own (for a mixture, its members' common scale: members at different scales
+    are refused); at scale 0 the model average is the mean's prediction (one forward
     pass per member).
     """
     fn = "bma_log_likelihood"
-    scale = _members(posterior, fn)[0].scale if scale is None else scale
+    if scale is None:  # the posterior's own: one for all members (each member's draws are scored at it)
+        own = sorted({float(m.scale) for m in _members(posterior, fn)})
+        if len(own) > 1:
+            raise ValueError(f"{fn}: the members' scales differ, got {own!r}; set one (posterior.scale = value) or "
+                             "pass scale=.")
+        scale = own[0]
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale >= 0):
         raise ValueError(f"{fn}: scale must be a finite number >= 0, got {scale!r}.")
     scorer = _Scorer(posterior, inputs, targets, likelihood, num_samples, noise_std, seed, pred_type, fn)
