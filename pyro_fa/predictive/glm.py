@@ -180,8 +180,9 @@ def linearized_moments(module: nn.Module, loc: Tensor, inputs: Union[Tensor, Tup
         Parameters of ``module`` that the :math:`D` weights stand for, in flattening order; default
         every parameter requiring grad, in ``module.parameters()`` order. The others keep their values.
     diagonal : bool, default False
-        Return only the variances, the diagonal of :math:`s\,J_x \Sigma J_x^\top`, at :math:`C` times less
-        cost (what :func:`probit_proba` and a regression's marginal variances need).
+        Return only the variances, the diagonal of :math:`s\,J_x \Sigma J_x^\top` (what :func:`probit_proba`
+        and a regression's marginal variances need): the contraction is :math:`C` times cheaper and
+        :math:`C` times smaller; the Jacobians cost the same.
 
     Returns
     -------

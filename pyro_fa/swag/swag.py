@@ -509,7 +509,7 @@ class SWAG(IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         chunk_size : int, optional
             Examples per chunk of per-example Jacobians.
         diagonal : bool, default False
-            Only the variances (:math:`C` times cheaper).
+            Only the variances (the contraction :math:`C` times cheaper; the Jacobians cost the same).
 
         Returns
         -------
