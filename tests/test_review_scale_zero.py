@@ -218,3 +218,24 @@ def test_multiswag_log_likelihood_refuses_members_at_different_scales_instead_of
     assert ms.log_likelihood(x, y, "gaussian", noise_std=0.5) == pytest.approx(expected, rel=1e-12)
     assert bma_log_likelihood(members[0], x, y, "gaussian", noise_std=0.5) == pytest.approx(
         float(ll[0].mean()), rel=1e-12)
+
+
+@pytest.mark.parametrize("extra", [nn.BatchNorm1d(4), nn.Dropout(0.5)], ids=["batchnorm", "dropout"])
+def test_laplace_fit_refuses_a_model_in_train_mode_and_leaves_its_buffers(extra):
+    from pyro_fa.laplace import FactorLaplace
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), extra, nn.Linear(4, 2)).double()
+    X = torch.randn(20, 3, dtype=torch.float64)
+    y = torch.randint(2, (20,))
+    buffers = {k: b.clone() for k, b in net.named_buffers()}
+    la = FactorLaplace(net, "classification", rank=2)
+    with pytest.raises(ValueError, match=rf"FactorLaplace: model must be in eval mode where it has dropout or batch "
+                                         rf"norm .*got {type(extra).__name__} '1' in train mode. Call model.eval\(\)"):
+        la.fit([(X, y)])
+    for k, b in net.named_buffers():
+        assert torch.equal(b, buffers[k]), k
+    assert int(la.n_data) == 0
+    net.eval()
+    la.fit([(X, y)])
+    assert int(la.n_data) == 20 and la.predict_proba(X).shape == (20, 2)

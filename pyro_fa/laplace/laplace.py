@@ -30,7 +30,7 @@ from pyro_fa._state import check_state_dict
 from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_network, select_parameters
 from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
 from pyro_fa.laplace.posterior import LowRankPrecisionNormal
-from pyro_fa.predictive.glm import check_pred_type, linearized_moments, probit_proba
+from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_moments, probit_proba
 
 __all__ = ["FactorLaplace", "LIKELIHOODS"]
 
@@ -269,9 +269,11 @@ class FactorLaplace(nn.Module):
         Raises
         ------
         ValueError
-            Malformed batches, targets, non-finite weights or curvature, an empty loader (nothing changed).
+            Malformed batches, targets, non-finite weights or curvature, an empty loader, a dropout or
+            batch-norm layer in train mode (nothing changed).
         """
         name = type(self).__name__
+        check_eval_mode(name, self.model, "model")  # before any forward pass: its buffers stay as they are
         theta = self._theta()
         if not bool(torch.isfinite(theta).all()):
             raise ValueError(f"{name}: the model's weights must be finite to fit a Laplace approximation, got "

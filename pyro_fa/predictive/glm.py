@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev, jvp, vmap
 
 __all__ = ["linearized_moments", "linearized_network", "probit_proba", "PRED_TYPES", "LINK_APPROXES",
-           "check_pred_type"]
+           "check_pred_type", "check_eval_mode"]
 
 #: the predictives every posterior offers: sampled networks, or the network linearised at the mean
 PRED_TYPES = ("nn", "glm")
@@ -72,16 +72,31 @@ def check_pred_type(fn: str, pred_type, link_approx=None) -> None:
                              f"pred_type={pred_type!r}. Use link_approx='mc' for sampled networks.")
 
 
+def check_eval_mode(fn: str, module: nn.Module, argument: str = "module") -> None:
+    """Refuse a module with a dropout or batch-norm layer in train mode (random, or updating its buffers per call).
+
+    Per-example Jacobians (``torch.func``) need the network to be one deterministic function of its
+    weights; call this before any forward pass, so that a refusal leaves the buffers as they were.
+
+    Raises
+    ------
+    ValueError
+        Naming ``fn``, ``argument``, the layer and its name.
+    """
+    for name, sub in module.named_modules():
+        if sub.training and (isinstance(sub, _RANDOM_IN_TRAINING)
+                             or (isinstance(sub, _INSTANCE_NORMS) and sub.track_running_stats)):
+            raise ValueError(f"{fn}: {argument} must be in eval mode where it has dropout or batch norm (the network "
+                             f"is linearised as one deterministic function of its weights), got "
+                             f"{type(sub).__name__} {name or '(the module)'!r} in train mode. Call "
+                             f"{argument}.eval().")
+
+
 def _named(fn: str, module, params) -> List[Tuple[str, Tensor]]:
     """(name, parameter) pairs of ``module`` for the flattened weights: ``params`` in its order, or all requiring grad."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{fn}: module must be a torch.nn.Module, got {type(module).__name__}.")
-    for name, sub in module.named_modules():  # refused before any forward pass: batch-norm buffers stay as they are
-        if sub.training and (isinstance(sub, _RANDOM_IN_TRAINING)
-                             or (isinstance(sub, _INSTANCE_NORMS) and sub.track_running_stats)):
-            raise ValueError(f"{fn}: module must be in eval mode where it has dropout or batch norm (the network is "
-                             f"linearised as one deterministic function of its weights), got "
-                             f"{type(sub).__name__} {name or '(the module)'!r} in train mode. Call module.eval().")
+    check_eval_mode(fn, module)  # before any forward pass: batch-norm buffers stay as they are
     if params is None:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     else:
