@@ -130,7 +130,7 @@ def test_benchmark_files_and_metrics_recomputed(tmp_path):
     ran = set(combo["methods"])
     assert ran >= set(METHODS) - {"laplace", "laplace-grid", "laplace-diag", "ivon"}
     assert combo["methods"]["map"]["extra"][0]["prior_precision"] in (1.0, 10.0)  # chosen on validation
-    assert set(combo["methods"]["map"]["extra"][0]["val_nll"]) == {"1.0", "10.0"}
+    assert set(combo["methods"]["map"]["extra"][0]["val_nll_tempered"]) == {"1.0", "10.0"}
     assert combo["norms"]["test"] > 0
     saved = torch.load(tmp_path / "predictions.pt")
     y = saved["targets"]["digits-mlp"]
@@ -290,3 +290,23 @@ def test_bar_rows_tell_close_values_apart():
     assert rep.versus(0.5001, 0.5004) == "0.5001 vs 0.5004"
     assert rep.versus(0.25, 0.25, 2) == "0.25 vs 0.25"
     assert rep.versus(1.0, 1.0 + 1e-9) == "1.000000 vs 1.000000"  # at most 6 decimals
+
+
+def test_map_prior_precision_chosen_by_tempered_validation_nll():
+    """MAP's grid score is the validation NLL at the best temperature (a dense grid of temperatures agrees)."""
+    from pyro_fa.experiments.classify.methods import _choose, _nll, _tempered_nll
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 5, (300,), generator=g)
+    logits = 4.0 * torch.randn(300, 5, generator=g) + 6.0 * torch.nn.functional.one_hot(y, 5)  # overconfident
+    probs = logits.softmax(-1)
+    grid = torch.logspace(-1, 1.5, 4001, dtype=torch.float64)
+    dense = min(float(torch.nn.functional.cross_entropy(logits.double() / t, y)) for t in grid)
+    assert _tempered_nll(probs, y) == pytest.approx(dense, rel=1e-4)
+    assert _tempered_nll(probs, y) < _nll(probs, y) - 0.05
+    sharp, blunt = probs, (logits / 8).softmax(-1)  # raw NLL prefers the blunt one, tempered sees them equal
+    value, _, scores = _choose(["sharp", "blunt"], lambda v: (v, sharp if v == "sharp" else blunt), y, _tempered_nll)
+    assert scores["'sharp'"] == pytest.approx(scores["'blunt'"], rel=1e-6)
+    assert _choose(["sharp", "blunt"], lambda v: (v, sharp if v == "sharp" else blunt), y)[0] == "blunt"
+    with pytest.raises(ValueError, match="map_select must be 'tempered' or 'nll', got 'accuracy'"):
+        Budget(map_select="accuracy")

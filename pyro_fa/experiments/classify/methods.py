@@ -12,7 +12,9 @@ training per grid point):
 
 =================  ===========================================================================
 ``map``            Adam, constant rate, weight decay = prior precision / N; the prior precision
-                   from ``prior_precisions`` (its smallest, 0.01, is the reference's no decay)
+                   from ``prior_precisions`` (its smallest, 0.01, is the reference's no decay), by
+                   the validation NLL after temperature scaling (``map_select="tempered"``, the
+                   default; ``"nll"``: the raw validation NLL)
 ``ensemble``       5 MAP networks at the chosen prior precision, different initialisations
                    (Lakshminarayanan et al. 2017)
 ``dropout``        MC dropout at the chosen prior precision, rate from ``dropouts``, kept on when
@@ -81,7 +83,8 @@ class Budget:
     epochs: int = 150
     batch_size: int = 100
     lr: float = 1e-2
-    prior_precisions: Tuple[float, ...] = (1e-2, 1.0, 10.0, 30.0)
+    prior_precisions: Tuple[float, ...] = (1e-2, 1.0, 3.0, 10.0, 30.0)
+    map_select: str = "tempered"
     dropouts: Tuple[float, ...] = (0.05, 0.1, 0.2)
     swag_epochs: int = 75
     swag_lrs: Tuple[float, ...] = (1e-3, 3e-3)
@@ -94,6 +97,10 @@ class Budget:
     laplace_rank: int = 20
     temperature: bool = True
     train_subset: Optional[int] = None  # smoke tests: the first N training points only
+
+    def __post_init__(self):
+        if self.map_select not in ("tempered", "nll"):
+            raise ValueError(f"Budget: map_select must be 'tempered' or 'nll', got {self.map_select!r}.")
 
     @classmethod
     def quick(cls) -> "Budget":
@@ -161,17 +168,26 @@ def _map_net(make_net, data, budget, seed, prior_precision, tick):
     return net
 
 
-def _choose(grid, fit, y_val) -> Tuple[object, object, Dict[str, float]]:
-    """``fit(value) -> (model, val_probs)`` for each grid value; the value of least validation NLL.
+def _tempered_nll(probs: Tensor, y: Tensor) -> float:
+    """Validation NLL of the model average after temperature scaling on the same points (Guo et al. 2017)."""
+    from pyro_fa.predictive import fit_temperature
 
-    Returns ``(value, model, {str(value): val NLL})``; a single-value grid is fitted without scoring.
+    p = probs.mean(0) if probs.dim() == 3 else probs
+    logs = p.double().clamp_min(1e-300).log()
+    return _nll((logs / fit_temperature(logs, y)).softmax(-1), y)
+
+
+def _choose(grid, fit, y_val, score=_nll) -> Tuple[object, object, Dict[str, float]]:
+    """``fit(value) -> (model, val_probs)`` for each grid value; the value of least ``score(val_probs, y_val)``.
+
+    Returns ``(value, model, {str(value): score})``; a single-value grid is fitted without scoring.
     """
     best, scores = None, {}
     for value in grid:
         model, p_val = fit(value)
         if len(grid) == 1:
             return value, model, {}
-        scores[repr(value)] = _nll(p_val, y_val)
+        scores[repr(value)] = score(p_val, y_val)
         if best is None or scores[repr(value)] < scores[repr(best[0])]:
             best = (value, model)
     return best[0], best[1], scores
@@ -328,11 +344,15 @@ def run_methods(methods: Sequence[str], network: str, data: ClassifyData, budget
         def fit_map(value):
             net = _map_net(make, data, budget, seed, value, tick)
             return net, _probs(net, [data.x_val])[0]
-        pp, map_net, scores = _choose(budget.prior_precisions, fit_map, y_val)
+        # "tempered": the network that is best once calibrated, as every "+T" row is; the raw NLL prefers
+        # strong decay, which costs accuracy (MNIST-1D MLP: 60.7 % against 65 % at the tempered choice)
+        score = _tempered_nll if budget.map_select == "tempered" else _nll
+        pp, map_net, scores = _choose(budget.prior_precisions, fit_map, y_val, score)
         map_probs = _probs(map_net, inputs)
         t_map = clock() - t0
         if "map" in want:
-            out["map"] = {"probs": map_probs, "seconds": t_map, "extra": {"prior_precision": pp, "val_nll": scores}}
+            key = "val_nll_tempered" if budget.map_select == "tempered" else "val_nll"
+            out["map"] = {"probs": map_probs, "seconds": t_map, "extra": {"prior_precision": pp, key: scores}}
     if "ensemble" in want:
         t0 = clock()
         nets = [map_net] + [_map_net(make, data, budget, seed + 1000 * m, pp, tick) for m in range(1, budget.ensemble)]
