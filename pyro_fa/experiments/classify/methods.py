@@ -92,8 +92,8 @@ class Budget:
     ensemble: int = 5
     samples: int = 30
     vi_lrs: Tuple[float, ...] = (1e-3, 3e-3, 1e-2)
-    ivon_lrs: Tuple[float, ...] = (0.05, 0.1, 0.2)
-    ivon_hess_inits: Tuple[float, ...] = (0.1, 0.5)
+    ivon_lrs: Tuple[float, ...] = (0.05, 0.1, 0.2, 0.4)  # 0.2 and 0.1 sat at the edges of a smaller grid
+    ivon_hess_inits: Tuple[float, ...] = (0.03, 0.1, 0.5)
     laplace_rank: int = 20
     temperature: bool = True
     train_subset: Optional[int] = None  # smoke tests: the first N training points only
