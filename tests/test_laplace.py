@@ -356,7 +356,7 @@ def test_clear_errors_naming_the_argument():
         la.predict(X)
     with pytest.raises(ValueError, match=r"pred_type must be one of \('nn', 'glm'\), got 'exact'"):
         la.predict_proba(X, pred_type="exact")
-    with pytest.raises(ValueError, match="method must be 'marglik' or 'gridsearch', got 'bayes'"):
+    with pytest.raises(ValueError, match=r"method must be one of \('marglik', 'gridsearch'\), got 'bayes'"):
         la.optimize_prior_precision("bayes")
     with pytest.raises(ValueError, match="method='gridsearch' needs val_loader, got None"):
         la.optimize_prior_precision("gridsearch")

@@ -21,7 +21,7 @@ local linearization*, AISTATS 2021, shared with every posterior in :mod:`pyro_fa
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Sequence, Union
+from typing import Iterable, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from pyro_fa._state import check_state_dict
 from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_network, select_parameters
 from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
+from pyro_fa.laplace._prior import PriorPrecisionSelection, positive_int as _positive_int, show as _show
 from pyro_fa.laplace.posterior import LowRankPrecisionNormal
 from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_moments, probit_proba
 
@@ -37,16 +38,9 @@ __all__ = ["FactorLaplace", "LIKELIHOODS"]
 #: the likelihoods of a Laplace approximation, by laplace-torch's names
 LIKELIHOODS = ("classification", "regression")
 
-_DEFAULT_GRID = tuple(10.0 ** (k / 4) for k in range(-16, 17))  # 1e-4 ... 1e4
 
 
-def _positive_int(owner: str, arg: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{owner}: {arg} must be an integer >= {minimum}, got {value!r}.")
-    return value
-
-
-class FactorLaplace(nn.Module):
+class FactorLaplace(PriorPrecisionSelection, nn.Module):
     r"""Laplace approximation :math:`N(\theta_*, P^{-1})` with a factor-analysis (low-rank plus diagonal) curvature.
 
     .. math::
@@ -184,28 +178,34 @@ class FactorLaplace(nn.Module):
         """L, the number of parameter tensors in the subset."""
         return len(self._named)
 
-    def _check_prior_precision(self, value, ref: Tensor) -> Tensor:
+    def _check_prior_precision(self, value, ref: Tensor, differentiable: bool = False) -> Tensor:
+        """``value`` as a Tensor of shape (1,) or (L,), checked (positive, finite); a detached copy unless
+        ``differentiable`` and ``value`` requires grad (then reshaped only, its graph kept)."""
         name = type(self).__name__
         if isinstance(value, bool) or not (isinstance(value, (int, float)) or torch.is_tensor(value)):
             raise TypeError(f"{name}: prior_precision must be a positive float or a Tensor of shape (1,) or "
                             f"({self.n_layers},), got {type(value).__name__}.")
-        t = torch.as_tensor(value, dtype=ref.dtype).to(ref.device).detach().reshape(-1).clone()
+        keep = differentiable and torch.is_tensor(value) and value.requires_grad
+        t = value.reshape(-1) if keep else torch.as_tensor(value, dtype=ref.dtype).to(ref.device).detach().reshape(-1).clone()
         if t.numel() not in (1, self.n_layers):
             raise ValueError(f"{name}: prior_precision must be a scalar or have one value per parameter tensor "
                              f"(shape (1,) or ({self.n_layers},)), got shape {tuple(torch.as_tensor(value).shape)!r}.")
-        if not bool(torch.isfinite(t).all() and (t > 0).all()):
-            raise ValueError(f"{name}: prior_precision must be positive and finite, got {value!r}.")
+        if not bool(torch.isfinite(t.detach()).all() and (t.detach() > 0).all()):
+            raise ValueError(f"{name}: prior_precision must be positive and finite, got {_show(value)}.")
         return t
 
-    def _check_sigma(self, value, ref: Tensor) -> Tensor:
+    def _check_sigma(self, value, ref: Tensor, differentiable: bool = False) -> Tensor:
+        """``value`` as a Tensor of shape (), checked (positive, finite, 1 for classification); a detached copy
+        unless ``differentiable`` and ``value`` requires grad."""
         name = type(self).__name__
         if isinstance(value, bool) or not (isinstance(value, (int, float)) or torch.is_tensor(value)):
             raise TypeError(f"{name}: sigma_noise must be a positive float, got {type(value).__name__}.")
-        t = torch.as_tensor(value, dtype=ref.dtype).to(ref.device).detach().clone()
-        if t.numel() != 1 or not bool(torch.isfinite(t).all() and (t > 0).all()):
-            raise ValueError(f"{name}: sigma_noise must be a positive finite scalar, got {value!r}.")
-        if self.likelihood == "classification" and float(t) != 1.0:
-            raise ValueError(f"{name}: sigma_noise must be 1 for likelihood='classification', got {value!r}.")
+        keep = differentiable and torch.is_tensor(value) and value.requires_grad
+        t = value if keep else torch.as_tensor(value, dtype=ref.dtype).to(ref.device).detach().clone()
+        if t.numel() != 1 or not bool(torch.isfinite(t.detach()).all() and (t.detach() > 0).all()):
+            raise ValueError(f"{name}: sigma_noise must be a positive finite scalar, got {_show(value)}.")
+        if self.likelihood == "classification" and float(t.detach()) != 1.0:
+            raise ValueError(f"{name}: sigma_noise must be 1 for likelihood='classification', got {_show(value)}.")
         return t.reshape(())
 
     def _check_fitted(self, what: str) -> None:
@@ -315,14 +315,17 @@ class FactorLaplace(nn.Module):
         if not bool(torch.isfinite(totals["loss"])):
             raise ValueError(f"{name}: the loss at the MAP must be finite, got {float(totals['loss'])!r}.")
         ratio = info["n_vectors"] / n_data  # F F^T + psi fits G / V: rescale to G / N
-        self.loc.copy_(theta)
-        self.cov_factor.copy_(F * ratio ** 0.5)
-        self.cov_diag.copy_(psi * ratio)
-        self.loss.copy_(totals["loss"])
-        self.n_data.fill_(n_data)
-        self.n_outputs.fill_(totals["outputs"])
+        self._replace(loc=theta, cov_factor=F * ratio ** 0.5, cov_diag=psi * ratio, loss=totals["loss"],
+                      n_data=torch.tensor(n_data), n_outputs=torch.tensor(totals["outputs"]))
         self.fit_info = info
         return self
+
+    def _replace(self, **values: Tensor) -> None:
+        """Rebind buffers to ``values`` (new tensors, never written in place): tensors handed out earlier
+        (``state_dict()``, attributes, a posterior) keep their values."""
+        for key, value in values.items():
+            old = self._buffers[key]
+            self._buffers[key] = value.detach().to(dtype=old.dtype, device=old.device).reshape(old.shape)
 
     # ------------------------------------------------------------------ the posterior
     def _prior_diag(self, prior_precision: Tensor) -> Tensor:
@@ -331,12 +334,10 @@ class FactorLaplace(nn.Module):
         return torch.repeat_interleave(prior_precision, torch.tensor(self._sizes, device=prior_precision.device))
 
     def _resolve(self, prior_precision, sigma_noise):
-        pp = self.prior_precision if prior_precision is None else (
-            prior_precision if torch.is_tensor(prior_precision) and prior_precision.requires_grad
-            else self._check_prior_precision(prior_precision, self.loc))
-        sg = self.sigma_noise if sigma_noise is None else (
-            sigma_noise if torch.is_tensor(sigma_noise) and sigma_noise.requires_grad
-            else self._check_sigma(sigma_noise, self.loc))
+        """The hyperparameters to use, checked (shape, positive, finite) even when they carry a graph."""
+        pp = self.prior_precision if prior_precision is None else self._check_prior_precision(
+            prior_precision, self.loc, differentiable=True)
+        sg = self.sigma_noise if sigma_noise is None else self._check_sigma(sigma_noise, self.loc, differentiable=True)
         return pp.reshape(-1), sg.reshape(())
 
     def _posterior(self, prior_precision=None, sigma_noise=None) -> LowRankPrecisionNormal:
@@ -344,11 +345,16 @@ class FactorLaplace(nn.Module):
         scale = self.n_data.to(self.loc.dtype) / sg.pow(2)
         prec_diag = self._prior_diag(pp) + scale * self.cov_diag
         prec_factor = self.cov_factor * scale.sqrt()
-        return LowRankPrecisionNormal(self.loc, prec_factor, prec_diag)
+        # its own storage: neither a later fit() nor an in-place change of the posterior reaches the other
+        return LowRankPrecisionNormal(self.loc.clone(), prec_factor, prec_diag)
 
     @property
     def posterior(self) -> LowRankPrecisionNormal:
-        r"""The Laplace approximation :math:`N(\theta_*, P^{-1})` at the current prior precision and noise."""
+        r"""The Laplace approximation :math:`N(\theta_*, P^{-1})` at the current prior precision and noise.
+
+        A snapshot: its tensors share no storage with this object's buffers, so a later :meth:`fit`,
+        :meth:`optimize_prior_precision` or :meth:`load_state_dict` leaves a posterior already taken as it was.
+        """
         self._check_fitted("posterior")
         return self._posterior()
 
@@ -406,83 +412,6 @@ class FactorLaplace(nn.Module):
         log_det_ratio = post.log_det_precision() - delta.log().sum()
         scatter = (delta * self.loc.pow(2)).sum()
         return self.log_likelihood(sg) - 0.5 * (log_det_ratio + scatter)
-
-    def optimize_prior_precision(self, method: str = "marglik", *, n_steps: int = 100, lr: float = 0.1,
-                                 val_loader: Optional[Iterable] = None, grid: Optional[Sequence[float]] = None,
-                                 pred_type: str = "glm", link_approx: str = "probit",
-                                 n_samples: int = 100) -> Tensor:
-        r"""Choose the prior precision :math:`\delta` (scalar or per layer, the shape of :attr:`prior_precision`).
-
-        Parameters
-        ----------
-        method : {"marglik", "gridsearch"}, default "marglik"
-            ``"marglik"``: Adam on :math:`\log\delta` maximising :meth:`log_marginal_likelihood`;
-            ``"gridsearch"``: the scalar :math:`\delta` of ``grid`` with the lowest validation negative
-            log-likelihood of the predictive (``pred_type``, ``link_approx``).
-        n_steps, lr : int, float
-            Adam steps and learning rate of ``"marglik"``.
-        val_loader : iterable of (Tensor, Tensor)
-            Needed by ``"gridsearch"``.
-        grid : sequence of float, optional
-            Default :math:`10^{-4}, 10^{-3.75}, \dots, 10^4`.
-        pred_type, link_approx, n_samples
-            The predictive scored by ``"gridsearch"`` (see :meth:`predict_proba`).
-
-        Returns
-        -------
-        Tensor of shape (1,) or (L,)
-            The chosen :attr:`prior_precision` (also stored).
-        """
-        name = type(self).__name__
-        self._check_fitted("optimize_prior_precision()")
-        if method == "marglik":
-            _positive_int(name, "n_steps", n_steps)
-            log_pp = self.prior_precision.detach().log().clone().requires_grad_(True)
-            opt = torch.optim.Adam([log_pp], lr=lr)
-            for _ in range(n_steps):
-                opt.zero_grad()
-                loss = -self.log_marginal_likelihood(prior_precision=log_pp.exp())
-                loss.backward()
-                opt.step()
-            best = log_pp.detach().exp()
-        elif method == "gridsearch":
-            if val_loader is None:
-                raise ValueError(f"{name}: method='gridsearch' needs val_loader, got None.")
-            # link_approx as predict_proba reads it: only for a classifier's GLM ("nn" always samples)
-            check_pred_type(name, pred_type,
-                            link_approx if self.likelihood == "classification" and pred_type == "glm" else None)
-            values = list(_DEFAULT_GRID if grid is None else grid)
-            if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
-                                 or not math.isfinite(v) for v in values):
-                raise ValueError(f"{name}: grid must be a non-empty sequence of positive finite floats, got {grid!r}.")
-            saved = self.prior_precision.clone()
-            scores = []
-            try:
-                for v in values:
-                    self.prior_precision.fill_(v)
-                    scores.append(self._validation_nll(val_loader, pred_type, link_approx, n_samples))
-            finally:
-                self.prior_precision.copy_(saved)
-            best = self.prior_precision.new_full(self.prior_precision.shape, values[int(torch.tensor(scores).argmin())])
-            self.grid_scores_ = (values, scores)
-        else:
-            raise ValueError(f"{name}: method must be 'marglik' or 'gridsearch', got {method!r}.")
-        self.prior_precision.copy_(best)
-        return self.prior_precision.clone()
-
-    def _validation_nll(self, loader, pred_type, link_approx, n_samples) -> float:
-        total, count = 0.0, 0
-        for batch in loader:
-            x, y = self._batch(batch, "val_loader")
-            if self.likelihood == "classification":
-                p = self.predict_proba(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples)
-                total += float(-p.gather(-1, y.long().reshape(-1, 1)).clamp_min(1e-300).log().sum())
-            else:
-                mean, var = self.predict(x, pred_type=pred_type, n_samples=n_samples)
-                y = y.to(mean.dtype).reshape(mean.shape)
-                total += float(0.5 * ((y - mean).pow(2) / var + var.log() + math.log(2 * math.pi)).sum())
-            count += x.shape[0]
-        return total / max(count, 1)
 
     # ------------------------------------------------------------------ predictives
     def _glm_moments(self, x: Tensor):
@@ -574,8 +503,24 @@ class FactorLaplace(nn.Module):
 
     # ------------------------------------------------------------------ state
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a saved fit, checked whole first (keys, shapes, finite values): nothing loaded when it does not fit."""
+        """Load a saved fit, checked whole first (keys, shapes, finite values, a positive prior precision and noise,
+        a non-negative diagonal and count): nothing loaded when it does not fit.
+
+        The buffers get new storage (with ``assign=False``, the default): a ``state_dict()`` or posterior taken
+        earlier keeps its values. Likewise :meth:`fit` and :meth:`optimize_prior_precision` never write into a
+        tensor handed out, so ``torch.save(la.state_dict(), ...)`` of a fitted approximation stays that fit.
+        """
         check_state_dict(self, state_dict, strict)
+        name = type(self).__name__
+        for key, what in (("prior_precision", "positive"), ("sigma_noise", "positive"), ("cov_diag", "non-negative"),
+                          ("n_data", "non-negative")):
+            v = state_dict.get(key)
+            if torch.is_tensor(v) and v.numel() and not bool((v > 0).all() if what == "positive" else (v >= 0).all()):
+                raise ValueError(f"{name}: state_dict[{key!r}] must be {what}, got {_show(v)}; nothing was loaded.")
+        # new storage for every buffer: tensors handed out earlier (a previous state_dict()) are not overwritten
+        for key, buf in list(self._buffers.items()):
+            if buf is not None and key in state_dict:
+                self._buffers[key] = torch.empty_like(buf)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def extra_repr(self) -> str:

@@ -18,7 +18,7 @@ around a mean; two routes give it the uncentred moment:
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -169,29 +169,42 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
     """
     if method == "auto":
         method = "scatter" if dim <= dense_max_dim else "sketch" if process_group is None else "online"
+    fit = _FITS.get(method)
+    if fit is None:
+        raise ValueError(f"{owner}: curvature_fit must be one of {MOMENT_FITS}, got {method!r}.")
     if num_passes is None:
         num_passes = 4 if method == "online" else 1
-    if method == "scatter":
-        check_dense_dim(owner, "fit(curvature_fit='scatter')", dim, torch.float64,
-                        "Use curvature_fit='online' (O(DK) memory).")
-        G, n_vec = _scatter(passes, dim, dtype, device, owner, process_group)
-        _check_count(n_vec, owner)
-        S = G / max(n_vec, 1)
-        if rank >= dim:
-            lam, U = torch.linalg.eigh(S)
-            F = U * lam.clamp_min(0).sqrt()
-            return F.to(dtype), torch.zeros(dim, dtype=dtype, device=device), {
-                "method": "exact", "n_vectors": n_vec, "n_iter": 0, "converged": True}
-        generator = torch.Generator(device=S.device).manual_seed(seed)
-        result = em_from_covariance(S, rank, n_vec, tol=tol, max_iter=max_iter, method="svd",
-                                    svd_method="randomized", generator=generator)
-        if not result.converged:
-            warnings.warn(f"{owner}: the factor analysis of the curvature did not converge in max_iter={max_iter} "
-                          f"iterations (tol={tol}); the fit is the last iterate.", ConvergenceWarning, stacklevel=3)
-        return result.cov_factor.to(dtype), result.cov_diag.to(dtype), {
-            "method": "scatter", "n_vectors": n_vec, "n_iter": result.n_iter, "converged": result.converged}
-    if method not in ("online", "sketch"):
-        raise ValueError(f"{owner}: curvature_fit must be one of {MOMENT_FITS}, got {method!r}.")
+    return fit(passes, dim, rank, method=method, num_passes=num_passes, tol=tol, max_iter=max_iter, seed=seed,
+               dtype=dtype, device=device, owner=owner, process_group=process_group)
+
+
+def _fit_scatter(passes, dim, rank, *, method, num_passes, tol, max_iter, seed, dtype, device, owner,
+                 process_group):
+    r"""The exact :math:`D\times D` moment, then batch FA to convergence (or its eigendecomposition at full rank)."""
+    check_dense_dim(owner, "fit(curvature_fit='scatter')", dim, torch.float64,
+                    "Use curvature_fit='online' (O(DK) memory).")
+    G, n_vec = _scatter(passes, dim, dtype, device, owner, process_group)
+    _check_count(n_vec, owner)
+    S = G / max(n_vec, 1)
+    if rank >= dim:
+        lam, U = torch.linalg.eigh(S)
+        F = U * lam.clamp_min(0).sqrt()
+        return F.to(dtype), torch.zeros(dim, dtype=dtype, device=device), {
+            "method": "exact", "n_vectors": n_vec, "n_iter": 0, "converged": True}
+    generator = torch.Generator(device=S.device).manual_seed(seed)
+    result = em_from_covariance(S, rank, n_vec, tol=tol, max_iter=max_iter, method="svd",
+                                svd_method="randomized", generator=generator)
+    if not result.converged:
+        warnings.warn(f"{owner}: the factor analysis of the curvature did not converge in max_iter={max_iter} "
+                      f"iterations (tol={tol}); the fit is the last iterate.", ConvergenceWarning, stacklevel=4)
+    return result.cov_factor.to(dtype), result.cov_diag.to(dtype), {
+        "method": "scatter", "n_vectors": n_vec, "n_iter": result.n_iter, "converged": result.converged}
+
+
+def _fit_streamed(passes, dim, rank, *, method, num_passes, tol, max_iter, seed, dtype, device, owner,
+                  process_group):
+    r"""The stream :math:`\pm v` fed to :class:`~pyro_fa.fa.online.OnlineFactorAnalysis` (``"online"``: online EM;
+    ``"sketch"``: its scatter sketch refitted by batch FA), :math:`O(DK)` memory."""
     if rank >= dim:
         raise ValueError(f"{owner}: rank must be < dim={dim} for curvature_fit={method!r}, got {rank!r}; use "
                          "curvature_fit='scatter' for a full-rank curvature.")
@@ -222,6 +235,14 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
     if process_group is not None:
         F, psi = _gather_rows(F, psi, dim, process_group)
     return F, psi, {"method": method, "n_vectors": n_vec, "passes": num_passes}
+
+
+#: name -> fit (``"auto"`` resolves to one of them by the dimension); every fit takes the same keywords
+_FITS: Dict[str, Callable[..., Tuple[Tensor, Tensor, dict]]] = {
+    "scatter": _fit_scatter,
+    "online": _fit_streamed,
+    "sketch": _fit_streamed,
+}
 
 
 def _gather_rows(F: Tensor, psi: Tensor, dim: int, group) -> Tuple[Tensor, Tensor]:
