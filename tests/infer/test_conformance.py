@@ -10,6 +10,9 @@ posterior N(m, S) over the packed latent vector is known and lies in the guide's
 * ``test_gradient_vanishes_at_exact_posterior``: every ELBO's expected gradient is zero at q = N(m, S) (5 s.e.),
   the first-order condition that makes the exact posterior SVI's fixed point;
 * ``test_svi_converges_to_exact_posterior`` (slow): SVI from the default initialisation reaches N(m, S).
+
+The marks on RenyiELBO (plated, nested and subsampled shapes) are Pyro's RenyiELBO, not the guide: their causes
+are asserted, for Pyro's own autoguides too, in ``test_renyi_plates.py``.
 """
 import math
 import warnings
@@ -181,6 +184,8 @@ def _quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
         warnings.filterwarnings("ignore", message=".*max_plate_nesting.*")
+        # scope() renames the model's plate subsample sites ("shape_plated/groups"), not the guide's: harmless
+        warnings.filterwarnings("ignore", message="Found plate statements in guide but not model")
         yield
 
 
@@ -229,16 +234,36 @@ _XFAIL_MEAN_FIELD = pytest.mark.xfail(
 )
 
 
+# Pyro's RenyiELBO (pyro 1.9), not the guide: Pyro's AutoLowRankMultivariateNormal and AutoMultivariateNormal do
+# the same, asserted in test_renyi_plates.py
+_RENYI_PLATES = pytest.mark.xfail(
+    strict=True, raises=AssertionError,
+    reason="Pyro's RenyiELBO keeps a plate that holds every model site as a batch dimension of the log weights "
+    "(renyi_elbo.py sums log_prob only over get_dependent_plate_dims(model_trace), the plates not common to all "
+    "model sites): one Renyi bound per plate element, each weighted by the joint guide density q(z) of an "
+    "AutoContinuous guide, so the weights are not constant at the exact posterior; same for Pyro's own low-rank and "
+    "full-rank guides (test_renyi_plates.py)",
+)
+_XFAIL_RENYI = {
+    "plated": _RENYI_PLATES,
+    "nested": _RENYI_PLATES,
+    "subsampled": pytest.mark.xfail(
+        strict=False, raises=AssertionError,
+        reason="the Renyi bound is nonlinear in the log-likelihood, so an N/M-scaled mini-batch biases it: the mean "
+        "gradient at the exact posterior is not zero but the closed form's, which RenyiELBO matches over all 70 "
+        "mini-batches (test_renyi_plates.py); here it is about 5 s.e., so this test sees it on some seeds only",
+    ),
+}
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("elbo_name", list(ELBOS))
 def test_gradient_vanishes_at_exact_posterior(request, elbo_name, shape):
     """At q = N(m, S), the exact posterior, every ELBO's mean gradient is zero (4 s.e.) in every parameter."""
     if elbo_name == "TraceMeanField_ELBO" and shape == "constrained":
         request.applymarker(_XFAIL_MEAN_FIELD)
-    if elbo_name == "RenyiELBO" and shape in ("plated", "nested", "subsampled"):
-        request.applymarker(pytest.mark.xfail(
-            strict=False, reason="RenyiELBO's mean gradient in the scale parameters is far from zero with latents "
-            "in plates or a subsampled plate (Pyro's RenyiELBO and plates; to investigate)"))
+    if elbo_name == "RenyiELBO" and shape in _XFAIL_RENYI:
+        request.applymarker(_XFAIL_RENYI[shape])
     model, m, S = SHAPES[shape]()
     guide = AutoLowRankFactorGuide(model, rank=len(m))
     guide()
@@ -257,9 +282,13 @@ def test_gradient_vanishes_at_exact_posterior(request, elbo_name, shape):
 
 
 # ------------------------------------------------------------------ SVI reaches the exact posterior
-def _all_shapes_model():
-    """One model with a global, a .to_event, a plated, a nested-plate and a constrained site, subsampled data."""
-    parts = [shape_global(), shape_subsampled(), shape_plated(), shape_nested(), shape_constrained()]
+def _all_shapes_model(subsample=True):
+    """One model with a global, a .to_event, a plated, a nested-plate and a constrained site, subsampled data.
+
+    With ``subsample=False`` the subsampled regression is the same regression on all its data (same posterior).
+    """
+    parts = [shape_global(), shape_subsampled() if subsample else shape_to_event(), shape_plated(), shape_nested(),
+             shape_constrained()]
     models = [p[0] for p in parts]
 
     def model():
@@ -273,19 +302,25 @@ def _all_shapes_model():
 @pytest.mark.slow
 @pytest.mark.parametrize("elbo_name", list(ELBOS))
 def test_svi_converges_to_exact_posterior(request, elbo_name):
-    """SVI from the default initialisation reaches N(m, S) (means within 0.25 s.d., variances within 30%)."""
+    """SVI from the default initialisation reaches N(m, S) (means within 0.25 s.d., variances within 30%).
+
+    RenyiELBO (alpha = 0.5) runs on the model without the subsampled plate, for 600 steps, for two verified reasons:
+    its optimum under the subsampled plate is not N(m, S) (variances 1.50x and 1.33x the posterior's, in closed
+    form: test_renyi_subsampled_objective_is_maximised_by_a_wider_q; SVI for 1500 steps ends at 1.4-1.6x there and
+    within 10% elsewhere, 2 seeds); and its objective is flat where q is too wide (one coordinate at twice the
+    posterior's s.d.: its gradient in log s.d. is 0.6 against the KL's 3), so 250 steps leave the tightest
+    coordinates 1.7-4x too wide even on all data, where 600 steps reach N(m, S) (3 seeds, within 12%).
+    """
     if elbo_name == "TraceMeanField_ELBO":
         request.applymarker(_XFAIL_MEAN_FIELD)
-    if elbo_name == "RenyiELBO":  # its gradient does vanish at N(m, S) (test above); its SVI iterates end too wide
-        request.applymarker(pytest.mark.xfail(
-            strict=False, reason="suspected: the K-sample Renyi bound is biased under the subsampled plate "
-            "(log-mean-exp of scaled mini-batch likelihoods); variances end up to 4x too wide; to investigate"))
-    model, m, S = _all_shapes_model()
+    renyi = elbo_name == "RenyiELBO"
+    model, m, S = _all_shapes_model(subsample=not renyi)
     pyro.set_rng_seed(0)
     guide = AutoLowRankFactorGuide(model, rank=len(m))
-    n = 1 if elbo_name in SEQUENTIAL else 16 if elbo_name == "RenyiELBO" else 4  # Renyi's K-sample bound is noisier
-    svi = SVI(model, guide, ClippedAdam({"lr": 0.1, "lrd": 0.985}), ELBOS[elbo_name](n))
-    for _ in range(250):
+    n = 1 if elbo_name in SEQUENTIAL else 16 if renyi else 4  # Renyi's K-sample bound is noisier
+    steps = 600 if renyi else 250
+    svi = SVI(model, guide, ClippedAdam({"lr": 0.1, "lrd": 0.985 ** (250 / steps)}), ELBOS[elbo_name](n))
+    for _ in range(steps):  # the same learning rate at the end, whatever the number of steps
         svi.step()
     q = guide.get_posterior()
     sd = S.diagonal().sqrt()
