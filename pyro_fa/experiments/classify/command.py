@@ -46,8 +46,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from pyro_fa.experiments.classify.data import DATASETS, load_classify, median_norms
-from pyro_fa.experiments.classify.methods import METHODS, NETWORKS, PEERS, Budget, epochs_of, peers_available, \
-    run_methods
+from pyro_fa.experiments.classify.methods import MAP_SCORES, METHODS, NETWORKS, PEERS, Budget, epochs_of, \
+    peers_available, run_methods
 from pyro_fa.experiments._io import OutputFolder, atomic_write_json, atomic_write_text, mean_se, positive_int, \
     progress_bar
 
@@ -69,7 +69,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seeds", type=int, default=None, help=f"seeds per dataset × network (default {DEFAULT_SEEDS}; quick 1)")
     parser.add_argument("--epochs", type=int, default=None,
                         help="training epochs of every method (default 150; quick 12); SWAG collects in the last half")
-    parser.add_argument("--map-select", choices=("tempered", "nll"), default="tempered",
+    parser.add_argument("--map-select", choices=tuple(MAP_SCORES), default="tempered",
                         help="how MAP's prior precision (which every method shares) is chosen on validation: the NLL "
                              "after temperature scaling (default) or the raw NLL (the rule of the earlier tables)")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")

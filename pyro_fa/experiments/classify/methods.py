@@ -65,8 +65,8 @@ from torch import Tensor, nn
 
 from pyro_fa.experiments.classify.data import ClassifyData
 from pyro_fa.experiments.classify.networks import NETWORKS, CNN1d, make_network
-from pyro_fa.experiments.classify.posthoc import PEERS, TEMPERED, can_run, peers_available, run_factor_laplace, \
-    run_peers, tempered_rows
+from pyro_fa.experiments.classify.posthoc import PEERS, TEMPERED, average_log_probs, can_run, peers_available, \
+    run_factor_laplace, run_peers, tempered_rows
 
 __all__ = ["Budget", "METHODS", "NETWORKS", "PEERS", "TEMPERED", "peers_available", "CNN1d", "make_network", "run_methods", "epochs_of"]
 
@@ -99,7 +99,7 @@ class Budget:
     train_subset: Optional[int] = None  # smoke tests: the first N training points only
 
     def __post_init__(self):
-        if self.map_select not in ("tempered", "nll"):
+        if self.map_select not in MAP_SCORES:
             raise ValueError(f"Budget: map_select must be 'tempered' or 'nll', got {self.map_select!r}.")
 
     @classmethod
@@ -172,9 +172,12 @@ def _tempered_nll(probs: Tensor, y: Tensor) -> float:
     """Validation NLL of the model average after temperature scaling on the same points (Guo et al. 2017)."""
     from pyro_fa.predictive import fit_temperature
 
-    p = probs.mean(0) if probs.dim() == 3 else probs
-    logs = p.double().clamp_min(1e-300).log()
+    logs = average_log_probs(probs)
     return _nll((logs / fit_temperature(logs, y)).softmax(-1), y)
+
+
+#: ``Budget.map_select`` -> (the key of MAP's grid scores in the results, the score of a grid point)
+MAP_SCORES = {"tempered": ("val_nll_tempered", _tempered_nll), "nll": ("val_nll", _nll)}
 
 
 def _choose(grid, fit, y_val, score=_nll) -> Tuple[object, object, Dict[str, float]]:
@@ -346,12 +349,11 @@ def run_methods(methods: Sequence[str], network: str, data: ClassifyData, budget
             return net, _probs(net, [data.x_val])[0]
         # "tempered": the network that is best once calibrated, as every "+T" row is; the raw NLL prefers
         # strong decay, which costs accuracy (MNIST-1D MLP: 60.7 % against 65 % at the tempered choice)
-        score = _tempered_nll if budget.map_select == "tempered" else _nll
+        key, score = MAP_SCORES[budget.map_select]
         pp, map_net, scores = _choose(budget.prior_precisions, fit_map, y_val, score)
         map_probs = _probs(map_net, inputs)
         t_map = clock() - t0
         if "map" in want:
-            key = "val_nll_tempered" if budget.map_select == "tempered" else "val_nll"
             out["map"] = {"probs": map_probs, "seconds": t_map, "extra": {"prior_precision": pp, key: scores}}
     if "ensemble" in want:
         t0 = clock()

@@ -39,6 +39,11 @@ def can_run(method: str, have: Dict[str, bool]) -> bool:
     return method not in PEERS or bool(have.get(PEERS[method]))
 
 
+def average_log_probs(probs: Tensor) -> Tensor:
+    """Log of the model average, (N, C) in float64, from draws (S, N, C) or probabilities (N, C)."""
+    return (probs.mean(0) if probs.dim() == 3 else probs).double().clamp_min(1e-300).log()
+
+
 def tempered_rows(out: Dict[str, dict], y_val: Tensor) -> Dict[str, dict]:
     """``<row>+T`` for each row of :data:`TEMPERED`: its model average's log probabilities divided by the
     temperature of least validation NLL (:func:`pyro_fa.predictive.fit_temperature`)."""
@@ -49,7 +54,7 @@ def tempered_rows(out: Dict[str, dict], y_val: Tensor) -> Dict[str, dict]:
         if m not in out:
             continue
         t0 = time.perf_counter()
-        logs = [(p.mean(0) if p.dim() == 3 else p).double().clamp_min(1e-300).log() for p in out[m]["probs"]]
+        logs = [average_log_probs(p) for p in out[m]["probs"]]
         temperature = fit_temperature(logs[0], y_val)
         probs = [(z / temperature).softmax(-1).to(out[m]["probs"][0].dtype) for z in logs[1:]]
         rows[f"{m}+T"] = {"probs": probs, "seconds": out[m]["seconds"] + time.perf_counter() - t0,
