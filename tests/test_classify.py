@@ -162,7 +162,8 @@ def test_classify_command(tmp_path, capsys):
     assert code == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results["combos"]) == {"digits-mlp"}
-    assert set(results["combos"]["digits-mlp"]["methods"]) == {"map", "swa", "swag-em", "map+T", "swag-em+T"}
+    assert set(results["combos"]["digits-mlp"]["methods"]) == {"map", "swa", "swag-em", "map+T", "swa+T", "swag-em+T"}
+    assert results["combos"]["digits-mlp"]["methods"]["swag-em+T"]["extra"][0]["tempered_scale_choice"]
     assert results["budget"]["epochs"] == 4
     printed = capsys.readouterr().out
     assert "SWAG-EM" in printed
@@ -244,7 +245,7 @@ def test_temperature_rows_minimise_the_validation_nll():
     draws_test = torch.softmax(torch.randn(2, 50, 4, generator=g) * 4, -1)
     rows = tempered_rows({"swag-em": {"probs": [draws_val, draws_test], "seconds": 1.0, "extra": {"scale": 1.0}},
                           "swa": {"probs": [draws_val[0], draws_test[0]], "seconds": 1.0}}, y_val)
-    assert set(rows) == {"swag-em+T"}  # SWA is not among the tempered rows
+    assert set(rows) == {"swag-em+T", "swa+T"}
     row = rows["swag-em+T"]
     z = draws_val.double().mean(0).log()
     grid = torch.linspace(0.2, 10, 20001, dtype=torch.float64)
@@ -254,6 +255,13 @@ def test_temperature_rows_minimise_the_validation_nll():
     expect = (draws_test.double().mean(0).log() / row["extra"]["temperature"]).softmax(-1)
     torch.testing.assert_close(row["probs"][0].double(), expect, atol=1e-6, rtol=0)
     assert row["extra"]["scale"] == 1.0 and row["seconds"] >= 1.0
+    # a row whose "+T" chose its own scale by the tempered validation NLL: tempered from those probabilities
+    both = tempered_rows({"swag-em": {"probs": [draws_test, draws_test], "seconds": 1.0, "extra": {"scale": 9.0},
+                                      "probs_T": [draws_val, draws_test], "seconds_T": 2.0,
+                                      "extra_T": {"scale": 1.0}}}, y_val)["swag-em+T"]
+    torch.testing.assert_close(both["probs"][0], row["probs"][0], atol=0, rtol=0)
+    assert both["extra"]["scale"] == 1.0 and both["extra"]["temperature"] == row["extra"]["temperature"]
+    assert both["seconds"] >= 2.0
 
 
 def test_paired_verdicts():

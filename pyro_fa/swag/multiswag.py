@@ -126,14 +126,14 @@ class MultiSWAG(nn.Module):
     def tune_scale(self, inputs, targets, likelihood="categorical", *, scales=None, num_samples: int = 30,
                    noise_std=None, seed: int = 0, rule: str = "one_se", fraction: float = 0.7, num_se: float = 1.5,
                    widen: int = 3,
-                   pred_type: str = "nn"):
+                   pred_type: str = "nn", temperature: bool = False):
         """Choose one scale for all members by the validation log-likelihood of the mixture's model average.
 
         See :func:`pyro_fa.predictive.tune_scale`; the draws are split evenly over the members.
         """
         return tune_scale(self, inputs, targets, likelihood, scales=scales, num_samples=num_samples,
                           noise_std=noise_std, seed=seed, rule=rule, fraction=fraction, num_se=num_se, widen=widen,
-                          pred_type=pred_type)
+                          pred_type=pred_type, temperature=temperature)
 
     def distribution(self) -> MixtureSameFamily:
         """The mixture over the flattened parameters, a ``MixtureSameFamily`` of LowRankMultivariateNormals

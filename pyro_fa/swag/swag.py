@@ -384,11 +384,13 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
     def tune_scale(self, inputs, targets, likelihood="categorical", *, scales=None, num_samples: int = 30,
                    noise_std=None, seed: int = 0, rule: str = "one_se", fraction: float = 0.7, num_se: float = 1.5,
                    widen: int = 3,
-                   pred_type: str = "nn"):
+                   pred_type: str = "nn", temperature: bool = False):
         """Choose :attr:`scale` on validation data, never worse there than the mean (scale 0).
 
         See :func:`pyro_fa.predictive.tune_scale` (this calls it with ``self``) for the candidates
         (scale 0, the mean, among them) and the ``rule``; the chosen scale is set on the posterior.
+        With ``temperature=True`` every candidate is scored after a temperature fitted on the same
+        points (for a user who tempers the predictive; the chosen one is ``search.temperature``).
 
         Returns
         -------
@@ -396,7 +398,7 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         """
         return tune_scale(self, inputs, targets, likelihood, scales=scales, num_samples=num_samples,
                           noise_std=noise_std, seed=seed, rule=rule, fraction=fraction, num_se=num_se, widen=widen,
-                          pred_type=pred_type)
+                          pred_type=pred_type, temperature=temperature)
 
     @torch.no_grad()
     def _deviations(self, num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:

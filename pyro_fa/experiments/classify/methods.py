@@ -50,7 +50,9 @@ The variational guides and the SWAG family use the prior precision chosen for MA
 schedule for the first ``epochs - swag_epochs`` epochs, then a constant Adam rate
 reached by ``torch.optim.swa_utils.SWALR`` in one epoch, one collection per epoch;
 the scale by :meth:`~pyro_fa.SWAG.tune_scale` (its default rule; scale 0, the mean,
-is a candidate).
+is a candidate). Their "+T" rows choose their own scale by the *tempered* validation
+NLL (``tune_scale(temperature=True)``: each candidate scored after its own temperature),
+so that the spread is not asked to cure an overconfidence that the temperature cures.
 """
 from __future__ import annotations
 
@@ -225,14 +227,29 @@ def _swag_run(make_net, data: ClassifyData, budget: Budget, seed: int, prior_pre
     return net, em, cl
 
 
-def _tune(posterior, data: ClassifyData, budget: Budget, seed: int, pred_type: str = "nn"):
+def _tune(posterior, data: ClassifyData, budget: Budget, seed: int, pred_type: str = "nn",
+          temperature: bool = False):
     """``posterior.tune_scale`` on the validation part: ``(ScaleSearch, its warnings)``; the warnings (a flat
     curve, the best at an edge) are kept for the results instead of printed once per seed."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         search = posterior.tune_scale(data.x_val, data.y_val, num_samples=budget.samples, seed=seed,
-                                      pred_type=pred_type)
+                                      pred_type=pred_type, temperature=temperature)
     return search, [str(w.message) for w in caught]
+
+
+def _add_tempered_choice(row: dict, posterior, predict, data, budget, seed, pred_type: str = "nn") -> dict:
+    """The "+T" row's own scale: ``tune_scale(temperature=True)`` (each candidate scored after a temperature
+    fitted at it), and the probabilities at that scale (``row["probs_T"]``, which the "+T" row tempers); the
+    posterior's scale is left as it was."""
+    before = posterior.scale
+    t0 = time.perf_counter()
+    search = _tune(posterior, data, budget, seed, pred_type, temperature=True)
+    row["probs_T"] = predict() if search[0].scale != before else row["probs"]
+    row["extra_T"] = _search_extra(search, tempered_scale_choice=True)
+    row["seconds_T"] = row["seconds"] + time.perf_counter() - t0
+    posterior.scale = before
+    return row
 
 
 @torch.no_grad()
@@ -413,11 +430,16 @@ def _run_swag_family(want, make, data, budget, seed, pp, inputs, tick, out) -> N
             search = em_search if name == "swag-em" else _tune(post, data, budget, seed)
             out[name] = {"probs": _swag_samples(post, inputs, budget.samples, seed),
                          "seconds": t_traj + time.perf_counter() - t0, "extra": _search_extra(search, swag_lr=swag_lr)}
+            if name in TEMPERED and budget.temperature:
+                _add_tempered_choice(out[name], post, lambda p=post: _swag_samples(p, inputs, budget.samples, seed),
+                                     data, budget, seed)
     if "swag-em-glm" in want:
         t0 = time.perf_counter()
         search = _tune(em, data, budget, seed, pred_type="glm")
         out["swag-em-glm"] = {"probs": _glm_probs(em, inputs), "seconds": t_traj + time.perf_counter() - t0,
                               "extra": _search_extra(search, swag_lr=swag_lr)}
+        if budget.temperature:
+            _add_tempered_choice(out["swag-em-glm"], em, lambda: _glm_probs(em, inputs), data, budget, seed, "glm")
     if want & {"multiswag", "multiswag-glm"}:
         from pyro_fa import MultiSWAG
 
@@ -430,12 +452,18 @@ def _run_swag_family(want, make, data, budget, seed, pp, inputs, tick, out) -> N
             search = _tune(ms, data, budget, seed)
             out["multiswag"] = {"probs": _swag_samples(ms, inputs, budget.samples * len(members) // 2, seed),
                                 "seconds": t_traj + time.perf_counter() - t0, "extra": _search_extra(search)}
+            if budget.temperature:
+                _add_tempered_choice(out["multiswag"], ms, lambda: _swag_samples(
+                    ms, inputs, budget.samples * len(members) // 2, seed), data, budget, seed)
         if "multiswag-glm" in want:
             t1 = time.perf_counter()
             search = _tune(ms, data, budget, seed, pred_type="glm")
             out["multiswag-glm"] = {"probs": _glm_probs(ms, inputs),
                                     "seconds": t_traj + t_members + time.perf_counter() - t1,
                                     "extra": _search_extra(search)}
+            if budget.temperature:
+                _add_tempered_choice(out["multiswag-glm"], ms, lambda: _glm_probs(ms, inputs), data, budget, seed,
+                                     "glm")
 
 
 def epochs_of(methods: Sequence[str], budget: Budget) -> int:

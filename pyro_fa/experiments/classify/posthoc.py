@@ -16,7 +16,7 @@ from torch import Tensor
 __all__ = ["TEMPERED", "PEERS", "peers_available", "tempered_rows", "run_factor_laplace", "run_peers"]
 
 #: rows that also get a "+T" row: the same predictive with a temperature fitted on validation (Guo et al. 2017)
-TEMPERED = ("map", "ensemble", "dropout", "swag-em", "swag-em-glm", "multiswag", "multiswag-glm", "vifa",
+TEMPERED = ("map", "ensemble", "dropout", "swa", "swag-em", "swag-em-glm", "multiswag", "multiswag-glm", "vifa",
             "factor-laplace", "factor-laplace-grid", "laplace", "laplace-grid", "laplace-diag", "ivon")
 #: peer methods run from their own packages, and the package each needs
 PEERS = {"laplace": "laplace", "laplace-grid": "laplace", "laplace-diag": "laplace", "ivon": "ivon"}
@@ -46,7 +46,9 @@ def average_log_probs(probs: Tensor) -> Tensor:
 
 def tempered_rows(out: Dict[str, dict], y_val: Tensor) -> Dict[str, dict]:
     """``<row>+T`` for each row of :data:`TEMPERED`: its model average's log probabilities divided by the
-    temperature of least validation NLL (:func:`pyro_fa.predictive.fit_temperature`)."""
+    temperature of least validation NLL (:func:`pyro_fa.predictive.fit_temperature`). A row with ``probs_T``
+    (the SWAG family: its scale chosen by the tempered validation NLL, ``tune_scale(temperature=True)``) is
+    tempered at that scale, with the search's details from ``extra_T``."""
     from pyro_fa.predictive import fit_temperature
 
     rows = {}
@@ -54,11 +56,14 @@ def tempered_rows(out: Dict[str, dict], y_val: Tensor) -> Dict[str, dict]:
         if m not in out:
             continue
         t0 = time.perf_counter()
-        logs = [average_log_probs(p) for p in out[m]["probs"]]
+        source = out[m].get("probs_T", out[m]["probs"])
+        logs = [average_log_probs(p) for p in source]
         temperature = fit_temperature(logs[0], y_val)
-        probs = [(z / temperature).softmax(-1).to(out[m]["probs"][0].dtype) for z in logs[1:]]
-        rows[f"{m}+T"] = {"probs": probs, "seconds": out[m]["seconds"] + time.perf_counter() - t0,
-                          "extra": {**out[m].get("extra", {}), "temperature": temperature}}
+        probs = [(z / temperature).softmax(-1).to(source[0].dtype) for z in logs[1:]]
+        rows[f"{m}+T"] = {"probs": probs,
+                          "seconds": out[m].get("seconds_T", out[m]["seconds"]) + time.perf_counter() - t0,
+                          "extra": {**out[m].get("extra", {}), **out[m].get("extra_T", {}),
+                                    "temperature": temperature}}
     return rows
 
 
