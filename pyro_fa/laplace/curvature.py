@@ -26,7 +26,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, jacrev, vmap
+from torch.func import functional_call, grad, jacrev, vjp, vmap
 
 __all__ = ["select_parameters", "flat_network", "curvature_vectors", "CURVATURES"]
 
@@ -133,6 +133,21 @@ def _jacobians(f: Callable, theta: Tensor, x: Tensor) -> Tuple[Tensor, Tensor]:
     return out, J
 
 
+def _softmax_factors(f: Callable, theta: Tensor, xi: Tensor) -> Tensor:
+    r"""The columns of :math:`J^\top L` for one example, shape (C, D): :math:`C` vector-Jacobian products with
+    the columns of :math:`L = \mathrm{diag}(\sqrt p) - p\sqrt p^\top` as cotangents (one product with
+    :math:`\sqrt{p(1-p)}` for a single Bernoulli logit, shape (1, D))."""
+    out, pull = vjp(lambda th: f(th, xi.unsqueeze(0)).reshape(-1), theta)
+    out = out.detach()
+    if out.shape[0] == 1:  # a Bernoulli logit: sqrt(p (1 - p)) J
+        p = torch.sigmoid(out)
+        return pull((p * (1 - p)).sqrt())[0].unsqueeze(0)
+    p = out.softmax(-1)
+    sp = p.sqrt()
+    L = torch.diag(sp) - p.unsqueeze(-1) * sp.unsqueeze(-2)  # L L^T = diag(p) - p p^T
+    return vmap(pull)(L.T)[0]  # row e: J^T L[:, e]
+
+
 def curvature_vectors(f: Callable, theta: Tensor, x: Tensor, likelihood: str, kind: str = "ggn", *,
                       num_samples: int = 1, generator: Optional[torch.Generator] = None) -> Tensor:
     r"""The curvature vectors of a batch of examples.
@@ -167,17 +182,12 @@ def curvature_vectors(f: Callable, theta: Tensor, x: Tensor, likelihood: str, ki
     """
     theta = theta.detach()
     if kind == "ggn":
-        out, J = _jacobians(f, theta, x)  # (B, C), (B, C, D)
-        B, C, D = J.shape
-        if likelihood == "regression":
-            return J.reshape(B * C, D).detach()
-        if C == 1:
-            p = torch.sigmoid(out)
-            return (p * (1 - p)).sqrt().unsqueeze(-1).mul(J).reshape(B, D).detach()
-        p = out.softmax(-1)
-        sp = p.sqrt()
-        L = torch.diag_embed(sp) - p.unsqueeze(-1) * sp.unsqueeze(-2)  # (B, C, C), L L^T = diag(p) - p p^T
-        return torch.einsum("bcd,bce->bed", J, L).reshape(B * C, D).detach()
+        if likelihood == "classification":
+            # J^T L straight from C vector-Jacobian products: no Jacobian formed, no (B, C, C, D) contraction
+            V = vmap(_softmax_factors, in_dims=(None, None, 0))(f, theta, x)  # (B, C, D)
+            return V.reshape(-1, theta.shape[0]).detach()
+        _, J = _jacobians(f, theta, x)  # (B, C, D): the rows of J for a Gaussian likelihood
+        return J.reshape(-1, J.shape[-1]).detach()
     if kind != "mc":
         raise ValueError(f"curvature_vectors: kind must be one of {CURVATURES}, got {kind!r}.")
     with torch.no_grad():
