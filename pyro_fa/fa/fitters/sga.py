@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from pyro_fa._state import check_optimizer_state
 from pyro_fa.fa.fitters import Fitter, cholesky, register_fitter
+from pyro_fa.fa.fitters.sga_natural import EXACT_RATIO, NaturalStep
 
 __all__ = ["OnlineSGA"]
 
@@ -54,6 +55,10 @@ class OnlineSGA(Fitter):
     """
 
     def init(self, fa, F0: Tensor, *, optimizer=None, optimizer_kwargs=None) -> None:
+        fa._sga_natural = isinstance(optimizer, str)
+        if fa._sga_natural:
+            self._init_natural(fa, F0, optimizer, optimizer_kwargs)
+            return
         # the ascent runs in coordinates standardised by the running standard deviation
         # at the end of the warm-up (F = diag(scale) F~, psi = scale^2 psi~), so that the
         # optimizer's step size means the same whatever the scale of the data
@@ -79,6 +84,8 @@ class OnlineSGA(Fitter):
         fa._sga_cap_key = None
 
     def step(self, fa, d: Tensor, n_old: int, B: int, first_spread: bool) -> None:
+        if fa._sga_natural:
+            return _NATURAL.step(fa, d, n_old, B, first_spread)
         if n_old + B <= fa.warmup:
             return
         if n_old <= fa.warmup:
@@ -86,17 +93,25 @@ class OnlineSGA(Fitter):
         self._sga_step(fa, d)
 
     def factors(self, fa) -> Tuple[Tensor, Tensor]:
+        if fa._sga_natural:
+            return _NATURAL.factors(fa)
         scale = fa._scale
         F, log_psi = (fa._F_avg, fa._log_psi_avg) if fa.average else (fa._F.detach(), fa._log_psi.detach())
         return F * scale.unsqueeze(-1), log_psi.exp() * scale.pow(2)
 
     def noise(self, fa) -> Tensor:
+        if fa._sga_natural:
+            return _NATURAL.noise(fa)
         return fa._log_psi.detach().exp() * fa._scale.pow(2)
 
     def noise_floor(self, fa) -> float:
+        if fa._sga_natural:
+            return _NATURAL.noise_floor(fa)
         return fa.min_variance * float(fa._scale.amin()) ** 2
 
     def range_scale(self, fa) -> Optional[Tensor]:
+        if fa._sga_natural:
+            return None
         return fa._scale
 
     def finish_warmup(self, fa) -> None:
@@ -104,12 +119,18 @@ class OnlineSGA(Fitter):
                            f"only starts after warmup={fa.warmup} observations. Pass a smaller warmup.")
 
     def state_extra(self, fa) -> Optional[dict]:
+        if fa._sga_natural:
+            return None
         return fa._optimizer.state_dict()
 
     def check_optimizer_state(self, fa, state) -> None:
+        if fa._sga_natural:
+            return
         check_optimizer_state(type(fa).__name__, fa._optimizer, state)
 
     def loaded(self, fa, extra: Optional[dict]) -> None:
+        if fa._sga_natural:
+            return
         if extra is not None:
             # a copy: torch's Optimizer.load_state_dict keeps the given tensors (Adam's step and moments) when
             # dtype and device match, so a state loaded from a live model's state_dict() would share them with
@@ -119,8 +140,33 @@ class OnlineSGA(Fitter):
         fa._sga_cap = None
 
     def moved(self, fa, fn) -> None:
+        if fa._sga_natural:
+            return
         fa._sga_cap = None
         self._repoint_optimizer(fa, fn)
+
+    def _init_natural(self, fa, F0: Tensor, optimizer: str, optimizer_kwargs) -> None:
+        owner = type(fa).__name__
+        if optimizer != "natural":
+            raise ValueError(f"{owner}: optimizer must be a torch optimizer class, a callable returning one, or "
+                             f"'natural' (the EM-preconditioned step), got {optimizer!r}.")
+        kwargs = dict(optimizer_kwargs or {})
+        eta = kwargs.pop("step", 1.0)
+        if kwargs:
+            raise ValueError(f"{owner}: optimizer_kwargs of optimizer='natural' takes only 'step', got "
+                             f"{sorted(kwargs)}.")
+        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 < eta <= 1:
+            raise ValueError(f"{owner}: optimizer_kwargs['step'] of optimizer='natural' must be a number in (0, 1], "
+                             f"got {eta!r}.")
+        if fa._sharding is not None:
+            raise ValueError(f"{owner}: optimizer='natural' does not run sharded (process_group=...); use method "
+                             "'em' there.")
+        if fa.warmup < fa.rank:
+            raise ValueError(f"{owner}: warmup must be >= rank={fa.rank} for optimizer='natural', got {fa.warmup}: "
+                             "its first step from fewer vectors than factors is degenerate.")
+        fa._sga_eta = float(eta)
+        fa._sga_exact = fa.dim <= EXACT_RATIO * fa.rank
+        _NATURAL.init(fa, F0)
 
     def _repoint_optimizer(self, fa, fn) -> None:
         """Point the SGA optimizer at the current ``_F`` / ``_log_psi`` after :meth:`_apply`.
@@ -322,3 +368,5 @@ class OnlineSGA(Fitter):
         fa._sga_cap = cap
         fa._sga_cap_key = (F._version, lp._version, F.data_ptr(), lp.data_ptr(), F.dtype)
 
+
+_NATURAL = NaturalStep()
