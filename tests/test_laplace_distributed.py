@@ -1,5 +1,5 @@
-"""FactorLaplace(process_group=...) in 2 gloo processes on the CPU, each holding half the data, against one
-process holding all of it (the pattern of tests/test_distributed.py)."""
+"""FactorLaplace(process_group=...) in 2 gloo processes on the CPU, each holding half the data and its rows of
+the approximation, against one process holding all of it (the pattern of tests/test_distributed.py)."""
 import datetime
 import os
 import time
@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from pyro_fa.fa._sharding import shard_bounds
 from pyro_fa.laplace import FactorLaplace
 
 WORLD_SIZE = 2
@@ -32,6 +33,15 @@ def _batches(x, y, size=20):
     return [(x[i:i + size], y[i:i + size]) for i in range(0, len(x), size)]
 
 
+def _test_inputs():
+    return torch.randn(7, 3, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+
+def _probe(D):
+    """A whole weight vector at which log_prob is compared."""
+    return torch.linspace(-1, 1, D, dtype=torch.float64)
+
+
 def _entry(rank, world_size, init_file, out_dir):
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -44,8 +54,32 @@ def _entry(rank, world_size, init_file, out_dir):
         for fit in ("scatter", "online"):
             la = FactorLaplace(_net(), "classification", rank=3, curvature_fit=fit, chunk_size=1000,
                                process_group=dist.group.WORLD).fit(mine)
-            out[fit] = {k: v.clone() for k, v in la.state_dict().items()}
-            out[fit]["lml"] = la.log_marginal_likelihood().detach()
+            lo, hi = la._rows
+            res = {k: v.clone() for k, v in la.state_dict().items()}
+            res["lml"] = la.log_marginal_likelihood().detach()
+            res["lml_layers"] = la.log_marginal_likelihood(torch.tensor([0.5, 1.0, 2.0, 3.0])).detach()
+            pp = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+            res["grad_layers"] = torch.autograd.grad(la.log_marginal_likelihood(pp), pp)[0]
+            res["variance"] = la.posterior_variance.clone()
+            res["log_prob"] = la.posterior.log_prob(_probe(la.dim)[lo:hi]).detach()
+            res["entropy"] = la.posterior.entropy().detach()
+            res["glm"] = la.predict_proba(_test_inputs())
+            res["glm_mc"] = la.predict_proba(_test_inputs(), link_approx="mc", n_samples=50)
+            res["nn"] = la.predict_proba(_test_inputs(), pred_type="nn", n_samples=5)
+            res["draws"] = la.sample(4000, generator=torch.Generator().manual_seed(0))
+            # a saved shard loads back on its rank; another rank's place is refused
+            state = la.state_dict()
+            fresh = FactorLaplace(_net(), "classification", rank=3, process_group=dist.group.WORLD)
+            fresh.load_state_dict(state)
+            res["reloaded_lml"] = fresh.log_marginal_likelihood().detach()
+            wrong = {k: v.clone() for k, v in state.items()}
+            wrong["shard"][2] = 1 - rank
+            try:
+                fresh.load_state_dict(wrong)
+            except ValueError as exc:
+                res["wrong_shard"] = str(exc)
+            res["marglik_pp"] = la.optimize_prior_precision("marglik", n_steps=30)
+            out[fit] = res
         bad = FactorLaplace(_net(), "classification", rank=3, process_group=dist.group.WORLD)
         try:  # rank 1's labels are out of range: both ranks raise, neither hangs
             bad.fit([(X[:10], y[:10] + (5 if rank == 1 else 0))])
@@ -71,24 +105,75 @@ def results(tmp_path_factory):
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fit", ["scatter", "online"])
-def test_two_ranks_equal_one_process_on_all_the_data(results, fit):
+def _single(fit):
     X, y = _data()
     # one process fed the blocks in the order the ranks gather them: rank 0's batch i, then rank 1's
     r0, r1 = _batches(X[:40], y[:40]), _batches(X[40:], y[40:])
     joined = [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])) for a, b in zip(r0, r1)]
-    single = FactorLaplace(_net(), "classification", rank=3, curvature_fit=fit, chunk_size=1000).fit(joined)
-    for rank_state in results:
-        state = rank_state[fit]
+    return FactorLaplace(_net(), "classification", rank=3, curvature_fit=fit, chunk_size=1000).fit(joined)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fit", ["scatter", "online"])
+def test_two_ranks_equal_one_process_on_all_the_data(results, fit):
+    single = _single(fit)
+    D, K = single.dim, single.cov_factor.shape[1]
+    states = [r[fit] for r in results]
+    for r, state in enumerate(states):
+        lo, hi = shard_bounds(D, WORLD_SIZE, r)
+        assert [int(v) for v in state["shard"]] == [D, WORLD_SIZE, r, lo, hi]
         assert int(state["n_data"]) == 80
-        for key in ("loc", "loss"):
-            torch.testing.assert_close(state[key], single.state_dict()[key])
-        # the fitted curvature (F is identified up to rotation; summation order moves the EM's last digits)
-        ours = state["cov_factor"] @ state["cov_factor"].T + torch.diag(state["cov_diag"])
-        ref = single.cov_factor @ single.cov_factor.T + torch.diag(single.cov_diag)
-        assert float((ours - ref).norm() / ref.norm()) < 1e-5
+        torch.testing.assert_close(state["loc"], single.loc[lo:hi])
+        torch.testing.assert_close(state["loss"], single.loss)
         torch.testing.assert_close(state["lml"], single.log_marginal_likelihood().detach(), rtol=1e-5, atol=0)
+    # each rank holds its rows only: about 1 / world_size of the D x K factor
+    assert [s["cov_factor"].shape for s in states] == [(hi - lo, K) for lo, hi in
+                                                       (shard_bounds(D, WORLD_SIZE, r) for r in range(WORLD_SIZE))]
+    assert max(s["cov_factor"].numel() for s in states) <= -(-D // WORLD_SIZE) * K
+    # the fitted curvature from the gathered shards (F is identified up to rotation; summation order moves the
+    # EM's last digits)
+    F = torch.cat([s["cov_factor"] for s in states])
+    psi = torch.cat([s["cov_diag"] for s in states])
+    ours = F @ F.T + torch.diag(psi)
+    ref = single.cov_factor @ single.cov_factor.T + torch.diag(single.cov_diag)
+    assert float((ours - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fit", ["scatter", "online"])
+def test_sharded_posterior_equals_one_process(results, fit):
+    single = _single(fit)
+    D = single.dim
+    post = single.posterior
+    tol = dict(rtol=1e-5, atol=1e-9)
+    for r, res in enumerate(r[fit] for r in results):
+        lo, hi = shard_bounds(D, WORLD_SIZE, r)
+        torch.testing.assert_close(res["variance"], post.variance[lo:hi], **tol)
+        torch.testing.assert_close(res["log_prob"], post.log_prob(_probe(D)).detach(), **tol)
+        torch.testing.assert_close(res["entropy"], post.entropy().detach(), **tol)
+        torch.testing.assert_close(res["lml_layers"], single.log_marginal_likelihood(
+            torch.tensor([0.5, 1.0, 2.0, 3.0])).detach(), **tol)
+        pp = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+        torch.testing.assert_close(res["grad_layers"], torch.autograd.grad(single.log_marginal_likelihood(pp), pp)[0],
+                                   **tol)
+        torch.testing.assert_close(res["glm"], single.predict_proba(_test_inputs()), **tol)
+        torch.testing.assert_close(res["reloaded_lml"], res["lml"])
+        assert "must come from rank" in res["wrong_shard"]
+        # the draws: this rank's rows, with the posterior's mean and variances (4000 draws: 5 standard errors)
+        draws = res["draws"]
+        assert draws.shape == (4000, hi - lo)
+        se = (post.variance[lo:hi] / 4000).sqrt()
+        assert bool(((draws.mean(0) - single.loc[lo:hi]).abs() < 5 * se + 1e-12).all())
+        rel = draws.var(0) / post.variance[lo:hi]
+        assert bool(((rel - 1).abs() < 5 * (2 / 4000) ** 0.5).all())
+    # the prior precision chosen by the sharded marginal likelihood is the one process's
+    single.optimize_prior_precision("marglik", n_steps=30)
+    for res in (r[fit] for r in results):
+        torch.testing.assert_close(res["marglik_pp"], single.prior_precision, rtol=1e-5, atol=0)
+    # sampled predictives: the same on every rank (one draw of the whole vector), and probabilities
+    for key in ("glm_mc", "nn"):
+        torch.testing.assert_close(results[0][fit][key], results[1][fit][key])
+        torch.testing.assert_close(results[0][fit][key].sum(-1), torch.ones(7, dtype=torch.float64))
 
 
 @pytest.mark.slow

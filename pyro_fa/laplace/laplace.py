@@ -31,6 +31,8 @@ from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_networ
 from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
 from pyro_fa.laplace._prior import PriorPrecisionSelection, positive_int as _positive_int, show as _show
 from pyro_fa.laplace.posterior import LowRankPrecisionNormal
+from pyro_fa.laplace._sharded import (ShardedLowRankPrecisionNormal, all_reduce_sum, make_laplace_sharding,
+                                      replicated, sharded_glm_moments)
 from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_moments, probit_proba
 
 __all__ = ["FactorLaplace", "LIKELIHOODS"]
@@ -84,20 +86,25 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
     seed : int, default 0
         Seeds the sampled labels of ``"mc"`` and the factor-analysis initialisation.
     process_group : torch.distributed process group, optional
-        Data-parallel fit: every rank holds the same model and passes its own part of the data to
-        :meth:`fit`; the counts and losses are all-reduced and the curvature is fitted from all ranks'
-        vectors (``"scatter"``: the D x D sums all-reduced, equal to one process on all the data;
+        Data-parallel fit, sharded state: every rank holds the same model and passes its own part of the
+        data to :meth:`fit`; the counts and losses are all-reduced and the curvature is fitted from all
+        ranks' vectors (``"scatter"``: the D x D sums all-reduced, equal to one process on all the data;
         ``"online"``: sharded by coordinates over the ranks, as ``OnlineFactorAnalysis(process_group=...)``).
-        Every rank ends with the same approximation.
+        Rank r of W then holds only its rows ``[lo, hi)`` (:func:`~pyro_fa.fa._sharding.shard_bounds`, about
+        D/W) of :attr:`loc`, :attr:`cov_factor` and :attr:`cov_diag`, and its own :meth:`state_dict`; the
+        posterior is a :class:`~pyro_fa.laplace._sharded.ShardedLowRankPrecisionNormal` and every method
+        below is collective (all ranks call it with the same arguments): see :mod:`pyro_fa.laplace._sharded`.
 
     Attributes
     ----------
-    loc : Tensor of shape (D,)
-        :math:`\theta_*`.
-    cov_factor : Tensor of shape (D, K)
+    loc : Tensor of shape (D,), or (D_r,) when sharded
+        :math:`\theta_*` (this rank's rows when sharded, as the two below).
+    cov_factor : Tensor of shape (D, K) or (D_r, K)
         :math:`F` (curvature per example, :math:`\sigma = 1`).
-    cov_diag : Tensor of shape (D,)
+    cov_diag : Tensor of shape (D,) or (D_r,)
         :math:`\psi`, non-negative.
+    shard : Tensor of shape (5,), int64, only when sharded
+        ``(D, world_size, rank, lo, hi)``: which rows this rank holds (checked by :meth:`load_state_dict`).
     prior_precision : Tensor of shape (1,) or (L,)
     sigma_noise : Tensor of shape ()
     n_data : Tensor of shape (), int64
@@ -162,9 +169,14 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         D = sum(self._sizes)
         self.dim = D
         dd = dict(dtype=ref.dtype, device=ref.device)
-        self.register_buffer("loc", torch.zeros(D, **dd))
-        self.register_buffer("cov_factor", torch.zeros(D, min(self.rank, D), **dd))
-        self.register_buffer("cov_diag", torch.zeros(D, **dd))
+        self._sharding = None if process_group is None else make_laplace_sharding(process_group, D, name)
+        lo, hi = self._rows
+        self.register_buffer("loc", torch.zeros(hi - lo, **dd))
+        self.register_buffer("cov_factor", torch.zeros(hi - lo, min(self.rank, D), **dd))
+        self.register_buffer("cov_diag", torch.zeros(hi - lo, **dd))
+        if self._sharding is not None:
+            sh = self._sharding
+            self.register_buffer("shard", torch.tensor([D, sh.world_size, sh.rank, lo, hi], device=ref.device))
         self.register_buffer("prior_precision", self._check_prior_precision(prior_precision, ref))
         self.register_buffer("sigma_noise", self._check_sigma(sigma_noise, ref))
         self.register_buffer("n_data", torch.zeros((), dtype=torch.int64, device=ref.device))
@@ -173,6 +185,11 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         self._f = flat_network(model, named)
 
     # ------------------------------------------------------------------ checks
+    @property
+    def _rows(self):
+        """This rank's rows ``(lo, hi)`` of the weights; ``(0, D)`` without sharding."""
+        return (0, self.dim) if self._sharding is None else (self._sharding.lo, self._sharding.hi)
+
     @property
     def n_layers(self) -> int:
         """L, the number of parameter tensors in the subset."""
@@ -315,7 +332,8 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         if not bool(torch.isfinite(totals["loss"])):
             raise ValueError(f"{name}: the loss at the MAP must be finite, got {float(totals['loss'])!r}.")
         ratio = info["n_vectors"] / n_data  # F F^T + psi fits G / V: rescale to G / N
-        self._replace(loc=theta, cov_factor=F * ratio ** 0.5, cov_diag=psi * ratio, loss=totals["loss"],
+        lo, hi = self._rows
+        self._replace(loc=theta[lo:hi], cov_factor=F * ratio ** 0.5, cov_diag=psi * ratio, loss=totals["loss"],
                       n_data=torch.tensor(n_data), n_outputs=torch.tensor(totals["outputs"]))
         self.fit_info = info
         return self
@@ -329,9 +347,13 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
 
     # ------------------------------------------------------------------ the posterior
     def _prior_diag(self, prior_precision: Tensor) -> Tensor:
+        """The prior precision of each of this rank's weights, shape (D,) or (D_r,) (differentiable)."""
+        lo, hi = self._rows
         if prior_precision.numel() == 1:
-            return prior_precision.reshape(()).expand(self.dim)
-        return torch.repeat_interleave(prior_precision, torch.tensor(self._sizes, device=prior_precision.device))
+            return prior_precision.reshape(()).expand(hi - lo)
+        bounds = torch.tensor([0] + self._sizes, device=prior_precision.device).cumsum(0)
+        counts = (bounds[1:].clamp(lo, hi) - bounds[:-1].clamp(lo, hi))  # each tensor's weights in [lo, hi)
+        return torch.repeat_interleave(prior_precision, counts)
 
     def _resolve(self, prior_precision, sigma_noise):
         """The hyperparameters to use, checked (shape, positive, finite) even when they carry a graph."""
@@ -346,10 +368,12 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         prec_diag = self._prior_diag(pp) + scale * self.cov_diag
         prec_factor = self.cov_factor * scale.sqrt()
         # its own storage: neither a later fit() nor an in-place change of the posterior reaches the other
+        if self._sharding is not None:
+            return ShardedLowRankPrecisionNormal(self.loc.clone(), prec_factor, prec_diag, self._sharding)
         return LowRankPrecisionNormal(self.loc.clone(), prec_factor, prec_diag)
 
     @property
-    def posterior(self) -> LowRankPrecisionNormal:
+    def posterior(self) -> Union[LowRankPrecisionNormal, ShardedLowRankPrecisionNormal]:
         r"""The Laplace approximation :math:`N(\theta_*, P^{-1})` at the current prior precision and noise.
 
         A snapshot: its tensors share no storage with this object's buffers, so a later :meth:`fit`,
@@ -360,12 +384,17 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
 
     @property
     def posterior_variance(self) -> Tensor:
-        """Marginal variances of the weights, shape (D,)."""
+        """Marginal variances of the weights, shape (D,) (this rank's (D_r,) when sharded; collective)."""
         return self.posterior.variance
 
     def sample(self, n_samples: int = 100, generator: Optional[torch.Generator] = None) -> Tensor:
-        """Weight vectors drawn from the Laplace approximation, shape (n_samples, D); ``generator`` on any device."""
+        """Weight vectors drawn from the Laplace approximation, shape (n_samples, D); ``generator`` on any device.
+
+        Sharded: this rank's rows of the draws, (n_samples, D_r), one draw of the whole vector over the ranks
+        (collective; ``generator`` is rank 0's)."""
         _positive_int(type(self).__name__, "n_samples", n_samples)
+        if self._sharding is not None:
+            return self.posterior.rsample((n_samples,), generator=generator)
         if generator is not None:
             with torch.random.fork_rng(devices=[self.loc.device] if self.loc.is_cuda else []):
                 torch.manual_seed(int(torch.randint(2 ** 62, (), generator=generator, device=generator.device)))
@@ -407,22 +436,31 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         """
         self._check_fitted("log_marginal_likelihood()")
         pp, sg = self._resolve(prior_precision, sigma_noise)
+        log_lik = self.log_likelihood(sg)
+        if self._sharding is not None:  # they enter this rank's partial sums: their gradients summed over ranks
+            pp, sg = replicated(pp, self._sharding), replicated(sg, self._sharding)
         delta = self._prior_diag(pp)
         post = self._posterior(pp, sg)
-        log_det_ratio = post.log_det_precision() - delta.log().sum()
-        scatter = (delta * self.loc.pow(2)).sum()
-        return self.log_likelihood(sg) - 0.5 * (log_det_ratio + scatter)
+        sums = torch.stack([delta.log().sum(), (delta * self.loc.pow(2)).sum()])
+        if self._sharding is not None:  # this rank's weights: the sums over D all-reduced
+            sums = all_reduce_sum(sums, self._sharding)
+        log_det_ratio = post.log_det_precision() - sums[0]
+        return log_lik - 0.5 * (log_det_ratio + sums[1])
 
     # ------------------------------------------------------------------ predictives
     def _glm_moments(self, x: Tensor):
         post = self.posterior
+        if self._sharding is not None:
+            # the whole linearisation point (D numbers, gathered) and each rank's rows of the posterior
+            return sharded_glm_moments(self._f, self._sharding.all_gather(self.loc), x, post, self.chunk_size)
         return linearized_moments(self.model, self.loc, x, cov_diag=post.cov_diag, cov_factor=post.cov_factor,
                                   factor_sign=-1.0, chunk_size=self.chunk_size, params=self._params)
 
     def _sampled_outputs(self, x: Tensor, n_samples: int) -> Tensor:
         thetas = self.posterior.rsample((n_samples,))
-        with torch.no_grad():
-            outs = [self._f(t, x) for t in thetas]
+        with torch.no_grad():  # sharded: one whole weight vector at a time gathered from the ranks' rows
+            gather = (lambda t: t) if self._sharding is None else self._sharding.all_gather
+            outs = [self._f(gather(t), x) for t in thetas]
         outs = torch.stack(outs)
         return outs.unsqueeze(-1) if outs.dim() == 2 else outs  # (S, N, C)
 
@@ -465,7 +503,10 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         chol = torch.linalg.cholesky(cov + 1e-10 * cov.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-30)[:, None, None] * eye)
         z = mean + (torch.randn((n_samples,) + mean.shape, dtype=mean.dtype, device=mean.device).unsqueeze(-2)
                     @ chol.transpose(-1, -2)).squeeze(-2)
-        return self._link(z).mean(0)
+        probs = self._link(z).mean(0)
+        if self._sharding is not None:  # rank 0's draws: every rank returns the same probabilities
+            probs = self._sharding.broadcast(probs.to(torch.float64).to(self._sharding.device)).to(mean)
+        return probs
 
     @staticmethod
     def _link(z: Tensor) -> Tensor:
@@ -512,6 +553,13 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         """
         check_state_dict(self, state_dict, strict)
         name = type(self).__name__
+        if self._sharding is not None and "shard" in state_dict:
+            saved, mine = [int(v) for v in state_dict["shard"]], [int(v) for v in self.shard]
+            if saved != mine:
+                raise ValueError(f"{name}: state_dict must come from rank {mine[2]} of world size {mine[1]} holding "
+                                 f"rows [{mine[3]}, {mine[4]}) of D={mine[0]}, like this one, got rank {saved[2]} "
+                                 f"of {saved[1]} holding [{saved[3]}, {saved[4]}) of D={saved[0]}; nothing was "
+                                 "loaded. Save and load each rank's own state_dict.")
         for key, what in (("prior_precision", "positive"), ("sigma_noise", "positive"), ("cov_diag", "non-negative"),
                           ("n_data", "non-negative")):
             v = state_dict.get(key)
@@ -525,4 +573,4 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
 
     def extra_repr(self) -> str:
         return (f"likelihood={self.likelihood!r}, dim={self.dim}, rank={self.rank}, curvature={self.curvature!r}, "
-                f"curvature_fit={self.curvature_fit!r}")
+                f"curvature_fit={self.curvature_fit!r}" + (f", rows={self._rows}" if self._sharding else ""))

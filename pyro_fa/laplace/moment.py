@@ -152,15 +152,17 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
         collective), so the fit equals a single process's on the concatenated vectors. ``"online"``: each block
         of vectors is all-gathered and each rank feeds its coordinates :math:`[lo, hi)` of it to
         :class:`~pyro_fa.fa.online.OnlineFactorAnalysis` ``(process_group=...)``, sharded by coordinates
-        (the fitter's state is :math:`O(DK/W)` per rank); the shards of :math:`F` and :math:`\psi` are
-        gathered at the end.
+        (the fitter's state is :math:`O(DK/W)` per rank). Either way each rank returns only its rows
+        :math:`[lo, hi)` of :math:`F` and :math:`\psi` (:func:`~pyro_fa.fa._sharding.shard_bounds`), never
+        the whole factor.
 
     Returns
     -------
-    cov_factor : Tensor of shape (D, K)
-    cov_diag : Tensor of shape (D,), non-negative
+    cov_factor : Tensor of shape (D, K), or this rank's rows (D_r, K) with a ``process_group``
+    cov_diag : Tensor of shape (D,) or (D_r,), non-negative
     info : dict
-        ``method``, ``n_vectors``, and for the batch fit ``n_iter`` and ``converged``.
+        ``method``, ``n_vectors``, ``rows`` (this rank's ``(lo, hi)``; ``(0, D)`` without a group), and for the
+        batch fit ``n_iter`` and ``converged``.
 
     Notes
     -----
@@ -186,19 +188,21 @@ def _fit_scatter(passes, dim, rank, *, method, num_passes, tol, max_iter, seed, 
     G, n_vec = _scatter(passes, dim, dtype, device, owner, process_group)
     _check_count(n_vec, owner)
     S = G / max(n_vec, 1)
+    lo, hi = _rows(dim, process_group)
     if rank >= dim:
         lam, U = torch.linalg.eigh(S)
         F = U * lam.clamp_min(0).sqrt()
-        return F.to(dtype), torch.zeros(dim, dtype=dtype, device=device), {
-            "method": "exact", "n_vectors": n_vec, "n_iter": 0, "converged": True}
+        return F[lo:hi].to(dtype), torch.zeros(hi - lo, dtype=dtype, device=device), {
+            "method": "exact", "n_vectors": n_vec, "n_iter": 0, "converged": True, "rows": (lo, hi)}
     generator = torch.Generator(device=S.device).manual_seed(seed)
     result = em_from_covariance(S, rank, n_vec, tol=tol, max_iter=max_iter, method="svd",
                                 svd_method="randomized", generator=generator)
     if not result.converged:
         warnings.warn(f"{owner}: the factor analysis of the curvature did not converge in max_iter={max_iter} "
                       f"iterations (tol={tol}); the fit is the last iterate.", ConvergenceWarning, stacklevel=4)
-    return result.cov_factor.to(dtype), result.cov_diag.to(dtype), {
-        "method": "scatter", "n_vectors": n_vec, "n_iter": result.n_iter, "converged": result.converged}
+    return result.cov_factor[lo:hi].to(dtype), result.cov_diag[lo:hi].to(dtype), {
+        "method": "scatter", "n_vectors": n_vec, "n_iter": result.n_iter, "converged": result.converged,
+        "rows": (lo, hi)}
 
 
 def _fit_streamed(passes, dim, rank, *, method, num_passes, tol, max_iter, seed, dtype, device, owner,
@@ -210,13 +214,7 @@ def _fit_streamed(passes, dim, rank, *, method, num_passes, tol, max_iter, seed,
                          "curvature_fit='scatter' for a full-rank curvature.")
     fa = OnlineFactorAnalysis(dim, rank, method="em" if method == "online" else "sketch", seed=seed, dtype=dtype,
                               device=device, process_group=process_group)
-    lo, hi = (0, dim)
-    if process_group is not None:  # the default layout of OnlineFactorAnalysis(process_group=...)
-        import torch.distributed as dist
-
-        from pyro_fa.distributed import shard_bounds
-
-        lo, hi = shard_bounds(dim, dist.get_world_size(process_group), dist.get_rank(process_group))
+    lo, hi = _rows(dim, process_group)
     n_vec = 0
     for _ in range(num_passes):
         n_vec = 0
@@ -231,10 +229,8 @@ def _fit_streamed(passes, dim, rank, *, method, num_passes, tol, max_iter, seed,
                 fa.update(torch.cat([block, -block]))
             n_vec += V.shape[0]
     _check_count(n_vec, owner)
-    F, psi = fa.cov_factor.detach().clone(), fa.cov_diag.detach().clone()
-    if process_group is not None:
-        F, psi = _gather_rows(F, psi, dim, process_group)
-    return F, psi, {"method": method, "n_vectors": n_vec, "passes": num_passes}
+    F, psi = fa.cov_factor.detach().clone(), fa.cov_diag.detach().clone()  # this rank's rows with a group
+    return F, psi, {"method": method, "n_vectors": n_vec, "passes": num_passes, "rows": (lo, hi)}
 
 
 #: name -> fit (``"auto"`` resolves to one of them by the dimension); every fit takes the same keywords
@@ -245,20 +241,12 @@ _FITS: Dict[str, Callable[..., Tuple[Tensor, Tensor, dict]]] = {
 }
 
 
-def _gather_rows(F: Tensor, psi: Tensor, dim: int, group) -> Tuple[Tensor, Tensor]:
-    """The whole (D, K) factor and (D,) noise from every rank's rows, in rank order."""
+def _rows(dim: int, group) -> Tuple[int, int]:
+    """This rank's rows ``[lo, hi)``: the default layout of ``OnlineFactorAnalysis(process_group=...)``."""
+    if group is None:
+        return 0, dim
     import torch.distributed as dist
 
-    W = dist.get_world_size(group)
-    local = torch.cat([F, psi.unsqueeze(-1)], -1)
-    rows = torch.tensor([float(local.shape[0])], device=local.device)
-    counts = [torch.zeros_like(rows) for _ in range(W)]
-    dist.all_gather(counts, rows, group=group)
-    counts = [int(c) for c in counts]
-    padded = local.new_zeros(max(counts), local.shape[1])
-    padded[:local.shape[0]] = local
-    parts = [torch.empty_like(padded) for _ in range(W)]
-    dist.all_gather(parts, padded, group=group)
-    whole = torch.cat([p[:n] for p, n in zip(parts, counts)])
-    assert whole.shape[0] == dim
-    return whole[:, :-1].contiguous(), whole[:, -1].contiguous()
+    from pyro_fa.fa._sharding import shard_bounds
+
+    return shard_bounds(dim, dist.get_world_size(group), dist.get_rank(group))
