@@ -194,6 +194,26 @@ def test_merge_runs_equals_one_run_over_the_seeds(tmp_path):
         classify.merge_runs([tmp_path / "s0", tmp_path / "both"], tmp_path / "bad")
     with pytest.raises(SystemExit, match="without results.json"):
         classify.merge_runs([tmp_path / "nothing"], tmp_path / "bad")
+    # rows rerun for some seeds replace the rows of the same name there; a new row must cover every seed
+    import shutil
+
+    shutil.copytree(tmp_path / "s1", tmp_path / "rerun")
+    rerun = json.loads((tmp_path / "rerun" / "results.json").read_text())
+    row = rerun["combos"]["digits-mlp"]["methods"]["swag-em"]
+    row["per_seed"]["nll"] = [2 * v for v in row["per_seed"]["nll"]]
+    (tmp_path / "rerun" / "results.json").write_text(json.dumps(rerun))
+    replaced = classify.merge_runs([tmp_path / "s0", tmp_path / "s1"], tmp_path / "replaced",
+                                   rows_from=[tmp_path / "rerun"])["combos"]["digits-mlp"]["methods"]
+    assert replaced["swag-em"]["per_seed"]["nll"] == pytest.approx(
+        [a["swag-em"]["per_seed"]["nll"][0], 2 * a["swag-em"]["per_seed"]["nll"][1]], abs=1e-12)
+    assert replaced["map"]["per_seed"]["nll"] == pytest.approx(a["map"]["per_seed"]["nll"], abs=1e-12)
+    assert replaced["swag-em"]["mean"]["nll"] == pytest.approx(np.mean(replaced["swag-em"]["per_seed"]["nll"]))
+    rerun["combos"]["digits-mlp"]["methods"] = {"swa": row}
+    (tmp_path / "rerun" / "results.json").write_text(json.dumps(rerun))
+    with pytest.raises(SystemExit, match=r"adds the row 'swa' of digits-mlp for seed\(s\) \[1\] only"):
+        classify.merge_runs([tmp_path / "s0", tmp_path / "s1"], tmp_path / "bad", rows_from=[tmp_path / "rerun"])
+    with pytest.raises(SystemExit, match=r"holds seed\(s\) \[1\] of digits-mlp, which the merged runs do not"):
+        classify.merge_runs([tmp_path / "s0"], tmp_path / "bad", rows_from=[tmp_path / "rerun"])
 
 
 def test_classify_command_bad_input(tmp_path):
@@ -207,6 +227,8 @@ def test_classify_command_bad_input(tmp_path):
         cli.main(["classify", "--seeds", "0", "--output-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="no dataset"):
         cli.main(["classify", "--datasets", "digits", "--networks", "cnn", "--output-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--rows-from needs --merge"):
+        cli.main(["classify", "--rows-from", str(tmp_path), "--output-dir", str(tmp_path / "x")])
 
 
 def _combo(per_method, ood=("x",)):

@@ -76,6 +76,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                         help="train nothing: merge the results of earlier runs (e.g. one seed or one dataset each, "
                              "run side by side) into one report in --output-dir")
+    parser.add_argument("--rows-from", nargs="+", default=(), metavar="DIR",
+                        help="with --merge: runs whose rows replace (or join) the rows of the same name in the same "
+                             "seeds of the merged runs (a few rows rerun after a change)")
 
 
 def _budget(args) -> Budget:
@@ -244,12 +247,58 @@ def _missing_packages(datasets: Sequence[str], methods: Sequence[str], explicit:
     return missing
 
 
-def merge_runs(dirs: Sequence, output_dir) -> dict:
+def _read_runs(dirs: Sequence) -> list:
+    runs = []
+    for d in dirs:
+        path = Path(d) / "results.json"
+        if not path.is_file():
+            raise SystemExit(f"pyro-fa classify: --merge needs folders written by pyro-fa classify, got {str(d)!r} "
+                             "without results.json.")
+        runs.append((json.loads(path.read_text()), Path(d)))
+    return runs
+
+
+def _replace_rows(result: dict, folder: Path, combos: dict, seeds_of: dict, probs0: dict) -> None:
+    """Put the rows of one ``rows_from`` run into the merged seeds (see :func:`merge_runs`)."""
+    saved = torch.load(folder / "predictions.pt") if (folder / "predictions.pt").is_file() else None
+    for key, combo in result["combos"].items():
+        merged = seeds_of.get(key, [])
+        missing = sorted(set(result["seeds"]) - set(merged))
+        if missing:
+            raise SystemExit(f"pyro-fa classify: --rows-from {folder} holds seed(s) {missing} of {key}, which the "
+                             f"merged runs do not (they hold {sorted(merged)}).")
+        at = [merged.index(s) for s in result["seeds"]]
+        for name, m in combo["methods"].items():
+            into = combos[key]["methods"].get(name)
+            if into is None:
+                if sorted(result["seeds"]) != sorted(merged):
+                    raise SystemExit(f"pyro-fa classify: --rows-from {folder} adds the row {name!r} of {key} for seed(s) "
+                                     f"{sorted(result['seeds'])} only; a new row needs every merged seed, "
+                                     f"{sorted(merged)}.")
+                into = combos[key]["methods"][name] = {"per_seed": {k: [None] * len(merged) for k in m["per_seed"]},
+                                                       "seconds": [None] * len(merged),
+                                                       "extra": [None] * len(merged)}
+            for j, i in enumerate(at):
+                for k, v in m["per_seed"].items():
+                    into["per_seed"].setdefault(k, [None] * len(merged))[i] = v[j]
+                into["seconds"][i] = m["seconds"][j]
+                into["extra"][i] = m["extra"][j]
+        if saved is not None and key in saved["probs"] and merged and merged[0] in result["seeds"] \
+                and min(result["seeds"]) == merged[0]:
+            probs0.setdefault(key, {}).update(saved["probs"][key])
+
+
+def merge_runs(dirs: Sequence, output_dir, rows_from: Sequence = ()) -> dict:
     """Merge the ``results.json`` / ``predictions.pt`` of earlier runs into one report in ``output_dir``.
 
     The runs may hold different seeds of a dataset × network (their per-seed values are concatenated, in
     order of seed) or different datasets; the bars and figures are recomputed over the merged seeds. The
     figures of the first seed come from the run holding the smallest seed. All runs must share one budget.
+
+    ``rows_from``: runs of the same budget whose rows go into the same seeds of the merged runs, replacing
+    rows of the same name (a few rows rerun after a change, e.g. ``--methods swa swag-em``, without
+    rerunning the rest). Every seed they hold must be among the merged runs', and a row they add must
+    cover every merged seed of its dataset × network.
 
     Returns
     -------
@@ -259,19 +308,15 @@ def merge_runs(dirs: Sequence, output_dir) -> dict:
     Raises
     ------
     SystemExit
-        When a folder holds no results, the budgets differ, or a seed of a dataset × network appears twice.
+        When a folder holds no results, the budgets differ, a seed of a dataset × network appears twice, or
+        a run of ``rows_from`` holds a seed not merged or adds a row for only some seeds.
     """
     from pyro_fa.experiments.classify import report as rep
 
-    runs = []
-    for d in dirs:
-        path = Path(d) / "results.json"
-        if not path.is_file():
-            raise SystemExit(f"pyro-fa classify: --merge needs folders written by pyro-fa classify, got {str(d)!r} "
-                             "without results.json.")
-        runs.append((json.loads(path.read_text()), Path(d)))
+    runs = _read_runs(dirs)
+    extra_runs = _read_runs(rows_from)
     runs.sort(key=lambda r: min(r[0]["seeds"]))
-    budgets = {json.dumps(r["budget"], sort_keys=True) for r, _ in runs}
+    budgets = {json.dumps(r["budget"], sort_keys=True) for r, _ in runs + extra_runs}
     if len(budgets) > 1:
         raise SystemExit(f"pyro-fa classify: --merge needs runs of one budget, got {len(budgets)} different ones.")
     combos: Dict[str, dict] = {}
@@ -296,6 +341,8 @@ def merge_runs(dirs: Sequence, output_dir) -> dict:
                     into["per_seed"].setdefault(k, []).extend(v)
                 into["seconds"].extend(m["seconds"])
                 into["extra"].extend(m["extra"])
+    for result, folder in extra_runs:
+        _replace_rows(result, folder, combos, seeds_of, probs0)
     for combo in combos.values():
         for m in combo["methods"].values():
             m["mean"] = {k: mean_se(v)[0] for k, v in m["per_seed"].items()}
@@ -309,9 +356,11 @@ def merge_runs(dirs: Sequence, output_dir) -> dict:
 
 
 def run(args) -> int:
+    if args.rows_from and not args.merge:
+        raise SystemExit("pyro-fa classify: --rows-from needs --merge (the runs whose rows it replaces).")
     if args.merge:
         with OutputFolder(args.output_dir, "pyro-fa classify"):
-            result = merge_runs(args.merge, args.output_dir)
+            result = merge_runs(args.merge, args.output_dir, rows_from=args.rows_from)
         from pyro_fa.experiments.classify import report as rep
 
         print(rep.bar_summary(result["bar"]))
