@@ -210,7 +210,7 @@ def test_merge_runs_equals_one_run_over_the_seeds(tmp_path):
     assert replaced["swag-em"]["mean"]["nll"] == pytest.approx(np.mean(replaced["swag-em"]["per_seed"]["nll"]))
     rerun["combos"]["digits-mlp"]["methods"] = {"swa": row}
     (tmp_path / "rerun" / "results.json").write_text(json.dumps(rerun))
-    with pytest.raises(SystemExit, match=r"adds the row 'swa' of digits-mlp for seed\(s\) \[1\] only"):
+    with pytest.raises(SystemExit, match=r"the row 'swa' of digits-mlp added by --rows-from lacks seed\(s\) \[0\]"):
         classify.merge_runs([tmp_path / "s0", tmp_path / "s1"], tmp_path / "bad", rows_from=[tmp_path / "rerun"])
     with pytest.raises(SystemExit, match=r"holds seed\(s\) \[1\] of digits-mlp, which the merged runs do not"):
         classify.merge_runs([tmp_path / "s0"], tmp_path / "bad", rows_from=[tmp_path / "rerun"])

@@ -270,11 +270,7 @@ def _replace_rows(result: dict, folder: Path, combos: dict, seeds_of: dict, prob
         at = [merged.index(s) for s in result["seeds"]]
         for name, m in combo["methods"].items():
             into = combos[key]["methods"].get(name)
-            if into is None:
-                if sorted(result["seeds"]) != sorted(merged):
-                    raise SystemExit(f"pyro-fa classify: --rows-from {folder} adds the row {name!r} of {key} for seed(s) "
-                                     f"{sorted(result['seeds'])} only; a new row needs every merged seed, "
-                                     f"{sorted(merged)}.")
+            if into is None:  # a new row: the other seeds must come from other rows_from runs
                 into = combos[key]["methods"][name] = {"per_seed": {k: [None] * len(merged) for k in m["per_seed"]},
                                                        "seconds": [None] * len(merged),
                                                        "extra": [None] * len(merged)}
@@ -298,7 +294,7 @@ def merge_runs(dirs: Sequence, output_dir, rows_from: Sequence = ()) -> dict:
     ``rows_from``: runs of the same budget whose rows go into the same seeds of the merged runs, replacing
     rows of the same name (a few rows rerun after a change, e.g. ``--methods swa swag-em``, without
     rerunning the rest). Every seed they hold must be among the merged runs', and a row they add must
-    cover every merged seed of its dataset × network.
+    cover every merged seed of its dataset × network (from one or several of them).
 
     Returns
     -------
@@ -343,6 +339,12 @@ def merge_runs(dirs: Sequence, output_dir, rows_from: Sequence = ()) -> dict:
                 into["extra"].extend(m["extra"])
     for result, folder in extra_runs:
         _replace_rows(result, folder, combos, seeds_of, probs0)
+    for key, combo in combos.items():
+        for name, m in combo["methods"].items():
+            lack = [seeds_of[key][i] for i, v in enumerate(m["seconds"]) if v is None]
+            if lack:
+                raise SystemExit(f"pyro-fa classify: the row {name!r} of {key} added by --rows-from lacks seed(s) "
+                                 f"{lack}; a new row needs every merged seed, {sorted(seeds_of[key])}.")
     for combo in combos.values():
         for m in combo["methods"].values():
             m["mean"] = {k: mean_se(v)[0] for k, v in m["per_seed"].items()}
