@@ -10,6 +10,7 @@ compression each) and its refit, done once when the posterior is read, is timed 
 
     python benchmarks/bench_online_em.py            # D = 10^6, K = 20
     python benchmarks/bench_online_em.py --dim 100000 --repeats 20
+    python benchmarks/bench_online_em.py --methods sga   # online SGA's steps only
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def main(argv=None):
     p.add_argument("--rank", type=int, default=20)
     p.add_argument("--repeats", type=int, default=30, help="a multiple of 10 (default 30)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: stable on a shared machine)")
+    p.add_argument("--methods", nargs="+", choices=("em", "sga", "sketch"), help="only these methods (default all)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     D, K = args.dim, args.rank
@@ -77,9 +79,16 @@ def main(argv=None):
         ("em", {}),
         ("em", {"expand": False}),
         ("sga", {}),
+        # SGA's natural-gradient step (EM-preconditioned), every m_step_every-th update (10th here) and every update
+        ("sga", {"optimizer": "natural"}),
+        ("sga", {"optimizer": "natural", "optimizer_kwargs": {"step": 0.5}}),
+        ("sga", {"optimizer": "natural", "m_step_every": 1}),
+        ("sga", {"optimizer": "natural", "optimizer_kwargs": {"step": 0.5}, "m_step_every": 1}),
         ("sketch", {}),
     )
     for method, kwargs in configs:
+        if args.methods and method not in args.methods:
+            continue
         _reset_peak()
         base = _rss_peak_kib()
         fa = OnlineFactorAnalysis(D, K, method=method, warmup=K, seed=0, dtype=torch.float32, **kwargs)

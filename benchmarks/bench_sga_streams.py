@@ -11,6 +11,9 @@ stream's dtype, one vector at a time, so that a variant can be judged before it 
 
 - ``sga lr=...``: ``SWAG(..., method="sga", lr=...)`` (the library's fused Adam on the gradient of one
   vector's log-likelihood, eqs. 4.24-4.26 of Brownlie 2021, in standardised coordinates, Polyak average);
+- ``sga natural step=...``: ``SWAG(..., method="sga", optimizer="natural", optimizer_kwargs={"step": ...})``,
+  the library's EM-preconditioned gradient step on the log-likelihood of the running moments
+  (:mod:`pyro_fa.fa.fitters.sga_natural`; the exact scatter where :math:`D \\le 3K`, the linear model);
 - ``natural SA``: one natural-gradient (EM-preconditioned) step per vector in parameter space,
   :math:`F \\leftarrow F + \\gamma_t (d m^\\top - F\\,E[hh^\\top])\\bar H^{-1}`, :math:`\\gamma_t = a/(t+a-1)`,
   :math:`\\psi` moment-matched to the exact running variances;
@@ -19,10 +22,13 @@ stream's dtype, one vector at a time, so that a variant can be judged before it 
   :math:`\\bar A` (each vector seen through the factor of its time);
 - ``EM start + moments Adam``: the same after ``em_phase`` vectors of online EM (a warm start);
 - ``moments, EM step eta``: the EM-preconditioned step :math:`F \\leftarrow F + \\eta(F_{EM} - F)` on the
-  same statistic; :math:`\\eta = 1` is online EM itself (step 1/t, the SWAG default).
+  same statistic, with :math:`F_{EM}` the expanded factor :math:`\\bar A L^{-\\top}` (in the *new* latent
+  coordinates) and the statistics left in the old ones for :math:`\\eta < 1`: a mismatch of coordinates
+  that the library's step corrects; :math:`\\eta = 1` is online EM itself (step 1/t, the SWAG default).
 
     python benchmarks/bench_sga_streams.py --quick      # linear T=480, MLP T=300/1000, yacht T=1000
     python benchmarks/bench_sga_streams.py              # all streams of bench_swag_streams.py
+    python benchmarks/bench_sga_streams.py --variants "lib sga natural step=1" "lib sga natural step=0.5"
 """
 from __future__ import annotations
 
@@ -149,6 +155,13 @@ def _lib(lr: float) -> Callable[[Stream], Tuple[np.ndarray, np.ndarray]]:
     return fit
 
 
+def _lib_natural(step: float) -> Callable[[Stream], Tuple[np.ndarray, np.ndarray]]:
+    def fit(stream):
+        swag = feed(stream, "sga", optimizer="natural", optimizer_kwargs={"step": step})
+        return swag.cov_factor.double().numpy(), swag.cov_diag.double().numpy()
+    return fit
+
+
 def _ref(fn, **kw) -> Callable[[Stream], Tuple[np.ndarray, np.ndarray]]:
     def fit(stream):
         F, psi = fn(torch.from_numpy(stream.iterates).to(stream.dtype), stream.rank, **kw)
@@ -160,6 +173,9 @@ VARIANTS: Dict[str, Callable] = {
     "lib sga lr=1e-3 (SWAG default)": _lib(1e-3),
     "lib sga lr=1e-2": _lib(1e-2),
     "lib sga lr=3e-2": _lib(3e-2),
+    "lib sga natural step=1": _lib_natural(1.0),
+    "lib sga natural step=0.8": _lib_natural(0.8),
+    "lib sga natural step=0.5": _lib_natural(0.5),
     "natural SA (a=2)": _ref(natural_sa),
     "moments + Adam 1e-2": _ref(moments_ascent, step="adam", lr=1e-2),
     "EM start 300 + moments Adam 1e-3": _ref(moments_ascent, step="adam", lr=1e-3, em_phase=300),

@@ -76,7 +76,7 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
         SGA needs long streams. On SGD iterates (a few hundred to a few thousand
         vectors) one Adam step per vector cannot follow the equally weighted
         moments of a drifting trajectory, and its covariance stays far from batch
-        FA's. Use ``method="em"`` there, which is much closer to batch FA on the
+        FA's. Use ``optimizer="natural"`` or ``method="em"`` there, which are much closer to batch FA on the
         same streams (measured on recorded SGD iterates in the project's SWAG-stream benchmark).
 
     Parameters
@@ -101,9 +101,10 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
         steps, moves the factor too little to leave its start: on stationary synthetic FA streams
         (D = 10-100) it stays at a covariance error of 0.5-0.7 where 1e-2 reaches 1.8-3.3 times
         scikit-learn's batch error (``docs/benchmarks.md``, "Online SGA").
-    optimizer : type or callable, optional
+    optimizer : type, callable or "natural", optional
         For SGA: a ``torch.optim.Optimizer`` class, or a callable taking the
-        parameter list and returning an optimizer. Default ``torch.optim.Adam``.
+        parameter list and returning an optimizer. Default ``torch.optim.Adam``. ``"natural"``: the
+        EM-preconditioned gradient step of :mod:`pyro_fa.fa.fitters.sga_natural` (size ``optimizer_kwargs["step"]``).
     optimizer_kwargs : dict, optional
         Extra keyword arguments for ``optimizer`` (besides ``lr``).
     step_scale : float, default 2.0

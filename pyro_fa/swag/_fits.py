@@ -31,8 +31,9 @@ __all__ = ["IterateFit", "OnlineFit"]
 
 # the caveat a method's fit warns with when a SWAG is built with it
 _CAVEATS = {
-    "sga": "method 'sga' (online stochastic gradient ascent) is far from batch factor analysis on a few hundred "
-           "to a few thousand collected iterates; method 'em' is much closer. See help(SWAG).",
+    "sga": "method 'sga' (online stochastic gradient ascent) with its default Adam step is far from batch factor "
+           "analysis on a few hundred to a few thousand collected iterates; optimizer='natural' (the "
+           "EM-preconditioned step) or method 'em' is much closer. See help(SWAG).",
 }
 
 
@@ -42,7 +43,7 @@ class IterateFit:
     def __init__(self, method: str):
         self.method = method
 
-    def check(self, owner: str, *, rank: int, warmup: int) -> None:
+    def check(self, owner: str, *, rank: int, warmup: int, optimizer=None) -> None:
         """Refuse options this fit cannot work with (raise ``ValueError``), warn about its caveats."""
 
     def setup(self, swag, dim: int, rows: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -97,10 +98,10 @@ class IterateFit:
 class OnlineFit(IterateFit):
     """Online factor analysis of the collected vectors: ``swag.fa``, an :class:`~pyro_fa.OnlineFactorAnalysis`."""
 
-    def check(self, owner: str, *, rank: int, warmup: int) -> None:
+    def check(self, owner: str, *, rank: int, warmup: int, optimizer=None) -> None:
         FITTERS[self.method]().check(owner, rank=rank, warmup=warmup)
         caveat = _CAVEATS.get(self.method)
-        if caveat is not None:
+        if caveat is not None and optimizer != "natural":  # SGA's natural step is within 1.5x of batch FA
             warnings.warn(f"{owner}: {caveat}", UserWarning, stacklevel=3)
 
     def setup(self, swag, dim: int, rows: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -65,19 +65,18 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
 
     .. warning::
 
-        ``method="sga"`` is far from batch factor analysis at SWAG's stream lengths
-        (a few hundred to a few thousand collected vectors; it warns when
-        constructed). ``method="em"`` is much closer to batch FA on the same
-        streams; prefer it (measured in the project's SWAG-stream benchmark).
-        Measured limits (the project's SGA-stream benchmark, covariance error as a
-        multiple of batch FA's): 38-514 on the MLP and yacht streams at the default
-        ``lr=1e-3``, 26-2873 at 1e-2 and more at larger rates (a diagonal alone:
-        39-623), 1.9-3.1 on the linear model;
-        no gradient variant tried (a natural-gradient step per vector, Adam on the
-        likelihood of the running moments, an online-EM warm start) reached the
-        bar of 1.5: a step of size :math:`\gamma_t \propto 1/t` in the parameters
-        performs about :math:`\sum_t\gamma_t \approx \log T` EM iterations'
-        worth of progress, where online EM's statistics take a full step per vector.
+        ``method="sga"`` with its default Adam step is far from batch factor analysis
+        at SWAG's stream lengths (a few hundred to a few thousand collected vectors;
+        it warns when constructed): 38-514 times batch FA's covariance error on the
+        MLP and yacht streams of the project's SGA-stream benchmark at the default
+        ``lr=1e-3``, 26-2873 at 1e-2 (a diagonal alone: 39-623), 1.9-3.1 on the
+        linear model. ``optimizer="natural"`` is the EM-preconditioned gradient step
+        on the log-likelihood of the running moments (:mod:`pyro_fa.fa.fitters.sga_natural`;
+        step size ``optimizer_kwargs={"step": eta}``, default 1, at which it takes
+        online EM's PX M-step): 1.07-1.34 times batch FA on every stream of that
+        benchmark, float32 and float64 (the exact scatter on the linear model, where
+        :math:`D \le 3K`); step 0.5: 1.11-1.41, but 1.84 on the linear model at
+        T = 6000. ``method="em"`` is as close on these streams.
 
     Parameters
     ----------
@@ -109,7 +108,8 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         collects once per epoch for a few tens of epochs (see the recipe below and
         the project's example ``swag_recipe.py``), and ``pyro-fa classify`` uses it.
     lr, step_scale, init_scale, min_variance, optimizer
-        Passed to :class:`~pyro_fa.OnlineFactorAnalysis` (``lr``: SGA learning rate).
+        Passed to :class:`~pyro_fa.OnlineFactorAnalysis` (``lr``: SGA learning rate;
+        ``optimizer="natural"``: SGA's EM-preconditioned step, see the warning above).
         ``step_scale`` defaults to 1 here (2 in ``OnlineFactorAnalysis``): SWAG's
         posterior is the equally weighted moments of the collected iterates, its mean
         and diagonal are equally weighted, and so are EM's statistics with
@@ -256,7 +256,7 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         self.window = _positive_int(cls, "window", window)
         self._warmup = self.rank if warmup is None else _positive_int(cls, "warmup", warmup)
         self._fit = _FITS[method](method)  # the method is dispatched here, once
-        self._fit.check(cls, rank=self.rank, warmup=self._warmup)
+        self._fit.check(cls, rank=self.rank, warmup=self._warmup, optimizer=optimizer)
         self.method = method
         self.on_nonfinite = on_nonfinite
         if max_deviation is not None and not (
