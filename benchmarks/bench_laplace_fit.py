@@ -10,6 +10,8 @@ resident memory before it, each also as a ratio to FactorLaplace's, measured in 
 
 * ``factor``: ``FactorLaplace(net, "classification", rank=20).fit(loader)``, all weights, exact GGN vectors, the
   default curvature fit (the scatter sketch refitted by batch FA, one pass), and the posterior's variances;
+* ``factor-rand``: the same with ``curvature_fit="randomized"`` (randomized range finder and Nyström
+  approximation of the uncentred moment, 2 passes, refitted by batch FA);
 * ``factor-em``: the same with ``curvature_fit="online"`` (online EM, 1 pass);
 * ``kron-ll``: laplace-torch's ``Laplace(net, "classification", subset_of_weights="last_layer",
   hessian_structure="kron")`` (its default in ``pyro-fa classify``) and its posterior precision;
@@ -30,7 +32,7 @@ import subprocess
 import sys
 import time
 
-METHODS = ("factor", "factor-em", "kron-ll", "diag")
+METHODS = ("factor", "factor-rand", "factor-em", "kron-ll", "diag")
 
 
 def _status_kib(key: str) -> int:
@@ -64,7 +66,8 @@ def worker(method: str, n: int, rank: int) -> dict:
     if method.startswith("factor"):
         from pyro_fa.laplace import FactorLaplace, curvature
 
-        fit = dict(curvature_fit="online", num_passes=1) if method == "factor-em" else {}
+        fit = {"factor": {}, "factor-em": dict(curvature_fit="online", num_passes=1),
+               "factor-rand": dict(curvature_fit="randomized")}[method]
         la = FactorLaplace(net, "classification", rank=rank, **fit)
         inner = curvature.curvature_vectors
         spent = [0.0]

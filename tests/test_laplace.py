@@ -333,7 +333,8 @@ def test_clear_errors_naming_the_argument():
         FactorLaplace(net, "regression", rank=0)
     with pytest.raises(ValueError, match=r"curvature must be one of \('ggn', 'mc'\), got 'kfac'"):
         FactorLaplace(net, "regression", curvature="kfac")
-    with pytest.raises(ValueError, match=r"curvature_fit must be one of \('auto', 'scatter', 'online', 'sketch'\), got 'svd'"):
+    with pytest.raises(ValueError, match=r"curvature_fit must be one of \('auto', 'scatter', 'online', 'sketch', "
+                       r"'randomized'\), got 'svd'"):
         FactorLaplace(net, "regression", curvature_fit="svd")
     la = FactorLaplace(net, "classification", rank=2)
     with pytest.raises(RuntimeError, match=r"predict_proba\(\) needs a fitted Laplace approximation; call fit"):

@@ -73,14 +73,16 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         :math:`\sigma` of the Gaussian likelihood; must be 1 for classification.
     curvature : {"ggn", "mc"}, default "ggn"
         Exact GGN factors (C vectors per example) or the Monte Carlo Fisher (``mc_samples`` per example).
-    curvature_fit : {"auto", "scatter", "online", "sketch"}, default "auto"
+    curvature_fit : {"auto", "scatter", "online", "sketch", "randomized"}, default "auto"
         How the factor-analysis core fits the curvature (:func:`~pyro_fa.laplace.moment.fit_second_moment`):
         the exact scatter and batch FA to convergence (:math:`O(D^2)` memory), or in :math:`O(DK)` memory
-        online EM (``num_passes``, shardable) or the core's scatter sketch refitted by batch FA (one pass).
+        online EM (``num_passes``, shardable), the core's scatter sketch refitted by batch FA (one pass), or
+        a randomized range finder and Nyström approximation of the uncentred moment refitted by batch FA
+        (``"randomized"``, ``num_passes`` passes, not shardable; see :mod:`pyro_fa.laplace.moment`).
         ``"auto"``: ``"scatter"`` for D <= 2048, else ``"sketch"`` (``"online"`` with a ``process_group``).
     mc_samples : int, default 1
     num_passes : int, optional
-        Passes over the data: default 4 for ``"online"``, 1 for ``"sketch"``.
+        Passes over the data: default 4 for ``"online"``, 1 for ``"sketch"``, 2 for ``"randomized"``.
     chunk_size : int, default 32
         Examples per ``torch.func`` block: the largest tensor held is (chunk_size, C, D).
     seed : int, default 0

@@ -1,0 +1,72 @@
+"""Error of FactorLaplace's fitted curvature against the exact GGN, per curvature fit, with the fit times.
+
+The MNIST-1D reference MLP of ``pyro-fa classify`` (:class:`ResidualMLP`) made narrow enough that the exact
+D x D GGN fits in memory (hidden width 20: D = 1 450; 30: D = 2 470), trained on MNIST-1D's training split (3 600
+points, Adam 1e-2, batches of 100, 20 epochs), float32, CPU, one thread. Reference: the exact per-example GGN
+moment S = G / N accumulated in float64. Printed for K = 20: the relative Frobenius error
+||S - (F F^T + diag psi)|| / ||S|| of every curvature fit (``scatter``: batch FA to convergence on the exact S,
+the best a rank-K factor analysis can do; ``sketch``, the default above D = 2048; online EM; ``randomized``
+with 1, 2 and 3 passes), its relative distance to the first row's fit (batch FA on the exact S, what the
+others approximate) and its fit time, measured in one run.
+
+    PYRO_FA_DATA=/work/shared/data/uci OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_laplace_fit_error.py
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+FITS = (("scatter", {}), ("sketch", {}), ("online", {"num_passes": 4}), ("randomized", {"num_passes": 1}),
+        ("randomized", {"num_passes": 2}), ("randomized", {"num_passes": 3}))
+
+
+def main() -> None:
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from pyro_fa.experiments.classify.data import load_classify
+    from pyro_fa.experiments.classify.networks import ResidualMLP
+    from pyro_fa.laplace import FactorLaplace
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[20, 30])
+    parser.add_argument("--rank", type=int, default=20)
+    parser.add_argument("--epochs", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    data = load_classify("mnist1d", seed=0)
+    print(f"load average {os.getloadavg()[0]:.2f}; N = {len(data.y_train)}, K = {args.rank}")
+    for hidden in args.hidden:
+        torch.manual_seed(0)
+        net = ResidualMLP(data.in_features, data.num_classes, hidden=hidden)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+        train = DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=100, shuffle=True)
+        for _ in range(args.epochs):
+            for x, y in train:
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(net(x), y).backward()
+                opt.step()
+        net.eval()
+        loader = DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=256)
+        exact = FactorLaplace(net, "classification", rank=10 ** 9, curvature_fit="scatter").fit(loader)
+        S = exact.cov_factor.double() @ exact.cov_factor.double().T  # the exact G / N (full rank: psi = 0)
+        norm = float(S.norm())
+        print(f"hidden {hidden}: D = {exact.dim}, ||S||_F = {norm:.4g}, trace {float(S.trace()):.4g}")
+        print(f"  {'fit':<14} {'passes':>6} {'rel. error':>11} {'vs exact FA':>12} {'fit s':>8}")
+        best = None
+        for fit, options in FITS:
+            t = time.perf_counter()
+            la = FactorLaplace(net, "classification", rank=args.rank, curvature_fit=fit, **options).fit(loader)
+            seconds = time.perf_counter() - t
+            F, psi = la.cov_factor.double(), la.cov_diag.double()
+            fitted = F @ F.T + torch.diag(psi)
+            err = float((S - fitted).norm()) / norm
+            best = fitted if best is None else best  # the first row: batch FA on the exact S
+            to_best = float((best - fitted).norm() / best.norm())
+            print(f"  {fit:<14} {la.fit_info.get('passes', 1):>6} {err:>11.4f} {to_best:>12.4f} {seconds:>8.2f}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
