@@ -51,7 +51,13 @@ class OnlineSGA(Fitter):
     FA's error at any ``lr`` from 1e-3 to 1e-2). A step :math:`\gamma_t \propto 1/t` in the
     parameters makes about :math:`\log T` EM iterations' worth of progress, and the few dominant
     directions of drift need many; online EM (``method="em"``), whose statistics take a full step
-    per vector, or the scatter sketch (``method="sketch"``) are the methods for those streams.
+    per vector, the natural step below, or the scatter sketch (``method="sketch"``) are the methods for those
+    streams.
+
+    ``optimizer="natural"`` replaces the optimizer by the EM-preconditioned gradient step of
+    :class:`~pyro_fa.fa.fitters.sga_natural.NaturalStep` (size ``optimizer_kwargs={"step": eta}``, eta in
+    (0, 1], default 1): within 1.07–1.34 times batch FA's error on those streams, at 1.89 times two
+    mat-vecs per update; ``lr``, ``lr_decay_after`` and ``average`` do not apply to it.
     """
 
     def init(self, fa, F0: Tensor, *, optimizer=None, optimizer_kwargs=None) -> None:
