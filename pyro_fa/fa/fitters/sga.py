@@ -151,6 +151,15 @@ class OnlineSGA(Fitter):
         fa._sga_cap = None
         self._repoint_optimizer(fa, fn)
 
+    def shard_sums(self, fa, d, n_old: int, B: int):
+        if fa._sga_natural:  # online EM's E-step: its projection and capacitance ride on the update's all-reduce
+            return _NATURAL.shard_sums(fa, d, n_old, B)
+        return super().shard_sums(fa, d, n_old, B)
+
+    def shard_reduced(self, fa, sums, n: int, context) -> None:
+        if fa._sga_natural:
+            _NATURAL.shard_reduced(fa, sums, n, context)
+
     def _init_natural(self, fa, F0: Tensor, optimizer: str, optimizer_kwargs) -> None:
         owner = type(fa).__name__
         if optimizer != "natural":
@@ -164,14 +173,11 @@ class OnlineSGA(Fitter):
         if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 < eta <= 1:
             raise ValueError(f"{owner}: optimizer_kwargs['step'] of optimizer='natural' must be a number in (0, 1], "
                              f"got {eta!r}.")
-        if fa._sharding is not None:
-            raise ValueError(f"{owner}: optimizer='natural' does not run sharded (process_group=...); use method "
-                             "'em' there.")
         if fa.warmup < fa.rank:
             raise ValueError(f"{owner}: warmup must be >= rank={fa.rank} for optimizer='natural', got {fa.warmup}: "
                              "its first step from fewer vectors than factors is degenerate.")
         fa._sga_eta = float(eta)
-        fa._sga_exact = fa.dim <= EXACT_RATIO * fa.rank
+        fa._sga_exact = fa.dim <= EXACT_RATIO * fa.rank and fa._sharding is None  # S needs every column
         _NATURAL.init(fa, F0)
 
     def _repoint_optimizer(self, fa, fn) -> None:
