@@ -28,24 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 
+from bench_laplace_memory import _reset_peak, _rss_kib, _rss_peak_kib, run_worker  # run as a script from here
+
 METHODS = ("factor", "factor-rand", "factor-em", "kron-ll", "diag")
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    return -1
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current resident set
-        f.write("5")
 
 
 def worker(method: str, n: int, rank: int) -> dict:
@@ -91,7 +78,7 @@ def worker(method: str, n: int, rank: int) -> dict:
 
     gc.collect()
     _reset_peak()  # the peak from here on
-    base = _status_kib("VmRSS")
+    base = _rss_kib()
     if method.startswith("factor"):
         spent[0] = 0.0
     t = time.perf_counter()
@@ -104,7 +91,7 @@ def worker(method: str, n: int, rank: int) -> dict:
     else:
         la.posterior_variance
     seconds = time.perf_counter() - t
-    return {"method": method, "D": D, "seconds": seconds, "peak_mib": (_status_kib("VmHWM") - base) / 1024, **split}
+    return {"method": method, "D": D, "seconds": seconds, "peak_mib": (_rss_peak_kib() - base) / 1024, **split}
 
 
 def main() -> None:
@@ -122,13 +109,10 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ours = None
     for method in args.methods:
-        proc = subprocess.run([sys.executable, __file__, "--worker", method, "--n", str(args.n), "--rank",
-                               str(args.rank)], capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-            print(f"{method:<10} failed: {tail[:100]}")
+        r = run_worker(__file__, ["--worker", method, "--n", str(args.n), "--rank", str(args.rank)], env)
+        if isinstance(r, str):
+            print(f"{method:<10} failed: {r}")
             continue
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
         if method == "factor":
             ours = r
         ratio_t = f"{r['seconds'] / ours['seconds']:.3f}" if ours else "-"

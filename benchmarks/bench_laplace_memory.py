@@ -49,6 +49,14 @@ def _reset_peak() -> None:
         f.write("5")
 
 
+def run_worker(script: str, argv: list, env: dict):
+    """Run ``script argv`` in a fresh Python process: the JSON its last output line holds, or why it failed."""
+    proc = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return (proc.stderr.strip().splitlines() or ["?"])[-1][:100]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def _mem_total_bytes() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -124,13 +132,11 @@ def main() -> None:
                 print(f"{D:>9} {method:<8} cannot run: its D x D matrix alone is {4 * D * D / 2 ** 30:.1f} GiB "
                       f"(machine {total / 2 ** 30:.0f} GiB)")
                 continue
-            proc = subprocess.run([sys.executable, __file__, "--worker", method, str(dim), "--rank", str(args.rank),
-                                   "--n", str(args.n)], capture_output=True, text=True, env=env)
-            if proc.returncode != 0:
-                tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-                print(f"{D:>9} {method:<8} failed: {tail[:100]}")
+            r = run_worker(__file__, ["--worker", method, str(dim), "--rank", str(args.rank), "--n", str(args.n)],
+                           env)
+            if isinstance(r, str):
+                print(f"{D:>9} {method:<8} failed: {r}")
                 continue
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
             if method == "factor":
                 ours = r
             ratio_t = f"{r['seconds'] / ours['seconds']:.2f}" if ours else "-"

@@ -42,6 +42,16 @@ def _probe(D):
     return torch.linspace(-1, 1, D, dtype=torch.float64)
 
 
+def _regression_batches(rank=None):
+    """Targets of the network's 3 outputs; rank r's half, or (rank None) both halves joined in gather order."""
+    X, _ = _data()
+    Y = torch.sin(X @ torch.ones(3, 3, dtype=torch.float64))
+    halves = [_batches(X[:40], Y[:40]), _batches(X[40:], Y[40:])]
+    if rank is not None:
+        return halves[rank]
+    return [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])) for a, b in zip(*halves)]
+
+
 def _entry(rank, world_size, init_file, out_dir):
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -80,6 +90,15 @@ def _entry(rank, world_size, init_file, out_dir):
                 res["wrong_shard"] = str(exc)
             res["marglik_pp"] = la.optimize_prior_precision("marglik", n_steps=30)
             out[fit] = res
+        # regression: the noise enters every rank's partial sums too; its gradient is summed over the ranks
+        reg = FactorLaplace(_net(), "regression", rank=3, curvature_fit="online", chunk_size=1000,
+                            process_group=dist.group.WORLD).fit(_regression_batches(rank))
+        pp = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+        sigma = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+        lml = reg.log_marginal_likelihood(pp, sigma)
+        out["regression"] = {"lml": lml.detach(), "grads": torch.autograd.grad(lml, (pp, sigma)),
+                             "predict": reg.predict(_test_inputs()),
+                             "predict_nn": reg.predict(_test_inputs(), pred_type="nn", n_samples=5)}
         bad = FactorLaplace(_net(), "classification", rank=3, process_group=dist.group.WORLD)
         try:  # rank 1's labels are out of range: both ranks raise, neither hangs
             bad.fit([(X[:10], y[:10] + (5 if rank == 1 else 0))])
@@ -174,6 +193,25 @@ def test_sharded_posterior_equals_one_process(results, fit):
     for key in ("glm_mc", "nn"):
         torch.testing.assert_close(results[0][fit][key], results[1][fit][key])
         torch.testing.assert_close(results[0][fit][key].sum(-1), torch.ones(7, dtype=torch.float64))
+
+
+@pytest.mark.slow
+def test_sharded_regression_evidence_gradients_and_predictive_equal_one_process(results):
+    single = FactorLaplace(_net(), "regression", rank=3, curvature_fit="online", chunk_size=1000).fit(
+        _regression_batches())
+    pp = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    sigma = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    lml = single.log_marginal_likelihood(pp, sigma)
+    grads = torch.autograd.grad(lml, (pp, sigma))
+    mean, var = single.predict(_test_inputs())
+    for res in (r["regression"] for r in results):
+        torch.testing.assert_close(res["lml"], lml.detach(), rtol=1e-5, atol=0)
+        for ours, ref in zip(res["grads"], grads):
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(res["predict"][0], mean)
+        torch.testing.assert_close(res["predict"][1], var, rtol=1e-5, atol=1e-9)
+    for a, b in zip(results[0]["regression"]["predict_nn"], results[1]["regression"]["predict_nn"]):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.slow
