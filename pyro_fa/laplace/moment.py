@@ -102,11 +102,14 @@ def _scatter(passes: Callable[[], Iterator[Tensor]], D: int, dtype, device, owne
     return G[:D], int(G[D, 0])
 
 
-def _gathered_blocks(passes: Callable[[], Iterator[Tensor]], D: int, owner: str, group, device, dtype):
-    """Every rank's next block of vectors, concatenated in rank order, until every rank's stream is exhausted."""
+def _exchanged_blocks(passes: Callable[[], Iterator[Tensor]], D: int, owner: str, group, device, dtype):
+    """This rank's columns ``[lo, hi)`` of every rank's next block of vectors, concatenated in rank order, until
+    every rank's stream is exhausted: one all-to-all of column slices per block (each rank receives about
+    ``1 / W`` of the vectors' numbers), after an all-gather of the block sizes and refusals."""
     import torch.distributed as dist
 
-    W = dist.get_world_size(group)
+    W, me = dist.get_world_size(group), dist.get_rank(group)
+    bounds = [_rows(D, group, r) for r in range(W)]
     it = iter(passes())
     while True:
         V, error = None, None
@@ -129,9 +132,14 @@ def _gathered_blocks(passes: Callable[[], Iterator[Tensor]], D: int, owner: str,
         mine = torch.zeros(rows, D, dtype=dtype, device=device)
         if V is not None:
             mine[:V.shape[0]] = V.to(dtype)
-        blocks = [torch.empty_like(mine) for _ in range(W)]
-        dist.all_gather(blocks, mine, group=group)
-        yield torch.cat([b[:n] for b, n in zip(blocks, sizes)])
+        # rank j's slice: the (rows, hi_j - lo_j) columns it holds, flattened, in rank order
+        send = torch.cat([mine[:, lo:hi].reshape(-1) for lo, hi in bounds])
+        width = bounds[me][1] - bounds[me][0]
+        recv = torch.empty(W * rows * width, dtype=dtype, device=device)
+        dist.all_to_all_single(recv, send, output_split_sizes=[rows * width] * W,
+                               input_split_sizes=[rows * (hi - lo) for lo, hi in bounds], group=group)
+        parts = recv.view(W, rows, width)
+        yield torch.cat([parts[r, :n] for r, n in enumerate(sizes)])
 
 
 def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: int, *,
@@ -165,8 +173,9 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
     process_group : torch.distributed process group, optional
         Data parallel: each rank's ``passes()`` yields the vectors of its own examples, and every rank returns
         the fit of all ranks' vectors. ``"scatter"``: the :math:`D\times D` sums are all-reduced (one
-        collective), so the fit equals a single process's on the concatenated vectors. ``"online"``: each block
-        of vectors is all-gathered and each rank feeds its coordinates :math:`[lo, hi)` of it to
+        collective), so the fit equals a single process's on the concatenated vectors. ``"online"``: each rank
+        receives its coordinates :math:`[lo, hi)` of every rank's block of vectors (one all-to-all of column
+        slices per block) and feeds them to
         :class:`~pyro_fa.fa.online.OnlineFactorAnalysis` ``(process_group=...)``, sharded by coordinates
         (the fitter's state is :math:`O(DK/W)` per rank). Either way each rank returns only its rows
         :math:`[lo, hi)` of :math:`F` and :math:`\psi` (:func:`~pyro_fa.fa._sharding.shard_bounds`), never
@@ -234,11 +243,14 @@ def _fit_streamed(passes, dim, rank, *, method, num_passes, tol, max_iter, seed,
     n_vec = 0
     for _ in range(num_passes):
         n_vec = 0
-        stream = passes() if process_group is None else _gathered_blocks(passes, dim, owner, process_group, device,
-                                                                           dtype)
+        if process_group is None:
+            stream = passes()
+        else:  # this rank's columns of every rank's vectors (checked on the rank that computed them)
+            stream = _exchanged_blocks(passes, dim, owner, process_group, device, dtype)
         for V in stream:
-            _check_block(V, dim, owner)
-            V = V[:, lo:hi].to(dtype)
+            if process_group is None:
+                _check_block(V, dim, owner)
+            V = V[:, lo:hi].to(dtype) if process_group is None else V
             step = max(1, _ONLINE_ELEMENTS // (2 * (hi - lo)))  # bounded updates: bounded temporaries
             for i in range(0, V.shape[0], step):
                 block = V[i:i + step]
@@ -347,12 +359,12 @@ _FITS: Dict[str, Callable[..., Tuple[Tensor, Tensor, dict]]] = {
 }
 
 
-def _rows(dim: int, group) -> Tuple[int, int]:
-    """This rank's rows ``[lo, hi)``: the default layout of ``OnlineFactorAnalysis(process_group=...)``."""
+def _rows(dim: int, group, rank: Optional[int] = None) -> Tuple[int, int]:
+    """This rank's (or ``rank``'s) rows ``[lo, hi)``: the default layout of ``OnlineFactorAnalysis(process_group=...)``."""
     if group is None:
         return 0, dim
     import torch.distributed as dist
 
     from pyro_fa.fa._sharding import shard_bounds
 
-    return shard_bounds(dim, dist.get_world_size(group), dist.get_rank(group))
+    return shard_bounds(dim, dist.get_world_size(group), dist.get_rank(group) if rank is None else rank)
