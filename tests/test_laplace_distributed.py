@@ -42,6 +42,18 @@ def _probe(D):
     return torch.linspace(-1, 1, D, dtype=torch.float64)
 
 
+def _low_rank_data():
+    """Softmax regression on inputs in a 2-dimensional subspace of R^6: a GGN of rank <= 9 of D = 21."""
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(80, 2, generator=g, dtype=torch.float64) @ torch.randn(2, 6, generator=g, dtype=torch.float64)
+    return X, torch.randint(3, (80,), generator=g)
+
+
+def _linear():
+    torch.manual_seed(1)
+    return nn.Linear(6, 3, dtype=torch.float32).double()
+
+
 def _regression_batches(rank=None):
     """Targets of the network's 3 outputs; rank r's half, or (rank None) both halves joined in gather order."""
     X, _ = _data()
@@ -99,6 +111,13 @@ def _entry(rank, world_size, init_file, out_dir):
         out["regression"] = {"lml": lml.detach(), "grads": torch.autograd.grad(lml, (pp, sigma)),
                              "predict": reg.predict(_test_inputs()),
                              "predict_nn": reg.predict(_test_inputs(), pred_type="nn", n_samples=5)}
+        # the randomized fit, sharded, on a curvature of rank 9 < its 12 columns: captured exactly
+        Xl, yl = _low_rank_data()
+        la = FactorLaplace(_linear(), "classification", rank=4, curvature_fit="randomized", chunk_size=1000,
+                           process_group=dist.group.WORLD).fit(_batches(Xl[rank * 40:(rank + 1) * 40],
+                                                                        yl[rank * 40:(rank + 1) * 40]))
+        out["randomized"] = {**{k: v.clone() for k, v in la.state_dict().items()},
+                             "lml": la.log_marginal_likelihood().detach()}
         bad = FactorLaplace(_net(), "classification", rank=3, process_group=dist.group.WORLD)
         try:  # rank 1's labels are out of range: both ranks raise, neither hangs
             bad.fit([(X[:10], y[:10] + (5 if rank == 1 else 0))])
@@ -212,6 +231,26 @@ def test_sharded_regression_evidence_gradients_and_predictive_equal_one_process(
         torch.testing.assert_close(res["predict"][1], var, rtol=1e-5, atol=1e-9)
     for a, b in zip(results[0]["regression"]["predict_nn"], results[1]["regression"]["predict_nn"]):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.slow
+def test_sharded_randomized_fit_equals_one_process_where_the_range_is_exact(results):
+    X, y = _low_rank_data()
+    r0, r1 = _batches(X[:40], y[:40]), _batches(X[40:], y[40:])
+    joined = [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])) for a, b in zip(r0, r1)]
+    single = FactorLaplace(_linear(), "classification", rank=4, curvature_fit="randomized",
+                           chunk_size=1000).fit(joined)
+    states = [r["randomized"] for r in results]
+    D = single.dim
+    assert [s["cov_factor"].shape for s in states] == [(hi - lo, 4) for lo, hi in
+                                                       (shard_bounds(D, WORLD_SIZE, r) for r in range(WORLD_SIZE))]
+    F = torch.cat([s["cov_factor"] for s in states])
+    psi = torch.cat([s["cov_diag"] for s in states])
+    ours = F @ F.T + torch.diag(psi)
+    ref = single.cov_factor @ single.cov_factor.T + torch.diag(single.cov_diag)
+    assert float((ours - ref).norm() / ref.norm()) < 1e-6
+    for s in states:
+        torch.testing.assert_close(s["lml"], single.log_marginal_likelihood().detach(), rtol=1e-6, atol=0)
 
 
 @pytest.mark.slow

@@ -78,7 +78,7 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         the exact scatter and batch FA to convergence (:math:`O(D^2)` memory), or in :math:`O(DK)` memory
         online EM (``num_passes``, shardable), the core's scatter sketch refitted by batch FA (one pass), or
         a randomized range finder and Nyström approximation of the uncentred moment refitted by batch FA
-        (``"randomized"``, ``num_passes`` passes, not shardable; see :mod:`pyro_fa.laplace.moment`).
+        (``"randomized"``, ``num_passes`` passes, shardable; see :mod:`pyro_fa.laplace.moment`).
         ``"auto"``: ``"scatter"`` for D <= 2048, else ``"sketch"`` (``"online"`` with a ``process_group``).
     mc_samples : int, default 1
     num_passes : int, optional
@@ -91,7 +91,8 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         Data-parallel fit, sharded state: every rank holds the same model and passes its own part of the
         data to :meth:`fit`; the counts and losses are all-reduced and the curvature is fitted from all
         ranks' vectors (``"scatter"``: the D x D sums all-reduced, equal to one process on all the data;
-        ``"online"``: sharded by coordinates over the ranks, as ``OnlineFactorAnalysis(process_group=...)``).
+        ``"online"``: sharded by coordinates over the ranks, as ``OnlineFactorAnalysis(process_group=...)``;
+        ``"randomized"``: its D x 3K matrices held by rows, sums of 3K numbers per vector all-reduced).
         Rank r of W then holds only its rows ``[lo, hi)`` (:func:`~pyro_fa.fa._sharding.shard_bounds`, about
         D/W) of :attr:`loc`, :attr:`cov_factor` and :attr:`cov_diag`, and its own :meth:`state_dict`; the
         posterior is a :class:`~pyro_fa.laplace._sharded.ShardedLowRankPrecisionNormal` and every method

@@ -14,7 +14,7 @@ around a mean; two routes give it the uncentred moment:
   fed to :class:`pyro_fa.fa.online.OnlineFactorAnalysis`, by online EM (``"online"``, ``num_passes``
   passes, shardable) or by its scatter sketch refitted by batch FA (``"sketch"``, one pass: on an MLP
   with D = 1810 its error against the exact GGN was 0.065, online EM's 0.095 after 4 passes).
-* ``"randomized"`` (:math:`O(DK)` memory, any :math:`D`, not shardable): the uncentred moment itself, with no
+* ``"randomized"`` (:math:`O(DK)` memory, any :math:`D`, shardable): the uncentred moment itself, with no
   :math:`\pm v` doubling, through a randomized range finder and a Nyström approximation (Halko, Martinsson &
   Tropp, *Finding structure with randomness*, SIAM Review 2011, Alg. 4.3; Tropp, Yurtsever, Udell & Cevher,
   *Fixed-rank approximation of a positive-semidefinite matrix from streaming data*, NeurIPS 2017, Alg. 3):
@@ -269,31 +269,47 @@ def _fit_randomized(passes, dim, rank, *, method, num_passes, tol, max_iter, see
     :math:`Q \leftarrow \mathrm{qr}(Z)` between passes; after the last, with a shift :math:`\nu` for
     stability, :math:`G \approx EE^\top`, :math:`E = U\,(\Sigma^2 - \nu)_+^{1/2}` from the SVD of
     :math:`(Z + \nu Q)R^{-1}`, :math:`R^\top R = Q^\top(Z + \nu Q)` (Tropp et al. 2017, Alg. 3).
+
+    With a ``process_group`` every :math:`D\times 3K` matrix is held by rows: each rank receives its columns
+    of every rank's vectors (as ``"online"``), :math:`V_bQ` is all-reduced per block (:math:`3K` numbers per
+    vector), the QR is a Cholesky QR done twice (Fukaya et al., *CholeskyQR2*, 2014) on all-reduced
+    :math:`3K\times 3K` Gram matrices, the SVD one more Gram, and the FA one all-reduce per iteration. The
+    starting :math:`Q` is drawn per rank, so the fit equals one process's where the range is captured
+    exactly, and is another draw of the same approximation otherwise.
     """
-    if process_group is not None:
-        raise ValueError(f"{owner}: curvature_fit='randomized' cannot be sharded (its D x 3K sums would be "
-                         "all-reduced whole), got a process_group; use curvature_fit='online'.")
     if rank >= dim:
         raise ValueError(f"{owner}: rank must be < dim={dim} for curvature_fit='randomized', got {rank!r}; use "
                          "curvature_fit='scatter' for a full-rank curvature.")
     wide = wide_dtype(device)
     width = min(dim, _WIDTH_PER_RANK * rank)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    Q = torch.linalg.qr(torch.randn(dim, width, generator=generator, dtype=wide, device=device))[0]
-    diag = torch.zeros(dim, dtype=wide, device=device)
+    lo, hi = _rows(dim, process_group)
+    reduce = _summer(process_group)
+    if process_group is None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+        Q = torch.linalg.qr(torch.randn(dim, width, generator=generator, dtype=wide, device=device))[0]
+    else:
+        import torch.distributed as dist
+
+        generator = torch.Generator(device=device).manual_seed(seed + 7919 * dist.get_rank(process_group))
+        Q = _cholesky_qr2(torch.randn(hi - lo, width, generator=generator, dtype=wide, device=device), reduce)
+    diag = torch.zeros(hi - lo, dtype=wide, device=device)
     n_vec = 0
     for p in range(num_passes):
-        Z = torch.zeros(dim, width, dtype=wide, device=device)
+        Z = torch.zeros(hi - lo, width, dtype=wide, device=device)
         Qv = Q.to(dtype)
         n_vec = 0
-        for V in passes():
-            if V.dim() != 2 or V.shape[-1] != dim:
+        stream = passes() if process_group is None else _exchanged_blocks(passes, dim, owner, process_group,
+                                                                           device, dtype)
+        for V in stream:  # (rows, D), or this rank's columns of every rank's rows (checked where computed)
+            if process_group is None and (V.dim() != 2 or V.shape[-1] != dim):
                 _check_block(V, dim, owner)  # raises: the wrong shape
             V = V.to(dtype)
-            product = V.T @ (V @ Qv)
+            VQ = V @ Qv if process_group is None else reduce(V @ Qv).to(dtype)
+            product = V.T @ VQ
             sq = V.pow(2).sum(0) if p == 0 else None  # the exact diagonal, from the first pass
             # non-finite vectors make the block's sums non-finite: the full check only then (it raises)
-            if not bool(torch.isfinite(product).all()) or (sq is not None and not bool(torch.isfinite(sq).all())):
+            if process_group is None and (not bool(torch.isfinite(product).all())
+                                          or (sq is not None and not bool(torch.isfinite(sq).all()))):
                 _check_block(V, dim, owner)
             Z += product.to(wide)
             if sq is not None:
@@ -301,52 +317,88 @@ def _fit_randomized(passes, dim, rank, *, method, num_passes, tol, max_iter, see
             n_vec += V.shape[0]
         _check_count(n_vec, owner)
         if p < num_passes - 1:
-            Q = torch.linalg.qr(Z)[0]
-    nu = torch.finfo(dtype).eps * float(torch.linalg.matrix_norm(Z))
+            Q = torch.linalg.qr(Z)[0] if process_group is None else _cholesky_qr2(Z, reduce)
+    nu = torch.finfo(dtype).eps * float(reduce(Z.pow(2).sum()).sqrt())
     Z += nu * Q
-    M = Q.T @ Z
+    M = reduce(Q.T @ Z)
     R = torch.linalg.cholesky((M + M.T) / 2, upper=True)
-    U, sv, _ = torch.linalg.svd(torch.linalg.solve_triangular(R, Z, upper=True, left=False), full_matrices=False)
-    E = U * (sv.pow(2) - nu).clamp_min(0).sqrt()  # G ~ E E^T
-    F, psi, n_iter, converged = _fa_low_rank(E, diag, n_vec, rank)
+    B = torch.linalg.solve_triangular(R, Z, upper=True, left=False)
+    if process_group is None:
+        U, sv, _ = torch.linalg.svd(B, full_matrices=False)
+        E = U * (sv.pow(2) - nu).clamp_min(0).sqrt()  # G ~ E E^T
+    else:  # the SVD of a matrix held by rows, from its Gram: B = U S V^T, U S = B V
+        s2, Vr = torch.linalg.eigh(reduce(B.T @ B))
+        keep = (s2 - nu).clamp_min(0).sqrt() / s2.clamp_min(torch.finfo(wide).tiny).sqrt()
+        E = (B @ Vr) * keep
+    F, psi, n_iter, converged = _fa_low_rank(E, diag, n_vec, rank, reduce=reduce, dim=dim)
     return F.to(dtype), psi.to(dtype), {"method": "randomized", "n_vectors": n_vec, "passes": num_passes,
-                                        "n_iter": n_iter, "converged": converged, "rows": (0, dim)}
+                                        "n_iter": n_iter, "converged": converged, "rows": (lo, hi)}
 
 
-def _fa_low_rank(E: Tensor, diag: Tensor, n: int, rank: int) -> Tuple[Tensor, Tensor, int, bool]:
+def _summer(group) -> Callable[[Tensor], Tensor]:
+    """``x`` summed over the ranks of ``group`` (in float64, a new tensor), or ``x`` itself without one."""
+    if group is None:
+        return lambda x: x
+    import torch.distributed as dist
+
+    def reduce(x: Tensor) -> Tensor:
+        buf = x.to(torch.float64).clone()
+        dist.all_reduce(buf, group=group)
+        return buf
+
+    return reduce
+
+
+def _cholesky_qr2(Z: Tensor, reduce: Callable[[Tensor], Tensor]) -> Tensor:
+    r"""The orthonormal factor of a matrix held by rows: :math:`Q = ZR^{-1}`, :math:`R^\top R = Z^\top Z`, twice."""
+    for _ in range(2):
+        G = reduce(Z.T @ Z)
+        shift = 1e-14 * float(G.diagonal().sum()) if _ == 0 else 0.0  # a rank-deficient Z still factorises
+        R = torch.linalg.cholesky(G + shift * torch.eye(G.shape[0], dtype=G.dtype, device=G.device), upper=True)
+        Z = torch.linalg.solve_triangular(R, Z, upper=True, left=False)
+    return Z
+
+
+def _fa_low_rank(E: Tensor, diag: Tensor, n: int, rank: int, reduce: Optional[Callable[[Tensor], Tensor]] = None,
+                 dim: Optional[int] = None) -> Tuple[Tensor, Tensor, int, bool]:
     r"""Batch FA of :math:`S = G/n` given :math:`G \approx EE^\top` off the diagonal and its exact diagonal.
 
     Barber's iteration (*Bayesian Reasoning and Machine Learning*, 2012, §21.2.2; scikit-learn's
     ``FactorAnalysis``), as ``OnlineFactorAnalysis(method="sketch")``'s refit: the top :math:`K` eigenpairs
     :math:`(\lambda_k, u_k)` of :math:`E^\top\Psi^{-1}E/n`, :math:`F = E\,U_K\,\mathrm{diag}(\sqrt{(\lambda_k-1)_+
     /\lambda_k})/\sqrt n`, :math:`\psi = s - \sum_k F_{\cdot k}^2` (floored), until the log-likelihood gains
-    less than 0.01 or :math:`10^{-7}` of its magnitude (at most 1000 iterations).
+    less than 0.01 or :math:`10^{-7}` of its magnitude (at most 1000 iterations). With ``reduce`` (a sum
+    over ranks) ``E`` and ``diag`` are this rank's rows of a ``dim``-dimensional moment.
     """
     import math
 
-    D, K = E.shape[0], rank
+    reduce = reduce or (lambda x: x)
+    D, K = (E.shape[0] if dim is None else dim), rank
     var = diag / n
     info = torch.finfo(E.dtype)
-    floor = (_MIN_VARIANCE * var).clamp_min(float((info.eps * var.mean()).clamp_min(info.tiny)))
+    floor = (_MIN_VARIANCE * var).clamp_min(float((info.eps * reduce(var.sum()) / D).clamp_min(info.tiny)))
     psi = torch.maximum(var, floor)
     const = D * math.log(2 * math.pi) + K
     old_ll, converged, it = -math.inf, False, 0
     for it in range(1, _FA_MAX_ITER + 1):
         Wp = E / psi.sqrt().unsqueeze(-1)
-        lam, U = torch.linalg.eigh(Wp.T @ Wp / n)
+        width = Wp.shape[-1]
+        # one sum over the rows: the Gram, the trace of S Psi^-1 and log det Psi
+        sums = reduce(torch.cat([(Wp.T @ Wp).reshape(-1), (var / psi).sum().reshape(1),
+                                 psi.log().sum().reshape(1)]))
+        lam, U = torch.linalg.eigh(sums[:-2].reshape(width, width) / n)
         k = min(K, lam.shape[0])
         lam_k = lam[-k:].flip(-1).clamp_min(info.tiny)
         C = U[:, -k:].flip(-1) * ((lam_k - 1).clamp_min(0) / lam_k).sqrt() / math.sqrt(n)
         F = E @ C  # (D, k)
-        ll = -0.5 * n * (const + float(lam_k.log().sum()) + float((var / psi).sum()) - float(lam_k.sum())
-                         + float(psi.log().sum()))
+        ll = -0.5 * n * (const + float(lam_k.log().sum()) + float(sums[-2]) - float(lam_k.sum()) + float(sums[-1]))
         psi = torch.maximum(var - F.pow(2).sum(-1), floor)
         if ll - old_ll < max(_FA_TOL, _FA_RTOL * abs(ll)):
             converged = True
             break
         old_ll = ll
     if F.shape[1] < K:
-        F = torch.cat([F, F.new_zeros(D, K - F.shape[1])], -1)
+        F = torch.cat([F, F.new_zeros(F.shape[0], K - F.shape[1])], -1)
     return F, psi, it, converged
 
 
