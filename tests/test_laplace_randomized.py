@@ -105,3 +105,15 @@ def test_refusals_name_the_argument():
 
     with pytest.raises(ValueError, match=r"must have shape \(V, 5\)"):
         fit_second_moment(wrong_shape, 5, 2, method="randomized", dtype=torch.float64, device=torch.device("cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_randomized_fit_on_cuda_equals_the_cpu_one_where_the_range_is_exact():
+    X, y, net = _low_rank_data()
+    cpu = FactorLaplace(net, "classification", rank=4, curvature_fit="randomized").fit([(X, y)])
+    gpu_net = _low_rank_data()[2].cuda()
+    gpu = FactorLaplace(gpu_net, "classification", rank=4, curvature_fit="randomized").fit([(X.cuda(), y.cuda())])
+    assert gpu.cov_factor.is_cuda
+    torch.testing.assert_close(_cov(gpu).cpu(), _cov(cpu), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(gpu.log_marginal_likelihood().cpu(), cpu.log_marginal_likelihood(), rtol=1e-8, atol=0)
+    torch.testing.assert_close(gpu.predict_proba(X[:5].cuda()).cpu(), cpu.predict_proba(X[:5]))
