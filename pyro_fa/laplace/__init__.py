@@ -3,7 +3,8 @@ r"""Laplace approximation with a factor-analysis curvature: the third way to a l
 * :class:`FactorLaplace` — post hoc at a trained network, laplace-torch's verbs (``fit``,
   ``log_marginal_likelihood``, ``optimize_prior_precision``, ``predict_proba`` / ``predict``);
 * :class:`LowRankPrecisionNormal` — the Gaussian whose *precision* is low rank plus diagonal, the
-  currency it hands to other layers;
+  currency it hands to other layers (:class:`ShardedLowRankPrecisionNormal`: this rank's rows of it, what a
+  fit with a ``process_group`` hands out);
 * :class:`PyroFactorLaplace` — the same for a Pyro model at its ``AutoDelta`` MAP, handing back a guide for
   ``pyro.infer.Predictive`` (the :math:`O(DK)` counterpart of ``AutoLaplaceApproximation``);
 * :func:`curvature_vectors`, :func:`select_parameters` — per-example GGN factors and Monte Carlo Fisher
@@ -16,7 +17,9 @@ from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_networ
 from pyro_fa.laplace.laplace import LIKELIHOODS, FactorLaplace
 from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
 from pyro_fa.laplace.posterior import LowRankPrecisionNormal
+from pyro_fa.laplace._sharded import ShardedLowRankPrecisionNormal
 from pyro_fa.laplace.pyro_guide import PyroFactorLaplace
 
-__all__ = ["FactorLaplace", "LowRankPrecisionNormal", "PyroFactorLaplace", "curvature_vectors", "select_parameters", "flat_network",
-           "fit_second_moment", "CURVATURES", "MOMENT_FITS", "LIKELIHOODS"]
+__all__ = ["FactorLaplace", "LowRankPrecisionNormal", "ShardedLowRankPrecisionNormal", "PyroFactorLaplace",
+           "curvature_vectors", "select_parameters", "flat_network", "fit_second_moment", "CURVATURES", "MOMENT_FITS",
+           "LIKELIHOODS"]
