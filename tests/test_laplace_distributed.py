@@ -118,6 +118,16 @@ def _entry(rank, world_size, init_file, out_dir):
                                                                         yl[rank * 40:(rank + 1) * 40]))
         out["randomized"] = {**{k: v.clone() for k, v in la.state_dict().items()},
                              "lml": la.log_marginal_likelihood().detach()}
+        # a network with dropout in train mode is refused by the sharded GLM predictive before any collective
+        torch.manual_seed(0)
+        drop = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 3)).double().eval()
+        la = FactorLaplace(drop, "classification", rank=2, curvature_fit="scatter",
+                           process_group=dist.group.WORLD).fit(mine)
+        drop.train()
+        try:
+            la.predict_proba(_test_inputs())
+        except ValueError as exc:
+            out["train_mode"] = str(exc)
         bad = FactorLaplace(_net(), "classification", rank=3, process_group=dist.group.WORLD)
         try:  # rank 1's labels are out of range: both ranks raise, neither hangs
             bad.fit([(X[:10], y[:10] + (5 if rank == 1 else 0))])
@@ -255,5 +265,6 @@ def test_sharded_randomized_fit_equals_one_process_where_the_range_is_exact(resu
 
 @pytest.mark.slow
 def test_refused_input_raises_on_every_rank(results):
+    assert all("train mode" in r["train_mode"] for r in results), [r.get("train_mode") for r in results]
     assert "classification targets must be labels in [0, 3)" in results[1]["refused"]
     assert "another rank" in results[0]["refused"]

@@ -452,6 +452,8 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
 
     # ------------------------------------------------------------------ predictives
     def _glm_moments(self, x: Tensor):
+        if self._sharding is not None:  # refused before any collective, as linearized_moments refuses it
+            check_eval_mode(type(self).__name__, self.model, "model")
         post = self.posterior
         if self._sharding is not None:
             # the whole linearisation point (D numbers, gathered) and each rank's rows of the posterior
