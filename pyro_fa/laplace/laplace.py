@@ -79,7 +79,7 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         online EM (``num_passes``, shardable), the core's scatter sketch refitted by batch FA (one pass), or
         a randomized range finder and Nyström approximation of the uncentred moment refitted by batch FA
         (``"randomized"``, ``num_passes`` passes, shardable; see :mod:`pyro_fa.laplace.moment`).
-        ``"auto"``: ``"scatter"`` for D <= 2048, else ``"sketch"`` (``"online"`` with a ``process_group``).
+        ``"auto"``: ``"scatter"`` for D <= 2048, else ``"randomized"``.
     mc_samples : int, default 1
     num_passes : int, optional
         Passes over the data: default 4 for ``"online"``, 1 for ``"sketch"``, 2 for ``"randomized"``.
