@@ -32,6 +32,11 @@ def _by_numpy(scales, L, rule, fraction=0.7, num_se=1.5):
     g, se = d.mean(1), d.std(1, ddof=1) / np.sqrt(N)
     if rule == "argmax":
         return int(L.mean(1).argmax())
+    if rule == "gated":
+        best = int(L.mean(1).argmax())
+        if best == 0 or not g[best] > 2 * se[best]:
+            return 0
+        rule = "one_se"
     if rule == "one_se":
         best = int(L.mean(1).argmax())
         se_best = (L[best] - L).std(1, ddof=1) / np.sqrt(N)
@@ -45,7 +50,7 @@ def _by_numpy(scales, L, rule, fraction=0.7, num_se=1.5):
     return min(j for j in range(1, len(scales)) if g[j] >= fraction * g[b])
 
 
-@pytest.mark.parametrize("rule", ["fraction", "argmax", "one_se", "significant"])
+@pytest.mark.parametrize("rule", ["fraction", "argmax", "one_se", "significant", "gated"])
 @pytest.mark.parametrize("seed", range(4))
 def test_select_scale_matches_the_rules_written_in_numpy(rule, seed):
     scales, L = _curve(seed, N=60 + 50 * seed)
@@ -246,3 +251,18 @@ def test_pred_type_glm_agrees_with_sampled_networks_for_a_linear_model_and_is_re
     with pytest.raises(RuntimeError, match=r"tune_scale: the mean \(scale 0\) gives a non-finite log-likelihood"):
         tune_scale(swag, x, y, lambda out, t: torch.full_like(t, -math.inf), scales=[1.0], num_samples=2)
     assert swag.scale == 3.0  # left alone
+
+
+def test_gated_rule_keeps_the_mean_on_a_gain_below_two_standard_errors():
+    # the MNIST-1D CNN's seed: a gain of 1.7 paired standard errors on 400 validation points
+    g = torch.Generator().manual_seed(0)
+    base = -0.2 + 0.1 * torch.randn(400, generator=g, dtype=torch.float64)
+    z = torch.randn(400, generator=g, dtype=torch.float64)
+    z = (z - z.mean()) / z.std()
+    for gain, expect in ((0.07, 0), (0.09, 1)):  # 1.7 and 2.2 standard errors (se = 0.82 / 20 = 0.041)
+        L = torch.stack([base, base + gain + 0.82 * z])
+        assert select_scale([0.0, 31.6], L, "one_se")[0] == 1
+        i, reason = select_scale([0.0, 31.6], L, "gated")
+        assert i == expect, (gain, reason)
+        if expect == 0:
+            assert "within twice its paired standard error" in reason
