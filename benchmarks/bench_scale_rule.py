@@ -45,6 +45,7 @@ RULES = {  # name: (rule, fraction, num_se); rule None: computed here
     "argmax": ("argmax", 0.7, 1.5),
     "significant (2 SE)": ("significant", 0.7, 1.5),
     "one_se, paired (default)": ("one_se", 0.7, 1.5),
+    "gated: one_se after a 2-SE gain": ("gated", 0.7, 1.5),
     "fraction 0.8, 1 SE": ("fraction", 0.8, 1.0),
     "fraction 0.5, 1.5 SE": ("fraction", 0.5, 1.5),
     "fraction 0.7, 1.5 SE": ("fraction", 0.7, 1.5),
