@@ -267,6 +267,28 @@ def test_float32_large_dim_stays_finite(method):
     assert torch.isfinite(fa.distribution().log_prob(x))
 
 
+@pytest.mark.parametrize("tiny", [1e-22, 3e-22, 1e-21])
+def test_float32_a_coordinate_that_barely_moves_then_moves(tiny):
+    # a weight of a dead unit: it moves by ~1e-22 early in the warm-up (its variance a float32 denormal, its
+    # rescaled row ~1e-23), then moves for real. The warm-up's rescale at n = 8 once divided by the row's
+    # squared norm, a float32 denormal, to inf (the capacitance then refused), as SWAG-EM did on an MNIST-1D MLP
+    g = torch.Generator().manual_seed(0)
+    X = 0.1 * torch.randn(60, 40, generator=g, dtype=torch.float32)
+    X[:, 0] = 0.0
+    X[1, 0] = tiny
+    X[7:, 0] = 0.05 * torch.randn(53, generator=g, dtype=torch.float32)
+    fa = OnlineFactorAnalysis(40, 3, "em", 10, seed=0, dtype=torch.float32)
+    for x in X:
+        fa.update(x[None])
+    F, psi = fa.cov_factor, fa.cov_diag
+    assert torch.isfinite(F).all() and torch.isfinite(psi).all()
+    # past the warm-up the model's variances are the running variances (psi = var - rowsum(F * F)); numpy's
+    import numpy as np
+
+    var = np.var(X.double().numpy(), axis=0, ddof=0)
+    np.testing.assert_allclose((F.double().pow(2).sum(1) + psi.double()).numpy(), var, rtol=2e-3)
+
+
 def test_constructor_errors():
     with pytest.raises(ValueError, match="dim must be an integer >= 2"):
         OnlineFactorAnalysis(1, 1)

@@ -177,10 +177,15 @@ class OnlineEM(Fitter):
         for lo in range(0, fa._local_dim, rows):
             hi = min(lo + rows, fa._local_dim)
             F_c, w, v, psi_c = F[lo:hi], work[: hi - lo], var[lo:hi], psi[lo:hi]
-            norm2 = torch.mul(F_c, F_c, out=w).sum(-1)
-            # a row that has been zeroed (a coordinate that had not moved) stays zero
-            scale = torch.where(norm2 > 0, (0.5 * v / norm2).sqrt(), torch.zeros_like(norm2))
-            F_c.mul_(scale.unsqueeze(-1))
+            # in float64: a row that an earlier rescale left tiny (a coordinate that had barely moved, its
+            # variance then a float32 denormal) has a squared norm that underflows float32 to a denormal,
+            # and 0.5 v / norm^2 overflows to inf once the coordinate moves. A row that has been zeroed (a
+            # coordinate that had not moved) stays zero
+            F64 = F_c.to(torch.float64)
+            norm = F64.norm(dim=-1)
+            scale = torch.where(norm > 0, (0.5 * v.to(torch.float64)).sqrt() / norm.clamp_min(1e-300),
+                                torch.zeros_like(norm))
+            F_c.copy_(F64.mul_(scale.unsqueeze(-1)))
             torch.maximum(0.5 * v, floor[lo:hi], out=psi_c)
             torch.div(F_c, psi_c.unsqueeze(-1), out=w)
             cap.addmm_(w.T, F_c)
