@@ -126,11 +126,7 @@ class OnlineEM(Fitter):
     def step(self, fa, d: Tensor, n_old: int, B: int, first_spread: bool) -> None:
         n = n_old + B
         K = fa.rank
-        if 2 <= n <= fa.warmup and (first_spread or (n.bit_length() > (n - B).bit_length() and fa._has_spread())):
-            # warm-up: each time n passes a power of two, and at the first vector that differs from the
-            # earlier ones, the fixed initial factor is put in the units of the data seen so far (see
-            # _scale_to_variance); identical vectors have no units to put it in
-            self._scale_to_variance(fa)
+        self._warm_up(fa, n, B, first_spread)
         # E-step (eq. 4.23): the capacitance I + F^T Psi^-1 F of the current F, psi was
         # formed by the previous M-step; only F^T Psi^-1 d is new (one pass over F)
         L, u = fa._e_step_inputs(d)  # (K, B) projection F^T Psi^-1 d^T, summed over the ranks if sharded
@@ -146,6 +142,17 @@ class OnlineEM(Fitter):
         fa._A.addmm_(d.T, m.T, beta=0.0 if fa._A_coef == 1.0 else 1 - gamma, alpha=gamma / B)
         fa._A_coef *= 1 - gamma
         fa._H.mul_(1 - gamma).add_(sigma_h + m @ m.T / B, alpha=gamma)
+        self._maybe_m_step(fa, n)
+
+    def _warm_up(self, fa, n: int, B: int, first_spread: bool) -> None:
+        # warm-up: each time n passes a power of two, and at the first vector that differs from the
+        # earlier ones, the fixed initial factor is put in the units of the data seen so far (see
+        # _scale_to_variance); identical vectors have no units to put it in
+        if 2 <= n <= fa.warmup and (first_spread or (n.bit_length() > (n - B).bit_length() and fa._has_spread())):
+            self._scale_to_variance(fa)
+
+    def _maybe_m_step(self, fa, n: int) -> None:
+        # past the warm-up, the M-step every m_step_every updates
         if n <= fa.warmup:
             return
         fa._since_m_step += 1

@@ -77,8 +77,7 @@ class NaturalStep(OnlineEM):
             super().step(fa, d, n_old, B, first_spread)
             return
         n = n_old + B
-        if 2 <= n <= fa.warmup and (first_spread or (n.bit_length() > (n - B).bit_length() and fa._has_spread())):
-            self._scale_to_variance(fa)
+        self._warm_up(fa, n, B, first_spread)
         # the centred scatter (Chan et al.'s merge): d holds the deviations from the new mean
         fa._S.addmm_(d.T, d)
         if n_old > 0 and B > 1:
@@ -86,12 +85,7 @@ class NaturalStep(OnlineEM):
             fa._S.addr_(dbar, dbar, alpha=B * B / n_old)
         elif n_old > 0:
             fa._S.addmm_(d.T, d, alpha=1.0 / n_old)  # B = 1: S += d d^T n / n_old
-        if n <= fa.warmup:
-            return
-        fa._since_m_step += 1
-        if fa._since_m_step >= fa.m_step_every:
-            self._m_step(fa)
-            fa._since_m_step = 0
+        self._maybe_m_step(fa, n)
 
     def _exact_statistics(self, fa) -> Tuple[Tensor, Tensor]:
         r""":math:`\bar A = S\beta^\top` and :math:`\bar H = M^{-1} + \beta S\beta^\top` of the current factor."""
