@@ -554,16 +554,8 @@ class _Scorer:
         divided by the temperature of least NLL on these points (kept in ``self.temperatures``)."""
         from pyro_fa.predictive.temperature import fit_temperature
 
-        logs = []
-        for predictive, dev in self.draws:
-            if s == 0.0:
-                logs.append(self._run_log_probs(predictive, predictive.loc).expand(dev.shape[0], -1, -1))
-                continue
-            for delta in dev:
-                theta = torch.add(predictive.loc, delta, alpha=math.sqrt(s))
-                logs.append(self._run_log_probs(predictive, theta).unsqueeze(0))
-        logs = torch.cat(logs)
-        average = torch.logsumexp(logs, 0) - math.log(logs.shape[0])  # (N, C)
+        logs = self._per_draw(s, self._run_log_probs)
+        average = log_mean_exp(logs)  # (N, C)
         t = fit_temperature(average, self.y)
         self.temperatures[s] = t
         return (average / t).log_softmax(-1).gather(-1, self.y[:, None]).squeeze(-1)
@@ -572,11 +564,17 @@ class _Scorer:
         """:math:`\\ell_i(s)`, float64 of shape (N,); scale 0: one forward pass per member at its mean."""
         if self.temperature:
             return self._tempered(s)
-        lls = []
+        return log_mean_exp(self._per_draw(s, self._run))
+
+    def _per_draw(self, s: float, run) -> Tensor:
+        """``run(predictive, theta)`` at every draw scaled by ``s``, stacked (S, ...); scale 0: one run per
+        member at its mean, repeated for its share of the draws."""
+        out = []
         for predictive, dev in self.draws:
             if s == 0.0:
-                lls.append(self._run(predictive, predictive.loc).expand(dev.shape[0], -1))
+                r = run(predictive, predictive.loc)
+                out.append(r.unsqueeze(0).expand(dev.shape[0], *r.shape))
                 continue
             for delta in dev:
-                lls.append(self._run(predictive, torch.add(predictive.loc, delta, alpha=math.sqrt(s))).unsqueeze(0))
-        return log_mean_exp(torch.cat(lls))
+                out.append(run(predictive, torch.add(predictive.loc, delta, alpha=math.sqrt(s))).unsqueeze(0))
+        return torch.cat(out)
