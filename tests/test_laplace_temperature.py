@@ -157,3 +157,47 @@ def test_regression_is_refused():
 def test_doctest():
     result = doctest.testmod(prior_module, extraglobs={"FactorLaplace": FactorLaplace, "torch": torch})
     assert result.attempted > 0 and result.failed == 0
+
+
+# --------------------------------------------------------------------------- laplace-torch's "+T" row in classify
+def test_laplace_torch_tempered_grid_equals_a_brute_force(problem):
+    # pyro_fa.experiments.classify.baselines: here beside FactorLaplace's tempered grid, which it mirrors
+    """``laplace_probs(prior_method="gridsearch", tempered={})`` (pyro-fa classify's "laplace-grid+T"): the value
+    of laplace-torch's 100-value grid with the least tempered validation NLL, each value predicted by a separate
+    ``laplace_probs(prior_precision=value)`` and its temperature by scipy; the raw choice's probabilities are
+    those of the call without ``tempered``."""
+    from pyro_fa.experiments.classify import baselines as peers
+
+    if peers.unavailable_reasons()["laplace"] is not None:
+        pytest.skip("laplace-torch does not import here")
+    (x_tr, y_tr), (x_va, y_va), (x_te, _) = _blobs(100, 4), problem[2], problem[3]
+    train, val, x_te = (x_tr, y_tr), (x_va, y_va), x_te[:50]
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+        for _ in range(300):  # long enough to be overconfident on 100 points
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(train[0]), y_tr).backward()
+            opt.step()
+    rng = (-2.0, 4.0)
+    info, tempered = {}, {}
+    (p_raw,) = peers.laplace_probs(net, train, val, [x_te], prior_method="gridsearch", log_prior_prec_range=rng,
+                                   info=info, tempered=tempered)
+    (p_alone,) = peers.laplace_probs(net, train, val, [x_te], prior_method="gridsearch", log_prior_prec_range=rng)
+    assert torch.equal(p_raw, p_alone)  # the raw row is untouched by the tempered search
+    best = None
+    for v in torch.logspace(*rng, 100).tolist():
+        p_val, p_test = peers.laplace_probs(net, train, None, [val[0], x_te], prior_precision=v)
+        logp = p_val.double().clamp_min(1e-300).log()
+        res = minimize_scalar(lambda s: _nll(logp, val[1], math.exp(s)), bounds=(math.log(1e-2), math.log(1e2)),
+                              method="bounded", options={"xatol": 1e-10})
+        if best is None or res.fun < best[0] - 1e-9:
+            best = (res.fun, v, math.exp(res.x), p_test)
+    assert tempered["prior_precision"][0] == pytest.approx(best[1], rel=1e-5)
+    assert tempered["temperature"] == pytest.approx(best[2], rel=1e-4)
+    assert tempered["val_nll_tempered"] == pytest.approx(best[0], rel=1e-7)
+    torch.testing.assert_close(tempered["probs"][0], best[3], rtol=1e-5, atol=1e-6)
+    assert info["prior_precision"][0] < 1.0 < 1e3 < tempered["prior_precision"][0]  # they differ here
+    with pytest.raises(ValueError, match="tempered needs prior_method='gridsearch'"):
+        peers.laplace_probs(net, train, val, [x_te], tempered={})

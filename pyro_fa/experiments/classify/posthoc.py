@@ -68,7 +68,12 @@ def tempered_rows(out: Dict[str, dict], y_val: Tensor) -> Dict[str, dict]:
 
 
 def run_factor_laplace(want, map_net, data, budget, seed, inputs, out, t_map_one) -> None:
-    """FactorLaplace (ours) on the MAP network: all weights, GLM probit; marglik and validation grid search."""
+    """FactorLaplace (ours) on the MAP network: all weights, GLM probit; marglik and validation grid search.
+
+    With ``budget.temperature`` the grid-search row also gets its "+T" row's own prior precision, chosen by the
+    validation NLL after a temperature fitted at each grid value (``optimize_prior_precision(..., temperature=
+    True)``): ``probs_T``, ``extra_T``, ``seconds_T``, which :func:`tempered_rows` honours. laplace-torch's grid
+    row gets the same (:func:`run_peers`)."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from pyro_fa.laplace import FactorLaplace
@@ -82,17 +87,30 @@ def run_factor_laplace(want, map_net, data, budget, seed, inputs, out, t_map_one
     la = FactorLaplace(map_net, "classification", rank=budget.laplace_rank, seed=seed)
     la.fit(DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=256))
     t_fit = time.perf_counter() - t0
+    grid = [10.0 ** (k / 2) for k in range(-8, 17)]  # 1e-4 ... 1e8: up to the MAP limit
+    val = [(data.x_val, data.y_val)]
+
+    def predict():
+        with torch.no_grad():
+            return [la.predict_proba(x, pred_type="glm", link_approx="probit").detach() for x in inputs]
+
     for name in rows:
         t0 = time.perf_counter()
         if name == "factor-laplace":
             la.optimize_prior_precision("marglik")
         else:
-            grid = [10.0 ** (k / 2) for k in range(-8, 17)]  # 1e-4 ... 1e8: up to the MAP limit
-            la.optimize_prior_precision("gridsearch", val_loader=[(data.x_val, data.y_val)], grid=grid)
-        with torch.no_grad():
-            probs = [la.predict_proba(x, pred_type="glm", link_approx="probit").detach() for x in inputs]
-        out[name] = {"probs": probs, "seconds": t_map_one + t_fit + time.perf_counter() - t0,
-                     "extra": {"prior_precision": float(la.prior_precision.reshape(-1)[0])}}
+            la.optimize_prior_precision("gridsearch", val_loader=val, grid=grid)
+        raw = float(la.prior_precision.reshape(-1)[0])
+        out[name] = {"probs": predict(), "seconds": t_map_one + t_fit + time.perf_counter() - t0,
+                     "extra": {"prior_precision": raw}}
+        if name == "factor-laplace-grid" and budget.temperature:
+            # the "+T" row's own choice: the precision of least validation NLL after a temperature fitted at it
+            t0 = time.perf_counter()
+            joint = float(la.optimize_prior_precision("gridsearch", val_loader=val, grid=grid, temperature=True)
+                          .reshape(-1)[0])
+            out[name]["probs_T"] = predict() if joint != raw else out[name]["probs"]
+            out[name]["extra_T"] = {"prior_precision": joint, "tempered_prior_choice": True}
+            out[name]["seconds_T"] = out[name]["seconds"] + time.perf_counter() - t0
     map_net.train(was_training)
 
 
@@ -105,9 +123,16 @@ def run_peers(want, make, map_net, data, budget, seed, inputs, tick, out, t_map_
         if name in want:
             t0 = time.perf_counter()
             info: dict = {}
-            probs = peers.laplace_probs(map_net, train_xy, val_xy, inputs, seed, info=info, **options)
-            out[name] = {"probs": [p.detach() for p in probs], "seconds": t_map_one + time.perf_counter() - t0,
-                         "extra": info}
+            tempered = {} if name == "laplace-grid" and budget.temperature else None
+            probs = peers.laplace_probs(map_net, train_xy, val_xy, inputs, seed, info=info, tempered=tempered,
+                                        **options)
+            seconds = t_map_one + time.perf_counter() - t0
+            out[name] = {"probs": [p.detach() for p in probs], "seconds": seconds, "extra": info}
+            if tempered:  # the "+T" row's own choice, as FactorLaplace's above
+                out[name]["seconds"] = seconds - tempered["seconds"]
+                out[name].update(probs_T=[p.detach() for p in tempered["probs"]], seconds_T=seconds,
+                                 extra_T={"prior_precision": tempered["prior_precision"],
+                                          "tempered_prior_choice": True})
     if "ivon" in want:
         t0 = time.perf_counter()
         info = {}
