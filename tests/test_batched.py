@@ -441,8 +441,8 @@ def test_fit_batched_refuses_bad_input():
         (dict(lr_schedule="step"), ValueError, r"fit_batched: lr_schedule must be one of \('constant', 'cosine'\) or "
                                                r"a callable optimizer -> scheduler, got 'step'\."),
         (dict(total_steps=3), ValueError, r"fit_batched: total_steps must be at least steps \(5\), got 3\."),
-        (dict(generator=1), ValueError, r"fit_batched: generator must be a torch\.Generator on x's device cpu, got "
-                                        r"int\."),
+        (dict(generator=1), ValueError, r"fit_batched: generator must be a torch\.Generator \(on the CPU or on x's "
+                                        r"device\), got int\."),
         (dict(callback=3), TypeError, r"fit_batched: callback must be callable, got int\."),
         (dict(progress="yes"), TypeError, r"fit_batched: progress must be a bool or a callable, got str\."),
     ]

@@ -354,7 +354,7 @@ def test_fit_many_returns_the_batched_fits_as_networks(device):
             torch.testing.assert_close(value, mlp.unflatten(q.variance[r])[site["name"]])
         torch.testing.assert_close(torch.linalg.eigvalsh(post.covariance_matrix),
                                    torch.linalg.eigvalsh(q.covariance_matrix[r]))
-        assert bnn.learned_noise_scale == pytest.approx(float(vi.likelihood_scale()[r].detach()), rel=1e-6)
+        assert float(bnn.learned_noise_scale) == pytest.approx(float(vi.likelihood_scale()[r].detach()), rel=1e-6)
         # the network at the posterior mean is the batched network at replica r's mean
         out = pyro.poutine.condition(bnn.module, data=bnn.guide.median())(x).squeeze(-1)
         torch.testing.assert_close(out, mlp(q.mean[r], x))

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+from pyro_fa import _random
 
 from pyro_fa.fa._sharded_normal import ShardedLowRankNormal  # re-exported (pyro_fa.distributed's public name)
 
@@ -340,8 +341,8 @@ class Sharding:
         """
         buf = torch.zeros(num * rank + 1, dtype=_WIDE, device=self.device)
         if self.rank == 0:
-            h = torch.randn(num, rank, generator=generator, dtype=dtype, device=device)
-            seed = torch.randint(0, 2 ** 31, (1,), generator=generator, device=device)
+            h = _random.randn((num, rank), generator, dtype, device)
+            seed = _random.randint(2 ** 31, (1,), generator, device)
             buf[:-1].copy_(h.reshape(-1))
             buf[-1] = seed.to(_WIDE).item()
         self.broadcast(buf)

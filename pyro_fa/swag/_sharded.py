@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from pyro_fa import _random
 
 from pyro_fa.fa._sharding import (agree, check_loadable, check_shard_state, checksum, draw_seed, flatten_slice,
                                   make_sharding, resolve_group, weak_group)
@@ -133,8 +134,8 @@ class ShardedSWAG:
         """Latent draws (S, K), shared by the ranks when sharded, and this rank's coordinate noise (S, D_r)."""
         ref = self.loc
         if self._sharding is None:
-            h = torch.randn(num_samples, self.rank, generator=generator, dtype=ref.dtype, device=ref.device)
-            eps = torch.randn(num_samples, self.dim, generator=generator, dtype=ref.dtype, device=ref.device)
+            h = _random.randn((num_samples, self.rank), generator, ref.dtype, ref.device)
+            eps = _random.randn((num_samples, self.dim), generator, ref.dtype, ref.device)
             return h, eps
         self._sharding.agree_sizes(type(self).__name__, "number of samples", num_samples)
         h, gen = self._sharding.shared_normal(num_samples, self.rank, generator, ref.dtype, ref.device)

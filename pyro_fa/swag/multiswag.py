@@ -16,6 +16,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 from torch.distributions import Categorical, MixtureSameFamily
+from pyro_fa import _random
 
 from pyro_fa.fa.normal import StableLowRankMultivariateNormal
 from pyro_fa.predictive import bma_log_likelihood, check_pred_type, log_mean_exp, tune_scale
@@ -153,7 +154,7 @@ class MultiSWAG(nn.Module):
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"{type(self).__name__}: num_samples must be an integer >= 1, got {num_samples!r}.")
         ref = self.members[0].loc
-        idx = torch.randint(len(self.members), (num_samples,), generator=generator, device=ref.device)
+        idx = _random.randint(len(self.members), (num_samples,), generator, ref.device)
         out = ref.new_empty(num_samples, ref.shape[0])
         for m, member in enumerate(self.members):
             rows = (idx == m).nonzero().flatten()

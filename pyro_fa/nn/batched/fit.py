@@ -16,6 +16,7 @@ from typing import Callable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+from pyro_fa import _random
 
 from pyro_fa.nn.batched.vi import BatchedVI
 
@@ -59,7 +60,8 @@ def fit_batched(model: BatchedVI, x: Tensor, y: Tensor, steps: int, *, batch_siz
         :math:`T` of the cosine schedule, at least ``steps``; default ``steps``. A fit stopped
         before :math:`T` has followed the rates of a longer fit up to that step.
     generator : torch.Generator, optional
-        On the device of ``x``: draws the minibatches. The ELBO's draws come from torch's
+        Draws the minibatches: on the CPU or on the device of ``x`` (drawn on the generator's
+        device, then moved). The ELBO's draws come from torch's
         global RNG (as in Pyro's ``SVI``): seed it with ``torch.manual_seed``.
     progress : bool or callable, default False
         ``True``: a tqdm bar; a callable is called with the number of steps done since
@@ -121,9 +123,9 @@ def fit_batched(model: BatchedVI, x: Tensor, y: Tensor, steps: int, *, batch_siz
         _check_count(total_steps, "total_steps", fn)
         if total_steps < steps:
             raise ValueError(f"{fn}: total_steps must be at least steps ({steps}), got {total_steps}.")
-    if generator is not None and (not isinstance(generator, torch.Generator) or generator.device != x.device):
-        got = f"one on {generator.device}" if isinstance(generator, torch.Generator) else type(generator).__name__
-        raise ValueError(f"{fn}: generator must be a torch.Generator on x's device {x.device}, got {got}.")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"{fn}: generator must be a torch.Generator (on the CPU or on x's device), got "
+                         f"{type(generator).__name__}.")
     if callback is not None and not callable(callback):
         raise TypeError(f"{fn}: callback must be callable, got {type(callback).__name__}.")
 
@@ -200,7 +202,7 @@ def sample_rows(replicas: int, n: int, batch_size: int, generator: Optional[torc
     """
     if batch_size >= n:
         return None
-    return torch.randint(n, (replicas, batch_size), generator=generator, device=device)
+    return _random.randint(n, (replicas, batch_size), generator, device)
 
 
 def take_rows(x: Tensor, y: Tensor, idx: Optional[Tensor]) -> Tuple[Tensor, Tensor]:

@@ -12,6 +12,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 from torch.distributions import Distribution, LowRankMultivariateNormal
+from pyro_fa import _random
 
 __all__ = ["GuideFamily"]
 
@@ -128,7 +129,7 @@ def _rsample_with(q, num_samples: int, generator: torch.Generator) -> Tensor:
     kw = {"generator": generator, "dtype": loc.dtype, "device": loc.device}
     if isinstance(q, LowRankMultivariateNormal):
         K = q.cov_factor.shape[-1]
-        eps_w = torch.randn((num_samples,) + loc.shape[:-1] + (K,), **kw)
-        eps_d = torch.randn((num_samples,) + loc.shape, **kw)
+        eps_w = _random.randn((num_samples,) + loc.shape[:-1] + (K,), **kw)
+        eps_d = _random.randn((num_samples,) + loc.shape, **kw)
         return loc + (q.cov_factor @ eps_w.unsqueeze(-1)).squeeze(-1) + q.cov_diag.sqrt() * eps_d
-    return loc + q.stddev * torch.randn((num_samples,) + loc.shape, **kw)
+    return loc + q.stddev * _random.randn((num_samples,) + loc.shape, **kw)
