@@ -137,6 +137,74 @@ def test_laplace_probs_all_weights_diagonal(problem):
     torch.testing.assert_close(p_sharp, p_map, atol=1e-4, rtol=0)
 
 
+def _dense_glm_probit(net, x_train, x_test, prior_precision):
+    """The all-weights full-GGN Laplace's GLM probit predictive, computed densely here: Jacobians by
+    ``torch.func``, H = sum_n J_n^T (diag p_n - p_n p_n^T) J_n, Sigma = (H + delta I)^-1, and
+    softmax(f / sqrt(1 + pi/8 diag J Sigma J^T)) (MacKay 1992)."""
+    import math
+
+    from torch.func import functional_call, jacrev
+
+    names = [n for n, _ in net.named_parameters()]
+    theta = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).double()
+    shapes = [p.shape for p in net.parameters()]
+    net64 = copy.deepcopy(net).double()
+
+    def f(flat, x):
+        parts, i = {}, 0
+        for n, shape in zip(names, shapes):
+            k = math.prod(shape)
+            parts[n] = flat[i : i + k].reshape(shape)
+            i += k
+        return functional_call(net64, parts, (x,))
+
+    def jac(x):
+        return jacrev(f)(theta, x.double())  # (N, C, D)
+
+    J = jac(x_train)
+    p = f(theta, x_train.double()).softmax(-1)
+    lam = torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+    H = torch.einsum("ncd,nck,nke->de", J, lam, J)
+    sigma = torch.linalg.inv(H + prior_precision * torch.eye(theta.numel(), dtype=torch.float64))
+    Jt = jac(x_test)
+    var = torch.einsum("ncd,de,nce->nc", Jt, sigma, Jt)
+    logits = f(theta, x_test.double())
+    return (logits / torch.sqrt(1 + math.pi / 8 * var)).softmax(-1)
+
+
+def test_laplace_probs_all_weights_full_matches_a_dense_computation(problem):
+    """All-weights full-GGN Laplace at a fixed prior precision: laplace-torch's probabilities equal the dense
+    GGN, its inverse and the probit predictive computed here."""
+    _need("laplace")
+    x_tr, x_te = problem["train"][0], problem["test"][0]
+    (p,) = peers.laplace_probs(problem["net"], problem["train"], None, [x_te], prior_precision=2.0,
+                               subset_of_weights="all", hessian_structure="full")
+    want = _dense_glm_probit(problem["net"], x_tr, x_te, 2.0)
+    torch.testing.assert_close(p.double(), want, atol=2e-4, rtol=0)
+    info = {}
+    (p_ml,) = peers.laplace_probs(problem["net"], problem["train"], None, [x_te], subset_of_weights="all",
+                                  hessian_structure="full", info=info)
+    _assert_probs(p_ml, (200, 3))
+    assert info["prior_method"] == "marglik" and info["prior_precision"][0] > 0
+
+
+def test_laplace_probs_all_weights_kron_between_map_and_full(problem):
+    """All-weights KFAC: widens the MAP's softmax, collapses onto it at a huge prior precision, and at the same
+    prior precision lies closer to the full GGN's predictive than the MAP does."""
+    _need("laplace")
+    x_te = problem["test"][0]
+    args = (problem["net"], problem["train"], None, [x_te])
+    (p,) = peers.laplace_probs(*args, prior_precision=2.0, subset_of_weights="all", hessian_structure="kron")
+    (p_full,) = peers.laplace_probs(*args, prior_precision=2.0, subset_of_weights="all", hessian_structure="full")
+    _assert_probs(p, (200, 3))
+    with torch.no_grad():
+        p_map = problem["net"](x_te).softmax(-1)
+    assert p.max(1).values.mean() < p_map.max(1).values.mean() - 0.01
+    assert (p - p_full).abs().mean() < (p_map - p_full).abs().mean()
+    (p_sharp,) = peers.laplace_probs(*args, prior_precision=1e8, subset_of_weights="all", hessian_structure="kron")
+    torch.testing.assert_close(p_sharp, p_map, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
@@ -147,7 +215,8 @@ def test_laplace_probs_all_weights_diagonal(problem):
         ({"batch_size": 2.5}, ValueError, "batch_size must be a positive integer, got 2.5"),
         ({"subset_of_weights": "subnetwork"}, ValueError,
          "subset_of_weights must be 'last_layer' or 'all', got 'subnetwork'"),
-        ({"hessian_structure": "full"}, ValueError, "hessian_structure must be 'kron' or 'diag', got 'full'"),
+        ({"hessian_structure": "lowrank"}, ValueError,
+         "hessian_structure must be 'kron', 'diag' or 'full', got 'lowrank'"),
         ({"log_prior_prec_range": (4, -4)}, ValueError, r"log_prior_prec_range must be two finite numbers"),
     ],
 )

@@ -186,8 +186,9 @@ def laplace_probs(
         Batch size of the DataLoaders handed to laplace-torch and of prediction.
     subset_of_weights : {"last_layer", "all"}, default "last_layer"
         Which weights get the Gaussian (laplace-torch's option of that name).
-    hessian_structure : {"kron", "diag"}, default "kron"
-        KFAC or diagonal generalised Gauss-Newton (laplace-torch's option of that name).
+    hessian_structure : {"kron", "diag", "full"}, default "kron"
+        KFAC, diagonal or full (D x D, D the weights it covers) generalised Gauss-Newton (laplace-torch's
+        option of that name). "full" over all weights stores D² numbers and eigendecomposes them, O(D³).
     log_prior_prec_range : (float, float), default (-4, 8)
         Base-10 logarithms of the smallest and largest prior precision of the grid search: the default
         reaches far past the MAP limit (at 1e8 the last layer's posterior variance is negligible), which
@@ -235,8 +236,8 @@ def laplace_probs(
         raise ValueError(f"{caller}: prior_method must be 'marglik' or 'gridsearch', got {prior_method!r}.")
     if subset_of_weights not in ("last_layer", "all"):
         raise ValueError(f"{caller}: subset_of_weights must be 'last_layer' or 'all', got {subset_of_weights!r}.")
-    if hessian_structure not in ("kron", "diag"):
-        raise ValueError(f"{caller}: hessian_structure must be 'kron' or 'diag', got {hessian_structure!r}.")
+    if hessian_structure not in ("kron", "diag", "full"):
+        raise ValueError(f"{caller}: hessian_structure must be 'kron', 'diag' or 'full', got {hessian_structure!r}.")
     lo, hi = log_prior_prec_range
     if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
         raise ValueError(f"{caller}: log_prior_prec_range must be two finite numbers (low, high) with low < high, "

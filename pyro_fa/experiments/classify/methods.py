@@ -38,6 +38,9 @@ training per grid point):
 ``laplace-grid``   the same, prior precision by laplace-torch's validation grid search (1e-4 to 1e8:
                    the top of the range is the MAP limit)
 ``laplace-diag``   laplace-torch, all weights, diagonal GGN, GLM probit, marginal likelihood
+``laplace-kron``   laplace-torch, all weights, KFAC GGN, GLM probit, marginal likelihood
+``laplace-full``   laplace-torch, all weights, full (D x D) GGN, GLM probit, marginal likelihood; only for
+                   networks of at most ``FULL_MAX_WEIGHTS`` (8 000) weights, skipped with a warning above
 ``ivon``           IVON (Shen et al. 2024), ``ivon_lrs`` x ``ivon_hess_inits``
 =================  ===========================================================================
 
@@ -74,7 +77,7 @@ __all__ = ["Budget", "METHODS", "NETWORKS", "PEERS", "TEMPERED", "peers_availabl
 
 METHODS = ("map", "ensemble", "dropout", "swa", "swag", "swag-em", "swag-em-glm", "multiswag", "multiswag-glm",
            "vifa", "autonormal", "lowrank", "factor-laplace", "factor-laplace-grid", "laplace", "laplace-grid",
-           "laplace-diag", "ivon")
+           "laplace-diag", "laplace-kron", "laplace-full", "ivon")
 
 
 

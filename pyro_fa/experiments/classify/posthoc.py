@@ -7,19 +7,110 @@ packages (:mod:`pyro_fa.experiments.classify.baselines`).
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 import time
-from typing import Dict
+import warnings
+from typing import Dict, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["TEMPERED", "PEERS", "peers_available", "tempered_rows", "run_factor_laplace", "run_peers"]
+__all__ = ["TEMPERED", "PEERS", "FULL_MAX_WEIGHTS", "ResidentPeak", "peers_available", "tempered_rows",
+           "run_factor_laplace", "run_peers"]
 
 #: rows that also get a "+T" row: the same predictive with a temperature fitted on validation (Guo et al. 2017)
 TEMPERED = ("map", "ensemble", "dropout", "swa", "swag-em", "swag-em-glm", "multiswag", "multiswag-glm", "vifa",
-            "factor-laplace", "factor-laplace-grid", "laplace", "laplace-grid", "laplace-diag", "ivon")
+            "factor-laplace", "factor-laplace-grid", "laplace", "laplace-grid", "laplace-diag", "laplace-kron",
+            "laplace-full", "ivon")
 #: peer methods run from their own packages, and the package each needs
-PEERS = {"laplace": "laplace", "laplace-grid": "laplace", "laplace-diag": "laplace", "ivon": "ivon"}
+PEERS = {"laplace": "laplace", "laplace-grid": "laplace", "laplace-diag": "laplace", "laplace-kron": "laplace",
+         "laplace-full": "laplace", "ivon": "ivon"}
+#: the most weights for which "laplace-full" runs: its D x D precision is eigendecomposed (O(D^3)); the digits
+#: MLP (7 510 weights) takes it, the MNIST-1D MLP (15 210) would take about 8x as long on one thread
+FULL_MAX_WEIGHTS = 8000
+#: laplace-torch's rows: (their options of :func:`~pyro_fa.experiments.classify.baselines.laplace_probs`)
+LAPLACE_ROWS = {
+    "laplace": dict(prior_method="marglik"),
+    "laplace-grid": dict(prior_method="gridsearch"),
+    "laplace-diag": dict(prior_method="marglik", subset_of_weights="all", hessian_structure="diag"),
+    "laplace-kron": dict(prior_method="marglik", subset_of_weights="all", hessian_structure="kron"),
+    "laplace-full": dict(prior_method="marglik", subset_of_weights="all", hessian_structure="full"),
+}
+_CLEAR_REFS = "/proc/self/clear_refs"
+_STATUS = "/proc/self/status"
+
+
+def _status_kib(field: str) -> Optional[int]:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``), or None where it cannot be read."""
+    try:
+        with open(_STATUS) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _reset_high_water_mark() -> bool:
+    """Set the process's resident high-water mark (``VmHWM``) to its resident size now (Linux >= 4.0:
+    ``echo 5 > /proc/self/clear_refs``). False where that is refused or absent."""
+    try:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _release_free_heap() -> None:
+    """Collect garbage and hand the C heap's free pages back (glibc ``malloc_trim``), so that what a fit
+    allocates shows as resident growth rather than landing in pages freed earlier."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class ResidentPeak:
+    """The resident memory a piece of work adds at its peak: the process's resident high-water mark after it
+    minus the resident size before it.
+
+    Made just before the work: frees what it can (:func:`gc.collect`, ``malloc_trim``), reads ``VmRSS`` and
+    resets ``VmHWM`` to it through ``/proc/self/clear_refs``. :meth:`added_mib` reads ``VmHWM`` then. Where
+    the reset is refused (not Linux, a restricted ``/proc``) every reading is None, never a high-water mark
+    left over from earlier work.
+
+    Examples
+    --------
+    >>> peak = ResidentPeak()
+    >>> block = bytearray(64 << 20)  # 64 MiB, zeroed: resident
+    >>> peak.added_mib() is None or peak.added_mib() >= 48
+    True
+    """
+
+    def __init__(self) -> None:
+        _release_free_heap()
+        self.base_kib = _status_kib("VmRSS")
+        self.ok = self.base_kib is not None and _reset_high_water_mark()
+
+    def added_mib(self, reset: bool = False) -> Optional[float]:
+        """MiB of resident memory added at the peak since the start (or the last ``reset=True``), relative to
+        the resident size at the start; None where the high-water mark cannot be reset or read. With
+        ``reset``, the high-water mark is reset after reading (to time the next part on its own)."""
+        high = _status_kib("VmHWM") if self.ok else None
+        if high is None:
+            self.ok = False
+            return None
+        if reset:
+            self.ok = _reset_high_water_mark()
+        return max(high - self.base_kib, 0) / 1024.0
+
+
+def _max_or_none(*values: Optional[float]) -> Optional[float]:
+    return None if any(v is None for v in values) else max(values)
 
 
 def _peers():
@@ -84,9 +175,11 @@ def run_factor_laplace(want, map_net, data, budget, seed, inputs, out, t_map_one
     t0 = time.perf_counter()
     was_training = map_net.training
     map_net.eval()
+    peak = ResidentPeak()
     la = FactorLaplace(map_net, "classification", rank=budget.laplace_rank, seed=seed)
     la.fit(DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=256))
     t_fit = time.perf_counter() - t0
+    fit_mib = peak.added_mib(reset=True)
     grid = [10.0 ** (k / 2) for k in range(-8, 17)]  # 1e-4 ... 1e8: up to the MAP limit
     val = [(data.x_val, data.y_val)]
 
@@ -101,15 +194,19 @@ def run_factor_laplace(want, map_net, data, budget, seed, inputs, out, t_map_one
         else:
             la.optimize_prior_precision("gridsearch", val_loader=val, grid=grid)
         raw = float(la.prior_precision.reshape(-1)[0])
-        out[name] = {"probs": predict(), "seconds": t_map_one + t_fit + time.perf_counter() - t0,
-                     "extra": {"prior_precision": raw}}
+        probs = predict()
+        # the row's peak: the fit's, or that of its prior-precision choice and predictions, if higher
+        out[name] = {"probs": probs, "seconds": t_map_one + t_fit + time.perf_counter() - t0,
+                     "extra": {"prior_precision": raw,
+                               "fit_peak_mib": _max_or_none(fit_mib, peak.added_mib(reset=True))}}
         if name == "factor-laplace-grid" and budget.temperature:
             # the "+T" row's own choice: the precision of least validation NLL after a temperature fitted at it
             t0 = time.perf_counter()
             joint = float(la.optimize_prior_precision("gridsearch", val_loader=val, grid=grid, temperature=True)
                           .reshape(-1)[0])
             out[name]["probs_T"] = predict() if joint != raw else out[name]["probs"]
-            out[name]["extra_T"] = {"prior_precision": joint, "tempered_prior_choice": True}
+            out[name]["extra_T"] = {"prior_precision": joint, "tempered_prior_choice": True, "fit_peak_mib":
+                                    _max_or_none(out[name]["extra"]["fit_peak_mib"], peak.added_mib(reset=True))}
             out[name]["seconds_T"] = out[name]["seconds"] + time.perf_counter() - t0
     map_net.train(was_training)
 
@@ -117,22 +214,30 @@ def run_factor_laplace(want, map_net, data, budget, seed, inputs, out, t_map_one
 def run_peers(want, make, map_net, data, budget, seed, inputs, tick, out, t_map_one) -> None:
     peers, _ = _peers()
     train_xy, val_xy = (data.x_train, data.y_train), (data.x_val, data.y_val)
-    laplace_rows = {"laplace": dict(prior_method="marglik"), "laplace-grid": dict(prior_method="gridsearch"),
-                    "laplace-diag": dict(prior_method="marglik", subset_of_weights="all", hessian_structure="diag")}
-    for name, options in laplace_rows.items():
-        if name in want:
-            t0 = time.perf_counter()
-            info: dict = {}
-            tempered = {} if name == "laplace-grid" and budget.temperature else None
-            probs = peers.laplace_probs(map_net, train_xy, val_xy, inputs, seed, info=info, tempered=tempered,
-                                        **options)
-            seconds = t_map_one + time.perf_counter() - t0
-            out[name] = {"probs": [p.detach() for p in probs], "seconds": seconds, "extra": info}
-            if tempered:  # the "+T" row's own choice, as FactorLaplace's above
-                out[name]["seconds"] = seconds - tempered["seconds"]
-                out[name].update(probs_T=[p.detach() for p in tempered["probs"]], seconds_T=seconds,
-                                 extra_T={"prior_precision": tempered["prior_precision"],
-                                          "tempered_prior_choice": True})
+    n_weights = sum(p.numel() for p in map_net.parameters())
+    for name, options in LAPLACE_ROWS.items():
+        if name not in want:
+            continue
+        if name == "laplace-full" and n_weights > FULL_MAX_WEIGHTS:
+            warnings.warn(f"pyro-fa classify: laplace-full skipped: the network has {n_weights} weights, more "
+                          f"than {FULL_MAX_WEIGHTS} (FULL_MAX_WEIGHTS), for which laplace-torch's full GGN "
+                          f"({n_weights} x {n_weights}, {4 * n_weights ** 2 / 2 ** 20:.0f} MiB in float32) and its "
+                          "eigendecomposition, O(D^3), take too long on one thread.", stacklevel=2)
+            continue
+        t0 = time.perf_counter()
+        info: dict = {}
+        tempered = {} if name == "laplace-grid" and budget.temperature else None
+        peak = ResidentPeak()  # laplace-torch's fit, prior precision and predictions: one call
+        probs = peers.laplace_probs(map_net, train_xy, val_xy, inputs, seed, info=info, tempered=tempered,
+                                    **options)
+        info["fit_peak_mib"] = peak.added_mib()
+        seconds = t_map_one + time.perf_counter() - t0
+        out[name] = {"probs": [p.detach() for p in probs], "seconds": seconds, "extra": info}
+        if tempered:  # the "+T" row's own choice, as FactorLaplace's above
+            out[name]["seconds"] = seconds - tempered["seconds"]
+            out[name].update(probs_T=[p.detach() for p in tempered["probs"]], seconds_T=seconds,
+                             extra_T={"prior_precision": tempered["prior_precision"],
+                                      "tempered_prior_choice": True})
     if "ivon" in want:
         t0 = time.perf_counter()
         info = {}
