@@ -5,6 +5,7 @@ problem: three Gaussian blobs in 2-D (300 training points), a 2-32-3 tanh MLP tr
 to MAP by full-batch Adam in well under a second.
 """
 import copy
+import math
 
 import pytest
 import torch
@@ -186,6 +187,31 @@ def test_laplace_probs_all_weights_full_matches_a_dense_computation(problem):
                                   hessian_structure="full", info=info)
     _assert_probs(p_ml, (200, 3))
     assert info["prior_method"] == "marglik" and info["prior_precision"][0] > 0
+
+
+def test_eigen_log_det_equals_laplace_torchs_logdet(problem):
+    """The full-GGN Laplace's log det of its posterior precision from the GGN's eigenvalues (computed once)
+    equals laplace-torch's factorisation at every prior precision, with the same gradient in it."""
+    _need("laplace")
+    import laplace
+
+    la = laplace.Laplace(copy.deepcopy(problem["net"]).double(), "classification", subset_of_weights="all",
+                         hessian_structure="full")
+    x, y = problem["train"]
+    la.fit(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.double(), y), batch_size=100))
+    peers._eigen_log_det(la)
+    assert type(la).__name__ == "EigenLogDetFullLaplace" and isinstance(la, laplace.FullLaplace)
+    for delta in (1e-3, 0.5, 30.0, 1e6):
+        log_delta = torch.tensor(math.log(delta), dtype=torch.float64, requires_grad=True)
+        la.prior_precision = log_delta.exp()
+        ours = la.log_det_posterior_precision
+        (g_ours,) = torch.autograd.grad(ours, log_delta, retain_graph=True)
+        want = la.posterior_precision.logdet()
+        (g_want,) = torch.autograd.grad(want, log_delta)
+        torch.testing.assert_close(ours, want, rtol=1e-10, atol=1e-8)
+        torch.testing.assert_close(g_ours, g_want, rtol=1e-8, atol=1e-8)
+    la.prior_precision = torch.full((la.n_params,), 2.0, dtype=torch.float64)  # diagonal: laplace-torch's own
+    torch.testing.assert_close(la.log_det_posterior_precision, la.posterior_precision.logdet())
 
 
 def test_laplace_probs_all_weights_kron_between_map_and_full(problem):
