@@ -212,6 +212,13 @@ def test_eigen_log_det_equals_laplace_torchs_logdet(problem):
         torch.testing.assert_close(g_ours, g_want, rtol=1e-8, atol=1e-8)
     la.prior_precision = torch.full((la.n_params,), 2.0, dtype=torch.float64)  # diagonal: laplace-torch's own
     torch.testing.assert_close(la.log_det_posterior_precision, la.posterior_precision.logdet())
+    # laplace-torch's factory still builds its own class, and a second wrap reuses the one subclass
+    again = laplace.Laplace(copy.deepcopy(problem["net"]), "classification", subset_of_weights="all",
+                            hessian_structure="full")
+    assert type(again) is laplace.FullLaplace
+    again.fit(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=100))
+    peers._eigen_log_det(again)
+    assert type(again) is type(la)
 
 
 def test_laplace_probs_all_weights_kron_between_map_and_full(problem):

@@ -312,19 +312,28 @@ def _eigen_log_det(la) -> None:
     likelihood search tries (100 Adam steps): about 100 times the eigendecomposition. The same number up to
     round-off (the GGN's eigenvalues clamped at 0, their round-off below it); a layer-wise or diagonal prior
     precision falls back to laplace-torch's. Changes ``la``'s class to a subclass of its own."""
-    eigenvalues = torch.linalg.eigvalsh(la.H).clamp_min(0)
-    base = type(la)
+    la._pyro_fa_eigenvalues = torch.linalg.eigvalsh(la.H).clamp_min(0)
+    la.__class__ = _eigen_log_det_class(type(la))
+
+
+@functools.lru_cache(maxsize=None)
+def _eigen_log_det_class(base: type) -> type:
+    """The subclass of ``base`` whose log determinant reads the instance's cached eigenvalues; one per base, with
+    a ``_key`` of its own, so that ``laplace.Laplace`` (which maps the ``_key`` of every subclass of its Laplace
+    classes to a class) never builds it in place of ``base``."""
 
     class EigenLogDetLaplace(base):
+        _key = ("pyro_fa", f"eigen-log-det-{base.__name__}")
+
         @property
         def log_det_posterior_precision(self) -> Tensor:
             delta = self.prior_precision
             if delta.numel() != 1:
                 return super().log_det_posterior_precision
-            return (self._H_factor * eigenvalues + delta.reshape(())).log().sum()
+            return (self._H_factor * self._pyro_fa_eigenvalues + delta.reshape(())).log().sum()
 
     EigenLogDetLaplace.__name__ = EigenLogDetLaplace.__qualname__ = f"EigenLogDet{base.__name__}"
-    la.__class__ = EigenLogDetLaplace
+    return EigenLogDetLaplace
 
 
 def _laplace_predict(la, x: Tensor, *, device, dtype, batch_size: int, link_approx: str, n_samples: int) -> Tensor:
