@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
+from pyro_fa import _random
 
 from pyro_fa.fa import linalg
 
@@ -119,8 +120,7 @@ def _top_eigh(
         return evals.flip(-1)[:k], evecs.flip(-1)[:, :k]
     # randomized subspace iteration (Halko, Martinsson & Tropp 2011, Alg. 4.4)
     p = min(10, D - k)
-    gen_device = generator.device if generator is not None else A.device
-    Q = torch.randn(D, k + p, generator=generator, dtype=A.dtype, device=gen_device).to(A.device)
+    Q = _random.randn((D, k + p), generator, A.dtype, A.device)
     Q = torch.linalg.qr(A @ Q).Q
     for _ in range(iterated_power):
         Q = torch.linalg.qr(A @ Q).Q
@@ -350,8 +350,7 @@ class SVDStep:
         self.Q = None
         p = min(10, D - self.K)
         if not (_FULL_EIGH.get(svd_method, False) or p < 10):
-            gen_device = generator.device if generator is not None else S.device
-            R = torch.randn(D, p, generator=generator, dtype=S.dtype, device=gen_device).to(S.device)
+            R = _random.randn((D, p), generator, S.dtype, S.device)
             self.Q = torch.linalg.qr(torch.cat([F / psi.sqrt().unsqueeze(-1), R], -1)).Q
 
     def __call__(self, F: Tensor, psi: Tensor, L: Tensor, W: Tensor, SW: Tensor) -> Tuple[Tensor, Tensor]:
