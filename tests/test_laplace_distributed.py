@@ -82,6 +82,8 @@ def _entry(rank, world_size, init_file, out_dir):
             res["lml_layers"] = la.log_marginal_likelihood(torch.tensor([0.5, 1.0, 2.0, 3.0])).detach()
             pp = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
             res["grad_layers"] = torch.autograd.grad(la.log_marginal_likelihood(pp), pp)[0]
+            lin = la.log_marginal_likelihood(pp, mode="linearized")
+            res["lin_layers"], res["lin_grad"] = lin.detach(), torch.autograd.grad(lin, pp)[0]
             res["variance"] = la.posterior_variance.clone()
             res["log_prob"] = la.posterior.log_prob(_probe(la.dim)[lo:hi]).detach()
             res["entropy"] = la.posterior.entropy().detach()
@@ -108,7 +110,9 @@ def _entry(rank, world_size, init_file, out_dir):
         pp = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
         sigma = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
         lml = reg.log_marginal_likelihood(pp, sigma)
+        lin = reg.log_marginal_likelihood(pp, sigma, mode="linearized")
         out["regression"] = {"lml": lml.detach(), "grads": torch.autograd.grad(lml, (pp, sigma)),
+                             "lin": lin.detach(), "lin_grads": torch.autograd.grad(lin, (pp, sigma)),
                              "predict": reg.predict(_test_inputs()),
                              "predict_nn": reg.predict(_test_inputs(), pred_type="nn", n_samples=5)}
         # the randomized fit, sharded, on a curvature of rank 9 < its 12 columns: captured exactly
@@ -204,6 +208,11 @@ def test_sharded_posterior_equals_one_process(results, fit):
         pp = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
         torch.testing.assert_close(res["grad_layers"], torch.autograd.grad(single.log_marginal_likelihood(pp), pp)[0],
                                    **tol)
+        # the linearised evidence: the loss gradients summed over the ranks, b^T P^-1 b over all rows
+        lin = single.log_marginal_likelihood(pp, mode="linearized")
+        torch.testing.assert_close(res["lin_layers"], lin.detach(), **tol)
+        torch.testing.assert_close(res["lin_grad"], torch.autograd.grad(lin, pp)[0], **tol)
+        torch.testing.assert_close(res["loss_grad"], single.loss_grad[lo:hi], **tol)
         torch.testing.assert_close(res["glm"], single.predict_proba(_test_inputs()), **tol)
         torch.testing.assert_close(res["reloaded_lml"], res["lml"])
         assert "must come from rank" in res["wrong_shard"]
@@ -232,9 +241,14 @@ def test_sharded_regression_evidence_gradients_and_predictive_equal_one_process(
     sigma = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
     lml = single.log_marginal_likelihood(pp, sigma)
     grads = torch.autograd.grad(lml, (pp, sigma))
+    lin = single.log_marginal_likelihood(pp, sigma, mode="linearized")
+    lin_grads = torch.autograd.grad(lin, (pp, sigma))
     mean, var = single.predict(_test_inputs())
     for res in (r["regression"] for r in results):
         torch.testing.assert_close(res["lml"], lml.detach(), rtol=1e-5, atol=0)
+        torch.testing.assert_close(res["lin"], lin.detach(), rtol=1e-5, atol=0)
+        for ours, ref in zip(res["lin_grads"], lin_grads):
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-9)
         for ours, ref in zip(res["grads"], grads):
             torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-9)
         torch.testing.assert_close(res["predict"][0], mean)

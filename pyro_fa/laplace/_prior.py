@@ -20,12 +20,15 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from pyro_fa.laplace._sharded import all_reduce_sum, replicated
 from pyro_fa.predictive.glm import check_pred_type
 
-__all__ = ["PriorPrecisionSelection", "PRIOR_METHODS"]
+__all__ = ["PriorPrecisionSelection", "PRIOR_METHODS", "EVIDENCE_MODES"]
 
 #: the ways of choosing the prior precision (:meth:`PriorPrecisionSelection.optimize_prior_precision`)
 PRIOR_METHODS = ("marglik", "gridsearch")
+#: where the marginal likelihood's fit and prior terms are evaluated (:meth:`PriorPrecisionSelection.log_marginal_likelihood`)
+EVIDENCE_MODES = ("map", "linearized")
 
 _DEFAULT_GRID = tuple(10.0 ** (k / 4) for k in range(-16, 17))  # 1e-4 ... 1e4
 
@@ -46,20 +49,108 @@ def positive_int(owner: str, arg: str, value, minimum: int = 1) -> int:
 class PriorPrecisionSelection:
     """Prior-precision selection of :class:`~pyro_fa.laplace.FactorLaplace` (see there)."""
 
-    #: the temperature fitted with the prior precision by ``optimize_prior_precision(..., temperature=True)``;
-    #: None until then, and again after any choice made without it
-    temperature: Optional[float] = None
+    # ------------------------------------------------------------------ evidence
+    def log_likelihood(self, sigma_noise=None) -> Tensor:
+        r""":math:`\log p(\mathcal D \mid \theta_*)`, a scalar (differentiable in ``sigma_noise``)."""
+        self._check_fitted("log_likelihood()")
+        if self.likelihood == "classification":
+            return -self.loss
+        _, sg = self._resolve(None, sigma_noise)
+        n_out = self.n_outputs.to(self.loc.dtype)
+        N = self.n_data.to(self.loc.dtype)
+        return -self.loss / (2 * sg.pow(2)) - 0.5 * N * n_out * torch.log(2 * math.pi * sg.pow(2))
+
+    def log_marginal_likelihood(self, prior_precision=None, sigma_noise=None, mode: str = "map") -> Tensor:
+        r"""The Laplace approximation of the log evidence, a scalar, differentiable in both hyperparameters.
+
+        ``mode="map"`` (MacKay 1992, §4; Daxberger et al. 2021, eq. 5; laplace-torch's):
+
+        .. math::
+
+            \log p(\mathcal D) \approx \log p(\mathcal D \mid \theta_*) - \tfrac12\big(\log\det P
+            - \textstyle\sum_d \log \delta_d + \sum_d \delta_d \theta_{*d}^2\big),
+
+        with :math:`\log\det P` by the matrix determinant lemma in :math:`O(DK^2)` and :math:`\theta_*` the
+        weights at :meth:`fit`. It assumes :math:`\theta_*` is the mode of the posterior under the prior
+        :math:`\delta` being scored, which a network trained with another weight decay (or not to convergence)
+        is not: the prior term :math:`\delta\|\theta_*\|^2` then counts the many weights the data do not
+        determine, and the chosen :math:`\delta` comes out small and the predictive underconfident.
+
+        ``mode="linearized"``: the evidence of the linearised model at *its own* mode (Antorán et al.,
+        *Adapting the linearised Laplace model evidence for modern deep learning*, ICML 2022, §3-4), the loss
+        taken to second order about :math:`\theta_*` with the fitted curvature
+        :math:`G = \tfrac{N}{\sigma^2}(FF^\top + \Psi)` and the loss's gradient :math:`g` at
+        :math:`\theta_*` (kept by :meth:`fit`):
+
+        .. math::
+
+            \log p(\mathcal D) \approx \text{the above} + \tfrac12\, b^\top P^{-1} b, \qquad
+            b = g + \delta \odot \theta_*,
+
+        which is :math:`-\mathcal L(\hat\theta) - \tfrac12\log\det P + \tfrac12\sum_d\log\delta_d` at the mode
+        :math:`\hat\theta = \theta_* - P^{-1}b` of :math:`\mathcal L(\theta) = -\log p(\mathcal D\mid\theta_*)
+        + g^\top(\theta-\theta_*) + \tfrac12(\theta-\theta_*)^\top G(\theta-\theta_*) +
+        \tfrac12\sum_d\delta_d\theta_d^2`. The prior term weighs :math:`\hat\theta`, whose weights the data
+        do not determine are shrunk to the prior. For a Gaussian likelihood of a model linear in its weights
+        (and a curvature of full rank) this is the exact evidence, whatever :math:`\theta_*` is; for a
+        categorical one the second-order model of the loss stands in for the linearised model's. Also
+        :math:`O(DK^2)`.
+
+        Parameters
+        ----------
+        prior_precision : float or Tensor of shape (1,) or (L,), optional
+            Default: :attr:`prior_precision`.
+        sigma_noise : float or Tensor of shape (), optional
+            Default: :attr:`sigma_noise`.
+        mode : {"map", "linearized"}, default "map"
+            Where the fit and prior terms are evaluated: at :math:`\theta_*`, or at the linearised model's mode.
+
+        Returns
+        -------
+        Tensor of shape ()
+        """
+        self._check_fitted("log_marginal_likelihood()")
+        if mode not in EVIDENCE_MODES:
+            raise ValueError(f"{type(self).__name__}: mode must be one of {EVIDENCE_MODES}, got {mode!r}.")
+        pp, sg = self._resolve(prior_precision, sigma_noise)
+        log_lik = self.log_likelihood(sg)
+        if self._sharding is not None:  # they enter this rank's partial sums: their gradients summed over ranks
+            pp, sg = replicated(pp, self._sharding), replicated(sg, self._sharding)
+        delta = self._prior_diag(pp)
+        post = self._posterior(pp, sg)
+        sums = torch.stack([delta.log().sum(), (delta * self.loc.pow(2)).sum()])
+        if self._sharding is not None:  # this rank's weights: the sums over D all-reduced
+            sums = all_reduce_sum(sums, self._sharding)
+        log_det_ratio = post.log_det_precision() - sums[0]
+        lml = log_lik - 0.5 * (log_det_ratio + sums[1])
+        if mode == "linearized":
+            grad = self.loss_grad if self.likelihood == "classification" else self.loss_grad / (2 * sg.pow(2))
+            lml = lml + 0.5 * self._covariance_quadratic(post, grad + delta * self.loc)
+        return lml
+
+    def _covariance_quadratic(self, post, b: Tensor) -> Tensor:
+        r""":math:`b^\top P^{-1} b` by Woodbury, :math:`\sum_d b_d^2/a_d - \|L^{-1}U^\top A^{-1}b\|^2`, in the wide
+        dtype of the posterior's capacitance (the two sums cancel where :math:`b` lies in the low-rank part);
+        differentiable, and over all ranks when sharded (one all-reduce of K + 1 numbers)."""
+        L = post._capacitance_tril
+        wide = L.dtype
+        a, bw = post.prec_diag.to(wide), b.to(wide)
+        local = torch.cat([(bw.pow(2) / a).sum().reshape(1), post.prec_factor.to(wide).T @ (bw / a)])
+        if self._sharding is not None:
+            local = all_reduce_sum(local, self._sharding)
+        v = torch.linalg.solve_triangular(L, local[1:].unsqueeze(-1), upper=False)
+        return (local[0] - v.pow(2).sum()).to(b.dtype)
 
     def optimize_prior_precision(self, method: str = "marglik", *, n_steps: int = 100, lr: float = 0.1,
                                  val_loader: Optional[Iterable] = None, grid: Optional[Sequence[float]] = None,
                                  pred_type: str = "glm", link_approx: str = "probit",
-                                 n_samples: int = 100, temperature: bool = False) -> Tensor:
+                                 n_samples: int = 100, temperature: bool = False, mode: str = "map") -> Tensor:
         r"""Choose the prior precision :math:`\delta` (scalar or per layer, the shape of :attr:`prior_precision`).
 
         Parameters
         ----------
         method : {"marglik", "gridsearch"}, default "marglik"
-            ``"marglik"``: Adam on :math:`\log\delta` maximising :meth:`log_marginal_likelihood`;
+            ``"marglik"``: Adam on :math:`\log\delta` maximising :meth:`log_marginal_likelihood` (its ``mode``);
             ``"gridsearch"``: the scalar :math:`\delta` of ``grid`` with the lowest validation negative
             log-likelihood of the predictive (``pred_type``, ``link_approx``).
         n_steps, lr : int, float
@@ -77,8 +168,11 @@ class PriorPrecisionSelection:
             in :attr:`temperature`. :meth:`predict_proba` itself is never tempered; apply it as
             ``(la.predict_proba(x).log() / la.temperature).softmax(-1)``. The raw scores stay in
             ``grid_scores_``; the tempered ones and the temperatures go to ``grid_tempered_`` (values, NLLs,
-            temperatures). :attr:`temperature` is a plain attribute, not part of :meth:`state_dict`: save it
-            beside.
+            temperatures). :attr:`temperature` is saved by :meth:`state_dict` (``fitted_temperature``).
+        mode : {"map", "linearized"}, default "map"
+            ``"marglik"`` only: the evidence maximised, at :math:`\theta_*` (laplace-torch's) or at the
+            linearised model's own mode (Antorán et al. 2022), which does not take the weights the data leave
+            undetermined for evidence of a small prior precision (see :meth:`log_marginal_likelihood`).
 
         Returns
         -------
@@ -92,7 +186,8 @@ class PriorPrecisionSelection:
             An unknown ``method``; bad ``n_steps``, ``lr``, ``grid`` or a missing ``val_loader``; a non-finite
             prior precision, log marginal likelihood or gradient during ``"marglik"``, or a non-finite
             validation NLL in ``"gridsearch"``; ``temperature`` not a bool, or True with ``"marglik"`` or a
-            regression. Nothing is stored then: :attr:`prior_precision` and :attr:`temperature` stay as they were.
+            regression; an unknown ``mode``, or ``"linearized"`` with ``"gridsearch"``. Nothing is stored
+            then: :attr:`prior_precision` and :attr:`temperature` stay as they were.
 
         Examples
         --------
@@ -103,6 +198,7 @@ class PriorPrecisionSelection:
         >>> p = (la.predict_proba(x[40:]).log() / la.temperature).softmax(-1)  # the tempered predictive
         >>> p.shape
         torch.Size([20, 4])
+        >>> delta = la.optimize_prior_precision("marglik", mode="linearized")  # the linearised model's evidence
         """
         name = type(self).__name__
         self._check_fitted("optimize_prior_precision()")
@@ -116,9 +212,14 @@ class PriorPrecisionSelection:
         if temperature and self.likelihood != "classification":
             raise ValueError(f"{name}: temperature=True needs likelihood='classification' (a temperature divides "
                              f"log class probabilities), got {self.likelihood!r}.")
+        if mode not in EVIDENCE_MODES:
+            raise ValueError(f"{name}: mode must be one of {EVIDENCE_MODES}, got {mode!r}.")
+        if mode != "map" and method != "marglik":
+            raise ValueError(f"{name}: mode={mode!r} chooses the evidence of method='marglik', got "
+                             f"method={method!r}.")
         chosen_t = None
         if method == "marglik":
-            best = self._marglik_prior_precision(n_steps, lr)
+            best = self._marglik_prior_precision(n_steps, lr, mode)
         else:
             best, chosen_t = self._gridsearch_prior_precision(val_loader, grid, pred_type, link_approx, n_samples,
                                                               temperature)
@@ -128,7 +229,7 @@ class PriorPrecisionSelection:
         self.temperature = chosen_t
         return self.prior_precision.clone()
 
-    def _marglik_prior_precision(self, n_steps: int, lr: float) -> Tensor:
+    def _marglik_prior_precision(self, n_steps: int, lr: float, mode: str = "map") -> Tensor:
         name = type(self).__name__
         positive_int(name, "n_steps", n_steps)
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
@@ -142,7 +243,7 @@ class PriorPrecisionSelection:
                 raise ValueError(f"{name}: optimize_prior_precision('marglik') reached a non-finite or zero prior "
                                  f"precision {show(pp)} at step {step}; try a smaller lr (got {lr!r}). The "
                                  "prior precision was left as it was.")
-            lml = self.log_marginal_likelihood(prior_precision=pp)
+            lml = self.log_marginal_likelihood(prior_precision=pp, mode=mode)
             if not bool(torch.isfinite(lml)):
                 raise ValueError(f"{name}: optimize_prior_precision('marglik'): the log marginal likelihood is "
                                  f"{float(lml)!r} at prior precision {show(pp)} (step {step}); the fitted "

@@ -115,6 +115,10 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
     loss : Tensor of shape ()
         At :math:`\theta_*`: the summed cross-entropy (classification) or the sum of squared errors
         (regression).
+    loss_grad : Tensor of shape (D,) or (D_r,)
+        The gradient of :attr:`loss` at :math:`\theta_*` (for ``log_marginal_likelihood(mode="linearized")``).
+    fitted_temperature : Tensor of shape ()
+        :attr:`temperature`, 0 for None.
 
     Notes
     -----
@@ -184,6 +188,8 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         self.register_buffer("sigma_noise", self._check_sigma(sigma_noise, ref))
         self.register_buffer("n_data", torch.zeros((), dtype=torch.int64, device=ref.device))
         self.register_buffer("loss", torch.zeros((), **dd))
+        self.register_buffer("loss_grad", torch.zeros(hi - lo, **dd))
+        self.register_buffer("fitted_temperature", torch.zeros((), **dd))
         self.register_buffer("n_outputs", torch.zeros((), dtype=torch.int64, device=ref.device))
         self._f = flat_network(model, named)
 
@@ -299,7 +305,8 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
             raise ValueError(f"{name}: the model's weights must be finite to fit a Laplace approximation, got "
                              "NaN or inf.")
         generator = torch.Generator(device=theta.device).manual_seed(self.seed)
-        totals = {"n": 0, "loss": theta.new_zeros(()), "outputs": 0, "first": True}
+        totals = {"n": 0, "loss": theta.new_zeros(()), "grad": torch.zeros_like(theta), "outputs": 0, "first": True}
+        leaf = theta.clone().requires_grad_(True)
 
         def passes():
             count, totals["first"] = totals["first"], False
@@ -307,10 +314,13 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
                 x, y = self._batch(batch, "train_loader")
                 for lo in range(0, x.shape[0], self.chunk_size):
                     xc, yc = x[lo:lo + self.chunk_size], y[lo:lo + self.chunk_size]
-                    if count:
-                        with torch.no_grad():
-                            out = self._f(theta, xc)
-                            totals["loss"] += self._batch_loss(out, yc)
+                    if count:  # the loss and its gradient at theta (the linearised evidence's g)
+                        with torch.enable_grad():
+                            out = self._f(leaf, xc)
+                            loss = self._batch_loss(out, yc)
+                            totals["grad"] += torch.autograd.grad(loss, leaf)[0]
+                        totals["loss"] += loss.detach()
+                        out = out.detach()
                         totals["n"] += xc.shape[0]
                         totals["outputs"] = 1 if out.dim() == 1 else out.shape[-1]
                     yield curvature_vectors(self._f, theta, xc, self.likelihood, self.curvature,
@@ -329,15 +339,19 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
             dist.all_reduce(sums, group=self.process_group)
             dist.all_reduce(outputs, op=dist.ReduceOp.MAX, group=self.process_group)
             totals["loss"], totals["n"], totals["outputs"] = sums[0].to(theta.dtype), int(sums[1]), int(outputs)
+            dist.all_reduce(totals["grad"], group=self.process_group)
         n_data = totals["n"]
         if n_data == 0:
             raise ValueError(f"{name}: train_loader must yield at least one example, got none.")
         if not bool(torch.isfinite(totals["loss"])):
             raise ValueError(f"{name}: the loss at the MAP must be finite, got {float(totals['loss'])!r}.")
+        if not bool(torch.isfinite(totals["grad"]).all()):
+            raise ValueError(f"{name}: the gradient of the loss at the MAP must be finite, got NaN or inf.")
         ratio = info["n_vectors"] / n_data  # F F^T + psi fits G / V: rescale to G / N
         lo, hi = self._rows
         self._replace(loc=theta[lo:hi], cov_factor=F * ratio ** 0.5, cov_diag=psi * ratio, loss=totals["loss"],
-                      n_data=torch.tensor(n_data), n_outputs=torch.tensor(totals["outputs"]))
+                      loss_grad=totals["grad"][lo:hi], n_data=torch.tensor(n_data),
+                      n_outputs=torch.tensor(totals["outputs"]))
         self.fit_info = info
         return self
 
@@ -403,52 +417,6 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
                 torch.manual_seed(int(torch.randint(2 ** 62, (), generator=generator, device=generator.device)))
                 return self.posterior.rsample((n_samples,))
         return self.posterior.rsample((n_samples,))
-
-    # ------------------------------------------------------------------ evidence
-    def log_likelihood(self, sigma_noise=None) -> Tensor:
-        r""":math:`\log p(\mathcal D \mid \theta_*)`, a scalar (differentiable in ``sigma_noise``)."""
-        self._check_fitted("log_likelihood()")
-        if self.likelihood == "classification":
-            return -self.loss
-        _, sg = self._resolve(None, sigma_noise)
-        n_out = self.n_outputs.to(self.loc.dtype)
-        N = self.n_data.to(self.loc.dtype)
-        return -self.loss / (2 * sg.pow(2)) - 0.5 * N * n_out * torch.log(2 * math.pi * sg.pow(2))
-
-    def log_marginal_likelihood(self, prior_precision=None, sigma_noise=None) -> Tensor:
-        r"""The Laplace approximation of the log evidence, a scalar, differentiable in both hyperparameters.
-
-        .. math::
-
-            \log p(\mathcal D) \approx \log p(\mathcal D \mid \theta_*) - \tfrac12\big(\log\det P
-            - \textstyle\sum_d \log \delta_d + \sum_d \delta_d \theta_{*d}^2\big)
-
-        (MacKay 1992, §4; Daxberger et al. 2021, eq. 5), with :math:`\log\det P` by the matrix determinant
-        lemma in :math:`O(DK^2)`. :math:`\theta_*` stays the weights at :meth:`fit`.
-
-        Parameters
-        ----------
-        prior_precision : float or Tensor of shape (1,) or (L,), optional
-            Default: :attr:`prior_precision`.
-        sigma_noise : float or Tensor of shape (), optional
-            Default: :attr:`sigma_noise`.
-
-        Returns
-        -------
-        Tensor of shape ()
-        """
-        self._check_fitted("log_marginal_likelihood()")
-        pp, sg = self._resolve(prior_precision, sigma_noise)
-        log_lik = self.log_likelihood(sg)
-        if self._sharding is not None:  # they enter this rank's partial sums: their gradients summed over ranks
-            pp, sg = replicated(pp, self._sharding), replicated(sg, self._sharding)
-        delta = self._prior_diag(pp)
-        post = self._posterior(pp, sg)
-        sums = torch.stack([delta.log().sum(), (delta * self.loc.pow(2)).sum()])
-        if self._sharding is not None:  # this rank's weights: the sums over D all-reduced
-            sums = all_reduce_sum(sums, self._sharding)
-        log_det_ratio = post.log_det_precision() - sums[0]
-        return log_lik - 0.5 * (log_det_ratio + sums[1])
 
     # ------------------------------------------------------------------ predictives
     def _glm_moments(self, x: Tensor):
@@ -566,7 +534,7 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
                                  f"of {saved[1]} holding [{saved[3]}, {saved[4]}) of D={saved[0]}; nothing was "
                                  "loaded. Save and load each rank's own state_dict.")
         for key, what in (("prior_precision", "positive"), ("sigma_noise", "positive"), ("cov_diag", "non-negative"),
-                          ("n_data", "non-negative")):
+                          ("n_data", "non-negative"), ("fitted_temperature", "non-negative")):
             v = state_dict.get(key)
             if torch.is_tensor(v) and v.numel() and not bool((v > 0).all() if what == "positive" else (v >= 0).all()):
                 raise ValueError(f"{name}: state_dict[{key!r}] must be {what}, got {_show(v)}; nothing was loaded.")
@@ -575,6 +543,17 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
             if buf is not None and key in state_dict:
                 self._buffers[key] = torch.empty_like(buf)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    @property
+    def temperature(self) -> Optional[float]:
+        """The temperature of the last prior-precision choice (:meth:`optimize_prior_precision`), None without one;
+        saved in :meth:`state_dict` as ``fitted_temperature`` (0 for None)."""
+        t = float(self.fitted_temperature)
+        return None if t == 0.0 else t
+
+    @temperature.setter
+    def temperature(self, value: Optional[float]) -> None:
+        self._replace(fitted_temperature=torch.tensor(0.0 if value is None else float(value)))
 
     def extra_repr(self) -> str:
         return (f"likelihood={self.likelihood!r}, dim={self.dim}, rank={self.rank}, curvature={self.curvature!r}, "
