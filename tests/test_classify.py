@@ -137,7 +137,7 @@ def test_benchmark_files_and_metrics_recomputed(tmp_path, monkeypatch):
     ran = set(combo["methods"])
     assert ran >= set(METHODS) - {"laplace", "laplace-grid", "laplace-diag", "laplace-kron", "laplace-full", "ivon"}
     assert "laplace-full" not in ran
-    for row in ("factor-laplace", "factor-laplace-grid+T") + (("laplace-kron", "laplace-diag+T")
+    for row in ("factor-laplace", "factor-laplace-grid+T", "factor-laplace-lin+T") + (("laplace-kron", "laplace-diag+T")
                                                             if "laplace-kron" in ran else ()):
         peak = combo["methods"][row]["extra"][0]["fit_peak_mib"]
         assert peak is None or peak >= 0

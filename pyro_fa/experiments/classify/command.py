@@ -56,8 +56,8 @@ COMBOS = (("mnist1d", "mlp"), ("mnist1d", "cnn"), ("digits", "mlp"), ("mnist1d-8
 DEFAULT_SEEDS = 5
 #: rows --quick leaves out unless named in --methods (the all-weights curvature passes and the mixture's GLM
 #: predictive: tens of seconds each on one core); the benchmark's tests run them on a subset
-QUICK_SKIPS = ("factor-laplace", "factor-laplace-grid", "laplace-diag", "laplace-kron", "laplace-full",
-               "multiswag-glm")
+QUICK_SKIPS = ("factor-laplace", "factor-laplace-grid", "factor-laplace-lin", "laplace-diag", "laplace-kron",
+               "laplace-full", "multiswag-glm")
 
 
 def add_arguments(parser) -> None:

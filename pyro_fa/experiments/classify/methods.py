@@ -34,6 +34,8 @@ training per grid point):
 ``factor-laplace`` :class:`pyro_fa.laplace.FactorLaplace` on the MAP network: all weights, GGN fitted
                    by factor analysis (rank 20), GLM probit, prior precision by marginal likelihood
 ``factor-laplace-grid`` the same, prior precision by validation grid search (1e-4 to 1e8)
+``factor-laplace-lin`` the same, prior precision by the marginal likelihood of the linearised model at its
+                   own mode (``mode="linearized"``, Antorán et al. 2022)
 ``laplace``        laplace-torch, last-layer KFAC, GLM probit, prior precision by marginal likelihood
 ``laplace-grid``   the same, prior precision by laplace-torch's validation grid search (1e-4 to 1e8:
                    the top of the range is the MAP limit)
@@ -76,8 +78,8 @@ from pyro_fa.experiments.classify.posthoc import PEERS, TEMPERED, average_log_pr
 __all__ = ["Budget", "METHODS", "NETWORKS", "PEERS", "TEMPERED", "peers_available", "CNN1d", "make_network", "run_methods", "epochs_of"]
 
 METHODS = ("map", "ensemble", "dropout", "swa", "swag", "swag-em", "swag-em-glm", "multiswag", "multiswag-glm",
-           "vifa", "autonormal", "lowrank", "factor-laplace", "factor-laplace-grid", "laplace", "laplace-grid",
-           "laplace-diag", "laplace-kron", "laplace-full", "ivon")
+           "vifa", "autonormal", "lowrank", "factor-laplace", "factor-laplace-grid", "factor-laplace-lin",
+           "laplace", "laplace-grid", "laplace-diag", "laplace-kron", "laplace-full", "ivon")
 
 
 

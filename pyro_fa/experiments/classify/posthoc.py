@@ -21,7 +21,7 @@ __all__ = ["TEMPERED", "PEERS", "FULL_MAX_WEIGHTS", "ResidentPeak", "peers_avail
 
 #: rows that also get a "+T" row: the same predictive with a temperature fitted on validation (Guo et al. 2017)
 TEMPERED = ("map", "ensemble", "dropout", "swa", "swag-em", "swag-em-glm", "multiswag", "multiswag-glm", "vifa",
-            "factor-laplace", "factor-laplace-grid", "laplace", "laplace-grid", "laplace-diag", "laplace-kron",
+            "factor-laplace", "factor-laplace-grid", "factor-laplace-lin", "laplace", "laplace-grid", "laplace-diag", "laplace-kron",
             "laplace-full", "ivon")
 #: peer methods run from their own packages, and the package each needs
 PEERS = {"laplace": "laplace", "laplace-grid": "laplace", "laplace-diag": "laplace", "laplace-kron": "laplace",
@@ -159,7 +159,8 @@ def tempered_rows(out: Dict[str, dict], y_val: Tensor) -> Dict[str, dict]:
 
 
 def run_factor_laplace(want, map_net, data, budget, seed, inputs, out, t_map_one) -> None:
-    """FactorLaplace (ours) on the MAP network: all weights, GLM probit; marglik and validation grid search.
+    """FactorLaplace (ours) on the MAP network: all weights, GLM probit; marglik (at the MAP, or the linearised
+    model's evidence at its own mode) and validation grid search.
 
     With ``budget.temperature`` the grid-search row also gets its "+T" row's own prior precision, chosen by the
     validation NLL after a temperature fitted at each grid value (``optimize_prior_precision(..., temperature=
@@ -169,7 +170,7 @@ def run_factor_laplace(want, map_net, data, budget, seed, inputs, out, t_map_one
 
     from pyro_fa.laplace import FactorLaplace
 
-    rows = [m for m in ("factor-laplace", "factor-laplace-grid") if m in want]
+    rows = [m for m in ("factor-laplace", "factor-laplace-grid", "factor-laplace-lin") if m in want]
     if not rows:
         return
     t0 = time.perf_counter()
@@ -191,6 +192,8 @@ def run_factor_laplace(want, map_net, data, budget, seed, inputs, out, t_map_one
         t0 = time.perf_counter()
         if name == "factor-laplace":
             la.optimize_prior_precision("marglik")
+        elif name == "factor-laplace-lin":
+            la.optimize_prior_precision("marglik", mode="linearized")
         else:
             la.optimize_prior_precision("gridsearch", val_loader=val, grid=grid)
         raw = float(la.prior_precision.reshape(-1)[0])

@@ -18,6 +18,7 @@ LABELS = {
     "laplace-kron": "laplace-torch (all, KFAC, marglik)", "laplace-full": "laplace-torch (all, full, marglik)",
     "ivon": "IVON", "swag-em-glm": "SWAG-EM, GLM probit", "multiswag-glm": "MultiSWAG-EM (5), GLM probit",
     "factor-laplace": "FactorLaplace (ours, marglik)", "factor-laplace-grid": "FactorLaplace (ours, val. grid)",
+    "factor-laplace-lin": "FactorLaplace (ours, lin. marglik)",
 }
 #: our factor-analysis posteriors (rows added for other predictives keep these prefixes)
 OURS = ("swag-em", "multiswag", "vifa", "factor-laplace")
