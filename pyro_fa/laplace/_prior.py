@@ -1,9 +1,10 @@
-r"""Choosing the prior precision of :class:`~pyro_fa.laplace.FactorLaplace`: marginal likelihood or validation grid.
+r"""The evidence of :class:`~pyro_fa.laplace.FactorLaplace` and the choice of its prior precision: marginal
+likelihood (at the MAP, or the linearised model's at its own mode) or validation grid.
 
 A mixin (kept apart so that the approximation's state, fit and predictives stay readable): it reads the
-approximation through ``prior_precision``, ``loc``, ``log_marginal_likelihood``, ``predict_proba`` /
-``predict`` and ``_check_prior_precision``, and stores its choice only once the choice is checked (positive
-and finite), in new storage (``_replace``).
+approximation through its buffers (``prior_precision``, ``loc``, ``loss``, ``loss_grad``, ...), ``_posterior``,
+``predict_proba`` / ``predict`` and ``_check_prior_precision``, and stores its choice only once the choice is
+checked (positive and finite), in new storage (``_replace``).
 
 ``optimize_prior_precision("gridsearch", ..., temperature=True)`` scores each grid value *after* a temperature
 (Guo, Pleiss, Sun & Weinberger, "On calibration of modern neural networks", 2017) fitted on the validation points

@@ -31,8 +31,7 @@ from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_networ
 from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
 from pyro_fa.laplace._prior import PriorPrecisionSelection, positive_int as _positive_int, show as _show
 from pyro_fa.laplace.posterior import LowRankPrecisionNormal
-from pyro_fa.laplace._sharded import (ShardedLowRankPrecisionNormal, all_reduce_sum, make_laplace_sharding,
-                                      replicated, sharded_glm_moments)
+from pyro_fa.laplace._sharded import ShardedLowRankPrecisionNormal, make_laplace_sharding, sharded_glm_moments
 from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_moments, probit_proba
 
 __all__ = ["FactorLaplace", "LIKELIHOODS"]
