@@ -352,3 +352,25 @@ def test_map_prior_precision_chosen_by_tempered_validation_nll():
     assert _choose(["sharp", "blunt"], lambda v: (v, sharp if v == "sharp" else blunt), y)[0] == "blunt"
     with pytest.raises(ValueError, match="map_select must be 'tempered' or 'nll', got 'accuracy'"):
         Budget(map_select="accuracy")
+
+
+def test_a_peer_alone_runs_without_a_map_network_and_an_unsupported_layer_is_skipped(tmp_path):
+    """``--methods ivon`` trains no MAP network (IVON has its own grid); laplace-torch's all-weights KFAC does not
+    support the 1-D CNN's layers: the row is skipped with a warning naming the reason, the others still run."""
+    from pyro_fa.experiments.classify import posthoc
+
+    avail = posthoc.peers_available()
+    torch.set_num_threads(1)
+    budget = Budget(epochs=2, swag_epochs=1, rank=2, ensemble=2, samples=3, prior_precisions=(1.0,), dropouts=(0.1,),
+                    swag_lrs=(3e-3,), vi_lrs=(3e-3,), ivon_lrs=(0.1,), ivon_hess_inits=(0.5,))
+    if avail["ivon"]:
+        out = classify.run_benchmark([("digits", "mlp")], ["ivon"], budget, [0], tmp_path / "ivon", progress=False,
+                                     subset=(120, 60))
+        assert set(out["combos"]["digits-mlp"]["methods"]) == {"ivon", "ivon+T"}
+    if avail["laplace"]:
+        with pytest.warns(UserWarning, match=r"laplace-kron skipped: laplace-torch cannot fit it on this network "
+                                             r"\(NotImplementedError"):
+            out = classify.run_benchmark([("mnist1d", "cnn")], ["map", "laplace-kron", "laplace-diag"], budget, [0],
+                                         tmp_path / "cnn", progress=False, subset=(120, 60))
+        assert {"map", "laplace-diag"} <= set(out["combos"]["mnist1d-cnn"]["methods"])
+        assert "laplace-kron" not in out["combos"]["mnist1d-cnn"]["methods"]

@@ -217,10 +217,10 @@ def run_factor_laplace(want, map_net, data, budget, seed, inputs, out, t_map_one
 def run_peers(want, make, map_net, data, budget, seed, inputs, tick, out, t_map_one) -> None:
     peers, _ = _peers()
     train_xy, val_xy = (data.x_train, data.y_train), (data.x_val, data.y_val)
-    n_weights = sum(p.numel() for p in map_net.parameters())
     for name, options in LAPLACE_ROWS.items():
         if name not in want:
             continue
+        n_weights = sum(p.numel() for p in map_net.parameters())  # there is a MAP network whenever a Laplace row runs
         if name == "laplace-full" and n_weights > FULL_MAX_WEIGHTS:
             warnings.warn(f"pyro-fa classify: laplace-full skipped: the network has {n_weights} weights, more "
                           f"than {FULL_MAX_WEIGHTS} (FULL_MAX_WEIGHTS), for which laplace-torch's full GGN "
@@ -231,8 +231,13 @@ def run_peers(want, make, map_net, data, budget, seed, inputs, tick, out, t_map_
         info: dict = {}
         tempered = {} if name == "laplace-grid" and budget.temperature else None
         peak = ResidentPeak()  # laplace-torch's fit, prior precision and predictions: one call
-        probs = peers.laplace_probs(map_net, train_xy, val_xy, inputs, seed, info=info, tempered=tempered,
-                                    **options)
+        try:
+            probs = peers.laplace_probs(map_net, train_xy, val_xy, inputs, seed, info=info, tempered=tempered,
+                                        **options)
+        except NotImplementedError as exc:  # a layer its curvature backend does not support (e.g. KFAC of Conv1d)
+            warnings.warn(f"pyro-fa classify: {name} skipped: laplace-torch cannot fit it on this network "
+                          f"({type(exc).__name__}: {exc})", stacklevel=2)
+            continue
         info["fit_peak_mib"] = peak.added_mib()
         seconds = t_map_one + time.perf_counter() - t0
         out[name] = {"probs": [p.detach() for p in probs], "seconds": seconds, "extra": info}
