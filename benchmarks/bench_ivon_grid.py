@@ -139,6 +139,11 @@ def run_dataset(name, seeds, budget, grid, check, earlier=None):
             t0 = time.perf_counter()
             val_nll, probs = train_point(make, data, budget, seed, lr, h)
             key = repr((lr, h))
+            if not all(bool(torch.isfinite(p).all()) for p in probs):  # diverged: never chosen
+                new[key] = {"val_nll": math.inf, **{m: math.nan for m in ("nll", "ece", "nll_T", "ece_T")}}
+                print(f"  {name} seed {seed} (lr {lr:g}, hess_init {h:g}): diverged (NaN / inf predictive), "
+                      f"{time.perf_counter() - t0:.1f} s", flush=True)
+                continue
             new[key] = {"val_nll": val_nll, **score(probs, data)}
             line = (f"  {name} seed {seed} (lr {lr:g}, hess_init {h:g}): val NLL {val_nll:.5f}, test NLL "
                     f"{new[key]['nll']:.4f}, + T {new[key]['nll_T']:.4f}, {time.perf_counter() - t0:.1f} s")
