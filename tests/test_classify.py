@@ -1,6 +1,7 @@
 """The classification benchmark (``pyro-fa classify``): data splits, OOD sets, the command and its files."""
 import contextlib
 import json
+import math
 import random
 
 import numpy as np
@@ -374,3 +375,29 @@ def test_a_peer_alone_runs_without_a_map_network_and_an_unsupported_layer_is_ski
                                          tmp_path / "cnn", progress=False, subset=(120, 60))
         assert {"map", "laplace-diag"} <= set(out["combos"]["mnist1d-cnn"]["methods"])
         assert "laplace-kron" not in out["combos"]["mnist1d-cnn"]["methods"]
+
+
+def test_each_factor_laplace_row_starts_from_the_same_prior_precision():
+    """A marginal-likelihood row's Adam starts from the prior precision it was given, never from the choice of a
+    row run before it in the same process (the grid's can be 1e8, far from the optimum): the rows alone and all
+    together give the same prior precisions."""
+    from pyro_fa.experiments.classify import posthoc
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    data = cdata.load_classify("digits", seed=0)
+    net = make_network("mlp", data)
+    with torch.no_grad():  # far from any posterior mode: the linearised evidence's choice depends on where it starts
+        for p in net.parameters():
+            p.mul_(3.0)
+    budget = Budget(laplace_rank=4, temperature=False)
+    rows = ("factor-laplace", "factor-laplace-grid", "factor-laplace-lin")
+    together: dict = {}
+    posthoc.run_factor_laplace(rows, net, data, budget, 0, [data.x_test[:50]], together, 0.0)
+    # the grid's choice is far from 1, where the marginal-likelihood rows start
+    assert abs(math.log10(together["factor-laplace-grid"]["extra"]["prior_precision"])) >= 2
+    for name in ("factor-laplace", "factor-laplace-lin"):
+        alone: dict = {}
+        posthoc.run_factor_laplace([name], net, data, budget, 0, [data.x_test[:50]], alone, 0.0)
+        assert together[name]["extra"]["prior_precision"] == pytest.approx(alone[name]["extra"]["prior_precision"],
+                                                                          rel=1e-6)

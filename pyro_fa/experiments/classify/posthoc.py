@@ -21,14 +21,23 @@ __all__ = ["TEMPERED", "PEERS", "FULL_MAX_WEIGHTS", "ResidentPeak", "peers_avail
 
 #: rows that also get a "+T" row: the same predictive with a temperature fitted on validation (Guo et al. 2017)
 TEMPERED = ("map", "ensemble", "dropout", "swa", "swag-em", "swag-em-glm", "multiswag", "multiswag-glm", "vifa",
-            "factor-laplace", "factor-laplace-grid", "factor-laplace-lin", "laplace", "laplace-grid", "laplace-diag", "laplace-kron",
-            "laplace-full", "ivon")
+            "factor-laplace", "factor-laplace-grid", "factor-laplace-lin", "laplace", "laplace-grid", "laplace-diag",
+            "laplace-kron", "laplace-full", "ivon")
 #: peer methods run from their own packages, and the package each needs
 PEERS = {"laplace": "laplace", "laplace-grid": "laplace", "laplace-diag": "laplace", "laplace-kron": "laplace",
          "laplace-full": "laplace", "ivon": "ivon"}
 #: the most weights for which "laplace-full" runs: its D x D precision is eigendecomposed (O(D^3)); the digits
 #: MLP (7 510 weights) takes it, the MNIST-1D MLP (15 210) would take about 8x as long on one thread
 FULL_MAX_WEIGHTS = 8000
+#: FactorLaplace's rows: their options of ``optimize_prior_precision`` (the grid search also gets the validation
+#: part and :data:`FACTOR_LAPLACE_GRID`)
+FACTOR_LAPLACE_ROWS = {
+    "factor-laplace": dict(method="marglik"),
+    "factor-laplace-grid": dict(method="gridsearch"),
+    "factor-laplace-lin": dict(method="marglik", mode="linearized"),
+}
+#: FactorLaplace's validation grid: 1e-4 ... 1e8, up to the MAP limit
+FACTOR_LAPLACE_GRID = tuple(10.0 ** (k / 2) for k in range(-8, 17))
 #: laplace-torch's rows: (their options of :func:`~pyro_fa.experiments.classify.baselines.laplace_probs`)
 LAPLACE_ROWS = {
     "laplace": dict(prior_method="marglik"),
@@ -170,7 +179,7 @@ def run_factor_laplace(want, map_net, data, budget, seed, inputs, out, t_map_one
 
     from pyro_fa.laplace import FactorLaplace
 
-    rows = [m for m in ("factor-laplace", "factor-laplace-grid", "factor-laplace-lin") if m in want]
+    rows = [m for m in FACTOR_LAPLACE_ROWS if m in want]
     if not rows:
         return
     t0 = time.perf_counter()
@@ -181,8 +190,9 @@ def run_factor_laplace(want, map_net, data, budget, seed, inputs, out, t_map_one
     la.fit(DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=256))
     t_fit = time.perf_counter() - t0
     fit_mib = peak.added_mib(reset=True)
-    grid = [10.0 ** (k / 2) for k in range(-8, 17)]  # 1e-4 ... 1e8: up to the MAP limit
+    grid = list(FACTOR_LAPLACE_GRID)
     val = [(data.x_val, data.y_val)]
+    start = la.prior_precision.clone()  # where every row's choice starts, whatever the rows before it chose
 
     def predict():
         with torch.no_grad():
@@ -190,12 +200,11 @@ def run_factor_laplace(want, map_net, data, budget, seed, inputs, out, t_map_one
 
     for name in rows:
         t0 = time.perf_counter()
-        if name == "factor-laplace":
-            la.optimize_prior_precision("marglik")
-        elif name == "factor-laplace-lin":
-            la.optimize_prior_precision("marglik", mode="linearized")
-        else:
-            la.optimize_prior_precision("gridsearch", val_loader=val, grid=grid)
+        options = dict(FACTOR_LAPLACE_ROWS[name])
+        if options["method"] == "gridsearch":
+            options.update(val_loader=val, grid=grid)
+        la.prior_precision = start.clone()
+        la.optimize_prior_precision(**options)
         raw = float(la.prior_precision.reshape(-1)[0])
         probs = predict()
         # the row's peak: the fit's, or that of its prior-precision choice and predictions, if higher
