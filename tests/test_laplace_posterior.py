@@ -33,6 +33,8 @@ def test_matches_dense_multivariate_normal(dtype, device):
     v = torch.randn(7, dtype=dtype, device=device)
     torch.testing.assert_close(q.covariance_matvec(v).double(), dense.covariance_matrix @ v.double(), **tol)
     torch.testing.assert_close(q.precision_matvec(v).double(), P.double() @ v.double(), **tol)
+    torch.testing.assert_close(q.covariance_quadratic(v).double(), v.double() @ dense.covariance_matrix @ v.double(),
+                               **tol)
     # the factor form handed to the GLM predictive: P^-1 = diag(cov_diag) - B B^T
     B = q.cov_factor.double()
     torch.testing.assert_close(torch.diag(q.cov_diag.double()) - B @ B.T, dense.covariance_matrix, **tol)

@@ -126,21 +126,8 @@ class PriorPrecisionSelection:
         lml = log_lik - 0.5 * (log_det_ratio + sums[1])
         if mode == "linearized":
             grad = self.loss_grad if self.likelihood == "classification" else self.loss_grad / (2 * sg.pow(2))
-            lml = lml + 0.5 * self._covariance_quadratic(post, grad + delta * self.loc)
+            lml = lml + 0.5 * post.covariance_quadratic(grad + delta * self.loc)
         return lml
-
-    def _covariance_quadratic(self, post, b: Tensor) -> Tensor:
-        r""":math:`b^\top P^{-1} b` by Woodbury, :math:`\sum_d b_d^2/a_d - \|L^{-1}U^\top A^{-1}b\|^2`, in the wide
-        dtype of the posterior's capacitance (the two sums cancel where :math:`b` lies in the low-rank part);
-        differentiable, and over all ranks when sharded (one all-reduce of K + 1 numbers)."""
-        L = post._capacitance_tril
-        wide = L.dtype
-        a, bw = post.prec_diag.to(wide), b.to(wide)
-        local = torch.cat([(bw.pow(2) / a).sum().reshape(1), post.prec_factor.to(wide).T @ (bw / a)])
-        if self._sharding is not None:
-            local = all_reduce_sum(local, self._sharding)
-        v = torch.linalg.solve_triangular(L, local[1:].unsqueeze(-1), upper=False)
-        return (local[0] - v.pow(2).sum()).to(b.dtype)
 
     def optimize_prior_precision(self, method: str = "marglik", *, n_steps: int = 100, lr: float = 0.1,
                                  val_loader: Optional[Iterable] = None, grid: Optional[Sequence[float]] = None,

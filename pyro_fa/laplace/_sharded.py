@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from pyro_fa.fa.moments import wide_dtype
+from pyro_fa.laplace.posterior import _woodbury_quadratic
 
 __all__ = ["ShardedLowRankPrecisionNormal", "all_reduce_sum", "replicated", "make_laplace_sharding",
            "sharded_glm_moments"]
@@ -150,6 +151,14 @@ class ShardedLowRankPrecisionNormal:
         r""":math:`\log\det P` of the whole precision, a scalar (differentiable; collective)."""
         log_a, L = self._reduced()
         return (log_a + 2 * L.diagonal().log().sum()).to(self.loc.dtype)
+
+    def covariance_quadratic(self, v: Tensor) -> Tensor:
+        r""":math:`v^\top P^{-1} v` of the whole vector from this rank's rows ``v`` (shape (D_r,)), a scalar
+        (differentiable; collective: one all-reduce of K + 1 numbers)."""
+        L = self._capacitance_tril
+        a, w = self.prec_diag.to(L.dtype), v.to(L.dtype)
+        local = torch.cat([(w.pow(2) / a).sum().reshape(1), self.prec_factor.to(L.dtype).T @ (w / a)])
+        return _woodbury_quadratic(all_reduce_sum(local, self.sharding), L).to(v.dtype)
 
     @property
     def mean(self) -> Tensor:

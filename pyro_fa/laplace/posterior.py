@@ -154,6 +154,15 @@ class LowRankPrecisionNormal(Distribution):
         B = self.cov_factor
         return v / self.prec_diag - (v @ B) @ B.T
 
+    def covariance_quadratic(self, v: Tensor) -> Tensor:
+        r""":math:`v^\top P^{-1} v` for ``v`` of shape (D,), a scalar (differentiable), by Woodbury:
+        :math:`\sum_d v_d^2/a_d - \|L^{-1}U^\top A^{-1}v\|^2`, in the capacitance's float64 (the two sums
+        cancel where :math:`v` lies in the low-rank part)."""
+        L = self._capacitance_tril
+        a, w = self.prec_diag.to(L.dtype), v.to(L.dtype)
+        sums = torch.cat([(w.pow(2) / a).sum().reshape(1), self.prec_factor.to(L.dtype).T @ (w / a)])
+        return _woodbury_quadratic(sums, L).to(v.dtype)
+
     # ------------------------------------------------------------------ Distribution API
     def rsample(self, sample_shape=torch.Size()) -> Tensor:
         r"""Draws of shape ``sample_shape + (D,)``: :math:`\mu + P^{-1}z`, :math:`z = A^{1/2}\varepsilon_1 + U\varepsilon_2 \sim N(0, P)`.
@@ -185,3 +194,9 @@ class LowRankPrecisionNormal(Distribution):
         if tuple(batch_shape) != ():
             raise NotImplementedError(f"{type(self).__name__}: batch shapes are not supported, got {batch_shape!r}.")
         return self
+
+
+def _woodbury_quadratic(sums: Tensor, L: Tensor) -> Tensor:
+    r""":math:`v^\top P^{-1}v` from ``sums`` :math:`= (\sum_d v_d^2/a_d, U^\top A^{-1}v)` (shape (K + 1,), summed
+    over all rows) and the capacitance's Cholesky factor ``L``."""
+    return sums[0] - torch.linalg.solve_triangular(L, sums[1:].unsqueeze(-1), upper=False).pow(2).sum()
