@@ -227,6 +227,44 @@ def test_merge_runs_equals_one_run_over_the_seeds(tmp_path):
         classify.merge_runs([tmp_path / "s0", tmp_path / "s1"], tmp_path / "bad", rows_from=[tmp_path / "rerun"])
     with pytest.raises(SystemExit, match=r"holds seed\(s\) \[1\] of digits-mlp, which the merged runs do not"):
         classify.merge_runs([tmp_path / "s0"], tmp_path / "bad", rows_from=[tmp_path / "rerun"])
+    # a row rerun on a wider grid of its own (here MC dropout's rates) replaces that row on every seed and the
+    # merged budget records the grid it ran on; any other difference of budget is refused
+    for s in (0, 1):
+        grid = json.loads((tmp_path / f"s{s}" / "results.json").read_text())
+        grid["budget"]["dropouts"] = [0.3, 0.5]
+        grid["combos"]["digits-mlp"]["methods"] = {"dropout": grid["combos"]["digits-mlp"]["methods"]["map"]}
+        (tmp_path / f"grid{s}").mkdir()
+        (tmp_path / f"grid{s}" / "results.json").write_text(json.dumps(grid))
+    wider = classify.merge_runs([tmp_path / "s0", tmp_path / "s1"], tmp_path / "wider",
+                                rows_from=[tmp_path / "grid0", tmp_path / "grid1"])
+    assert wider["combos"]["digits-mlp"]["methods"]["dropout"]["per_seed"]["nll"] == pytest.approx(
+        a["map"]["per_seed"]["nll"], abs=1e-12)
+    saved = json.loads((tmp_path / "wider" / "results.json").read_text())
+    assert saved["budget"]["dropouts"] == [0.3, 0.5] and saved["budget"]["epochs"] == 4
+    # the rows of one grid under two of its values (seed 0 on the wider grid, seed 1 on the merged runs')
+    with pytest.raises(SystemExit, match=r"two values \(dropouts=\[0.3, 0.5\]: 'dropout' of digits-mlp; "
+                                         r"dropouts=\[0.05, 0.1, 0.2\]: 'dropout' of digits-mlp\)"):
+        classify.merge_runs([tmp_path / "s0", tmp_path / "s1"], tmp_path / "bad",
+                            rows_from=[tmp_path / "grid0", _relabel(tmp_path / "grid1", dropouts=[0.05, 0.1, 0.2])])
+    # a grid that governs none of the rows brought changes nothing; another field is refused, named
+    merge_runs = classify.merge_runs([tmp_path / "s0", tmp_path / "s1"], tmp_path / "kept",
+                                     rows_from=[_relabel(tmp_path / "s1", dropouts=[0.3])])
+    assert merge_runs["combos"]["digits-mlp"]["methods"]["swag-em"]["per_seed"]["nll"] == pytest.approx(
+        a["swag-em"]["per_seed"]["nll"], abs=1e-12)
+    assert json.loads((tmp_path / "kept" / "results.json").read_text())["budget"]["dropouts"] == [0.05, 0.1, 0.2]
+    with pytest.raises(SystemExit, match=r"ran under another budget than the merged runs \(epochs=5 against 4\)"):
+        classify.merge_runs([tmp_path / "s0", tmp_path / "s1"], tmp_path / "bad",
+                            rows_from=[_relabel(tmp_path / "s1", epochs=5)])
+
+
+def _relabel(folder, **budget):
+    """A copy of the run in ``folder`` whose recorded budget says ``budget``; returns the copy's folder."""
+    result = json.loads((folder / "results.json").read_text())
+    result["budget"].update(budget)
+    out = folder.parent / f"{folder.name}-{'-'.join(f'{k}{v}' for k, v in budget.items())}"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps(result))
+    return out
 
 
 def test_classify_command_bad_input(tmp_path):

@@ -46,8 +46,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from pyro_fa.experiments.classify.data import DATASETS, load_classify, median_norms
-from pyro_fa.experiments.classify.methods import MAP_SCORES, METHODS, NETWORKS, PEERS, Budget, epochs_of, \
-    peers_available, run_methods
+from pyro_fa.experiments.classify.methods import MAP_SCORES, METHODS, NETWORKS, PEERS, ROW_ONLY_FIELDS, Budget, \
+    epochs_of, peers_available, run_methods
 from pyro_fa.experiments._io import OutputFolder, atomic_write_json, atomic_write_text, mean_se, positive_int, \
     progress_bar
 
@@ -79,7 +79,8 @@ def add_arguments(parser) -> None:
                              "run side by side) into one report in --output-dir")
     parser.add_argument("--rows-from", nargs="+", default=(), metavar="DIR",
                         help="with --merge: runs whose rows replace (or join) the rows of the same name in the same "
-                             "seeds of the merged runs (a few rows rerun after a change)")
+                             "seeds of the merged runs (a few rows rerun after a change; of the same budget but "
+                             "for the grid of the rows they bring, e.g. IVON's)")
 
 
 def _budget(args) -> Budget:
@@ -259,8 +260,43 @@ def _read_runs(dirs: Sequence) -> list:
     return runs
 
 
-def _replace_rows(result: dict, folder: Path, combos: dict, seeds_of: dict, probs0: dict) -> None:
-    """Put the rows of one ``rows_from`` run into the merged seeds (see :func:`merge_runs`)."""
+def _row_only_diff(result: dict, folder: Path, base: dict) -> None:
+    """Refuse a ``rows_from`` run whose budget differs from the merged runs' in more than :data:`ROW_ONLY_FIELDS`."""
+    other = sorted(k for k in set(base) | set(result["budget"])
+                   if result["budget"].get(k) != base.get(k) and k not in ROW_ONLY_FIELDS)
+    if other:
+        got = "; ".join(f"{k}={result['budget'].get(k)!r} against {base.get(k)!r}" for k in other)
+        raise SystemExit(f"pyro-fa classify: --rows-from {folder} ran under another budget than the merged runs "
+                         f"({got}); only the grids of single rows ({', '.join(ROW_ONLY_FIELDS)}) may differ.")
+
+
+def _row_only_values(combos: dict, seeds_of: dict, origin: dict, base: dict) -> dict:
+    """The merged value of each field of :data:`ROW_ONLY_FIELDS`: the one every row it governs ran under.
+
+    ``origin[(key, row, field)]`` lists, per merged seed, the value (as JSON) the row of that seed ran under
+    (the merged runs' own where absent). Refuses rows of one field left under two values.
+    """
+    out = {}
+    for f, rows in ROW_ONLY_FIELDS.items():
+        values: Dict[str, List[str]] = {}
+        for key, combo in combos.items():
+            for name in combo["methods"]:
+                if (name[:-2] if name.endswith("+T") else name) in rows:
+                    for v in origin.get((key, name, f), [json.dumps(base.get(f))] * len(seeds_of[key])):
+                        values.setdefault(v, []).append(f"{name!r} of {key}")
+        if len(values) > 1:
+            where = "; ".join(f"{f}={v}: {', '.join(sorted(set(w)))}" for v, w in values.items())
+            raise SystemExit(f"pyro-fa classify: --rows-from leaves rows of one grid under two values ({where}); "
+                             "rerun them for every merged seed under one budget.")
+        if values:
+            out[f] = json.loads(next(iter(values)))
+    return out
+
+
+def _replace_rows(result: dict, folder: Path, combos: dict, seeds_of: dict, probs0: dict,
+                  origin: Optional[dict] = None, base: Optional[dict] = None) -> None:
+    """Put the rows of one ``rows_from`` run into the merged seeds (see :func:`merge_runs`); note in ``origin``
+    the value of each field of :data:`ROW_ONLY_FIELDS` the replaced rows ran under."""
     saved = torch.load(folder / "predictions.pt") if (folder / "predictions.pt").is_file() else None
     for key, combo in result["combos"].items():
         merged = seeds_of.get(key, [])
@@ -280,6 +316,11 @@ def _replace_rows(result: dict, folder: Path, combos: dict, seeds_of: dict, prob
                     into["per_seed"].setdefault(k, [None] * len(merged))[i] = v[j]
                 into["seconds"][i] = m["seconds"][j]
                 into["extra"][i] = m["extra"][j]
+            if origin is not None:
+                for f in ROW_ONLY_FIELDS:
+                    ran = origin.setdefault((key, name, f), [json.dumps(base.get(f))] * len(merged))
+                    for i in at:
+                        ran[i] = json.dumps(result["budget"].get(f))
         if saved is not None and key in saved["probs"] and merged and merged[0] in result["seeds"] \
                 and min(result["seeds"]) == merged[0]:
             probs0.setdefault(key, {}).update(saved["probs"][key])
@@ -292,10 +333,12 @@ def merge_runs(dirs: Sequence, output_dir, rows_from: Sequence = ()) -> dict:
     order of seed) or different datasets; the bars and figures are recomputed over the merged seeds. The
     figures of the first seed come from the run holding the smallest seed. All runs must share one budget.
 
-    ``rows_from``: runs of the same budget whose rows go into the same seeds of the merged runs, replacing
-    rows of the same name (a few rows rerun after a change, e.g. ``--methods swa swag-em``, without
-    rerunning the rest). Every seed they hold must be among the merged runs', and a row they add must
-    cover every merged seed of its dataset × network (from one or several of them).
+    ``rows_from``: runs whose rows go into the same seeds of the merged runs, replacing rows of the same name
+    (a few rows rerun after a change, e.g. ``--methods swa swag-em``, without rerunning the rest). Every seed
+    they hold must be among the merged runs', and a row they add must cover every merged seed of its dataset
+    × network (from one or several of them). Their budget is the merged runs' but for the grids of single
+    rows (:data:`~pyro_fa.experiments.classify.methods.ROW_ONLY_FIELDS`, e.g. IVON's): a row rerun on a wider
+    grid replaces the row for every merged seed, and the merged budget records the grid it ran on.
 
     Returns
     -------
@@ -305,17 +348,21 @@ def merge_runs(dirs: Sequence, output_dir, rows_from: Sequence = ()) -> dict:
     Raises
     ------
     SystemExit
-        When a folder holds no results, the budgets differ, a seed of a dataset × network appears twice, or
-        a run of ``rows_from`` holds a seed not merged or adds a row for only some seeds.
+        When a folder holds no results, the budgets differ (beyond a row's grid, for ``rows_from``), a seed of a
+        dataset × network appears twice, a run of ``rows_from`` holds a seed not merged or adds a row for only
+        some seeds, or the rows of one grid are left under two of its values.
     """
     from pyro_fa.experiments.classify import report as rep
 
     runs = _read_runs(dirs)
     extra_runs = _read_runs(rows_from)
     runs.sort(key=lambda r: min(r[0]["seeds"]))
-    budgets = {json.dumps(r["budget"], sort_keys=True) for r, _ in runs + extra_runs}
+    budgets = {json.dumps(r["budget"], sort_keys=True) for r, _ in runs}
     if len(budgets) > 1:
         raise SystemExit(f"pyro-fa classify: --merge needs runs of one budget, got {len(budgets)} different ones.")
+    base = runs[0][0]["budget"]
+    for result, folder in extra_runs:
+        _row_only_diff(result, folder, base)
     combos: Dict[str, dict] = {}
     seeds_of: Dict[str, List[int]] = {}
     probs0, targets0 = {}, {}
@@ -338,8 +385,9 @@ def merge_runs(dirs: Sequence, output_dir, rows_from: Sequence = ()) -> dict:
                     into["per_seed"].setdefault(k, []).extend(v)
                 into["seconds"].extend(m["seconds"])
                 into["extra"].extend(m["extra"])
+    origin: dict = {}
     for result, folder in extra_runs:
-        _replace_rows(result, folder, combos, seeds_of, probs0)
+        _replace_rows(result, folder, combos, seeds_of, probs0, origin=origin, base=base)
     for key, combo in combos.items():
         for name, m in combo["methods"].items():
             lack = [seeds_of[key][i] for i, v in enumerate(m["seconds"]) if v is None]
@@ -350,7 +398,8 @@ def merge_runs(dirs: Sequence, output_dir, rows_from: Sequence = ()) -> dict:
         for m in combo["methods"].values():
             m["mean"] = {k: mean_se(v)[0] for k, v in m["per_seed"].items()}
             m["se"] = {k: mean_se(v)[1] for k, v in m["per_seed"].items()}
-    b = {k: tuple(v) if isinstance(v, list) else v for k, v in runs[0][0]["budget"].items()}
+    b = {**base, **_row_only_values(combos, seeds_of, origin, base)}
+    b = {k: tuple(v) if isinstance(v, list) else v for k, v in b.items()}
     b.setdefault("map_select", "nll")  # runs from before the tempered choice of MAP's prior precision
     seeds = sorted({s for v in seeds_of.values() for s in v})
     checks = rep.bar_checks(combos)

@@ -83,6 +83,12 @@ METHODS = ("map", "ensemble", "dropout", "swa", "swag", "swag-em", "swag-em-glm"
 
 
 
+#: budget fields that change only these rows (and their "+T" rows): a ``--rows-from`` run may differ from the
+#: runs it merges into in these fields (see :func:`pyro_fa.experiments.classify.command.merge_runs`)
+ROW_ONLY_FIELDS = {"ivon_lrs": ("ivon",), "ivon_hess_inits": ("ivon",), "dropouts": ("dropout",),
+                   "vi_lrs": ("vifa", "autonormal", "lowrank")}
+
+
 @dataclass
 class Budget:
     """Training budget, shared settings and the hyperparameter grids (one training per grid point)."""
