@@ -12,7 +12,8 @@ from pyro_fa import cli, metrics
 from pyro_fa.experiments.classify import data as cdata
 from pyro_fa.experiments.classify import report as rep
 from pyro_fa.experiments.classify import command as classify
-from pyro_fa.experiments.classify.methods import METHODS, Budget, make_network
+from pyro_fa.experiments.classify.data import load_classify
+from pyro_fa.experiments.classify.methods import METHODS, Budget, make_network, run_methods
 
 pytest.importorskip("mnist1d")
 
@@ -171,13 +172,13 @@ def test_benchmark_files_and_metrics_recomputed(tmp_path, monkeypatch):
 
 def test_classify_command(tmp_path, capsys):
     code = cli.main(["classify", "--datasets", "digits", "--methods", "map", "swa", "swag-em", "--epochs", "4",
-                     "--seeds", "1", "--no-progress", "--output-dir", str(tmp_path)])
+                     "--seeds", "1", "--no-progress", "--device", "cpu", "--output-dir", str(tmp_path)])
     assert code == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results["combos"]) == {"digits-mlp"}
     assert set(results["combos"]["digits-mlp"]["methods"]) == {"map", "swa", "swag-em", "map+T", "swa+T", "swag-em+T"}
     assert results["combos"]["digits-mlp"]["methods"]["swag-em+T"]["extra"][0]["tempered_scale_choice"]
-    assert results["budget"]["epochs"] == 4
+    assert results["budget"]["epochs"] == 4 and results["devices"] == ["cpu"]
     printed = capsys.readouterr().out
     assert "SWAG-EM" in printed
     # a run smaller than the full one says so under its bars
@@ -280,6 +281,35 @@ def test_classify_command_bad_input(tmp_path):
         cli.main(["classify", "--datasets", "digits", "--networks", "cnn", "--output-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="--rows-from needs --merge"):
         cli.main(["classify", "--rows-from", str(tmp_path), "--output-dir", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match=r"--device must be a torch device such as cpu, cuda or cuda:1, got 'gpu0'"):
+        cli.main(["classify", "--device", "gpu0", "--output-dir", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match=r"--device must be cpu, cuda\[:N\] or mps, got 'meta'"):
+        cli.main(["classify", "--device", "meta", "--output-dir", str(tmp_path / "x")])
+    if torch.cuda.is_available():
+        with pytest.raises(SystemExit, match=r"--device cuda:99: this machine has \d+ CUDA device"):
+            cli.main(["classify", "--device", "cuda:99", "--output-dir", str(tmp_path / "x")])
+    else:
+        with pytest.raises(SystemExit, match=r"--device cuda needs a CUDA GPU .* torch.cuda.is_available\(\) is False"):
+            cli.main(["classify", "--device", "cuda", "--output-dir", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()  # refused before anything is written
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_run_methods_on_cuda_matches_the_cpu():
+    """Every method family trains and predicts on the GPU (data, networks, posteriors, peers), returns its
+    probabilities on the CPU, and scores what the same seed scores on the CPU, up to the GPU's round-off."""
+    torch.set_num_threads(1)
+    budget = Budget(epochs=6, swag_epochs=3, rank=2, samples=4, prior_precisions=(1.0,), dropouts=(0.1,),
+                    swag_lrs=(3e-3,), vi_lrs=(3e-3,), ivon_lrs=(0.1,), ivon_hess_inits=(0.5,), laplace_rank=4)
+    data = load_classify("digits", 0).subset(300, 100)
+    methods = ["map", "dropout", "swag-em", "swag-em-glm", "vifa", "factor-laplace-grid", "laplace", "ivon"]
+    on_cpu = run_methods(methods, "mlp", data, budget, 0)
+    on_gpu = run_methods(methods, "mlp", data.to("cuda"), budget, 0)
+    assert set(on_gpu) == set(on_cpu)
+    for name, row in on_gpu.items():
+        assert all(p.device.type == "cpu" and torch.isfinite(p).all() for p in row["probs"]), name
+        nll = [rep.evaluate(r["probs"], data.y_test, list(data.ood))["nll"] for r in (on_cpu[name], row)]
+        assert nll[1] == pytest.approx(nll[0], rel=0.05, abs=0.02), name
 
 
 def _combo(per_method, ood=("x",)):

@@ -74,6 +74,10 @@ def add_arguments(parser) -> None:
                         help="how MAP's prior precision (which every method shares) is chosen on validation: the NLL "
                              "after temperature scaling (default) or the raw NLL (the rule of the earlier tables)")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--device", default="cpu", metavar="DEV",
+                        help="torch device every method trains and predicts on: cpu (default), cuda, cuda:N, mps; "
+                             "networks are initialised and minibatches drawn on the CPU, so a seed starts alike "
+                             "everywhere")
     parser.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                         help="train nothing: merge the results of earlier runs (e.g. one seed or one dataset each, "
                              "run side by side) into one report in --output-dir")
@@ -95,8 +99,36 @@ def _budget(args) -> Budget:
     return b
 
 
+def parse_device(value) -> torch.device:
+    """``value`` as a torch device this machine has; a clear error otherwise (for ``--device``).
+
+    Raises
+    ------
+    SystemExit
+        When ``value`` names no torch device, or one this build or machine lacks (CUDA, MPS).
+    """
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as err:
+        raise SystemExit(f"pyro-fa classify: --device must be a torch device such as cpu, cuda or cuda:1, got "
+                         f"{value!r} ({err}).") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"pyro-fa classify: --device {value} needs a CUDA GPU and a CUDA build of torch, and "
+                             f"torch.cuda.is_available() is False here (torch {torch.__version__}); use --device "
+                             "cpu.")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise SystemExit(f"pyro-fa classify: --device {value}: this machine has {torch.cuda.device_count()} "
+                             "CUDA device(s).")
+    elif device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise SystemExit(f"pyro-fa classify: --device {value}: torch.backends.mps.is_available() is False here.")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise SystemExit(f"pyro-fa classify: --device must be cpu, cuda[:N] or mps, got {value!r}.")
+    return device
+
+
 def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budget, seeds: Sequence[int],
-                  output_dir, progress: bool = True, subset: Optional[tuple] = None) -> dict:
+                  output_dir, progress: bool = True, subset: Optional[tuple] = None, device="cpu") -> dict:
     """Run ``methods`` on every (dataset, network) of ``combos`` for every seed; write the result files.
 
     Parameters
@@ -113,6 +145,9 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
     progress : bool, default True
     subset : (n_train, n_test), optional
         Use only the first points of each part (smoke tests).
+    device : torch.device or str, default "cpu"
+        Where the methods train and predict (the data are moved there; results come back to the CPU). The
+        memory columns (``fit_peak_mib``) count the process's resident host memory on every device.
 
     Returns
     -------
@@ -124,6 +159,7 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
     from pyro_fa.experiments.classify import report as rep
 
     out = Path(output_dir)
+    device = torch.device(device)
     total = len(combos) * len(seeds) * epochs_of(methods, budget)
     bar = progress_bar(total=total, desc="classify", unit="epoch", enabled=progress)
     combos_out: Dict[str, dict] = {}
@@ -142,7 +178,7 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
                           "norms": median_norms(data),
                           "paper_accuracy": rep.PAPER_ACCURACY.get((dataset, network)), "methods": {}}
             bar.set_description(f"classify {key} seed {seed}")
-            results = run_methods(methods, network, data, budget, seed, tick=bar.update)
+            results = run_methods(methods, network, data.to(device), budget, seed, tick=bar.update)
             for name in results:
                 r = results[name]
                 scores = rep.evaluate(r["probs"], data.y_test, record["ood"])
@@ -164,7 +200,7 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
                    + _paper_line(record))
     bar.close()
     checks = rep.bar_checks(combos_out)
-    write_report(out, combos_out, checks, budget, seeds, probs0, targets0)
+    write_report(out, combos_out, checks, budget, seeds, probs0, targets0, devices=[str(device)])
     return {"combos": combos_out, "bar": checks, "probs": probs0, "targets": targets0}
 
 
@@ -178,7 +214,7 @@ def _paper_line(combo: dict) -> str:
 
 
 def write_report(out: Path, combos: dict, checks: list, budget: Budget, seeds, probs0, targets0,
-                 seeds_of: Optional[Dict[str, List[int]]] = None) -> None:
+                 seeds_of: Optional[Dict[str, List[int]]] = None, devices: Sequence[str] = ("cpu",)) -> None:
     """results.json, table.md, reliability.png, entropy.png and predictions.pt, each written atomically."""
     import matplotlib
 
@@ -192,7 +228,8 @@ def write_report(out: Path, combos: dict, checks: list, budget: Budget, seeds, p
     out.mkdir(parents=True, exist_ok=True)
     text = ["# Classification benchmark: calibration and OOD detection", "",
             __doc__.split("\n\n", 1)[1].strip(), "",
-            f"Budget: {asdict(budget)}; seeds {list(seeds)}; peers available: {peers_available()}.", ""]
+            f"Budget: {asdict(budget)}; seeds {list(seeds)}; device(s) {', '.join(devices)}; peers available: "
+            f"{peers_available()}.", ""]
     for key, combo in combos.items():
         n_seeds = len(seeds_of[key]) if seeds_of else len(seeds)
         text += [f"## {key} (train {combo['n']['train']}, validation {combo['n']['val']}, test {combo['n']['test']}; "
@@ -204,7 +241,7 @@ def write_report(out: Path, combos: dict, checks: list, budget: Budget, seeds, p
     if budget != Budget() or min(len(v) for v in (seeds_of or {"": seeds}).values()) < DEFAULT_SEEDS:
         text += [rep.SMALL_RUN_NOTE, ""]
     atomic_write_text(out / "table.md", "\n".join(text))
-    atomic_write_json(out / "results.json", {"budget": asdict(budget), "seeds": list(seeds),
+    atomic_write_json(out / "results.json", {"budget": asdict(budget), "seeds": list(seeds), "devices": list(devices),
                                              "seeds_per_combo": seeds_of or {k: list(seeds) for k in combos},
                                              "peers_available": peers_available(), "combos": combos, "bar": checks})
     buffer = io.BytesIO()
@@ -403,7 +440,9 @@ def merge_runs(dirs: Sequence, output_dir, rows_from: Sequence = ()) -> dict:
     b.setdefault("map_select", "nll")  # runs from before the tempered choice of MAP's prior precision
     seeds = sorted({s for v in seeds_of.values() for s in v})
     checks = rep.bar_checks(combos)
-    write_report(Path(output_dir), combos, checks, Budget(**b), seeds, probs0, targets0, seeds_of=seeds_of)
+    devices = sorted({d for r, _ in runs + extra_runs for d in r.get("devices", ["cpu"])})
+    write_report(Path(output_dir), combos, checks, Budget(**b), seeds, probs0, targets0, seeds_of=seeds_of,
+                 devices=devices)
     return {"combos": combos, "bar": checks}
 
 
@@ -419,6 +458,7 @@ def run(args) -> int:
         print(f"\nmerged {len(args.merge)} run(s) into {args.output_dir}")
         return 0
     budget = _budget(args)
+    device = parse_device(getattr(args, "device", "cpu"))
     datasets = args.datasets or list(DATASETS)
     networks = args.networks or list(NETWORKS)
     combos = [c for c in COMBOS if c[0] in datasets and c[1] in networks]
@@ -432,18 +472,18 @@ def run(args) -> int:
     missing = _missing_packages([d for d, _ in combos], methods, explicit=args.methods is not None)
     with OutputFolder(args.output_dir, "pyro-fa classify"):
         torch.set_num_threads(args.threads)
-        return _run_locked(args, budget, combos, methods, n_seeds, missing)
+        return _run_locked(args, budget, combos, methods, n_seeds, missing, device)
 
 
-def _run_locked(args, budget: Budget, combos, methods, n_seeds: int, missing: List[str]) -> int:
+def _run_locked(args, budget: Budget, combos, methods, n_seeds: int, missing: List[str], device) -> int:
     from pyro_fa.experiments.classify import report as rep
 
     print(f"pyro-fa classify: {', '.join(f'{d}-{n}' for d, n in combos)} x {len(methods)} method(s), "
-          f"{n_seeds} seed(s), {budget.epochs} epochs"
+          f"{n_seeds} seed(s), {budget.epochs} epochs, on {device}"
           + (f"; not installed, skipped: {', '.join(missing)} (`make setup` installs them)" if missing else ""))
     t0 = time.perf_counter()
     result = run_benchmark(combos, methods, budget, [args.seed + s for s in range(n_seeds)], args.output_dir,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, device=device)
     print()
     print(rep.bar_summary(result["bar"]))
     if budget != Budget() or n_seeds < DEFAULT_SEEDS:

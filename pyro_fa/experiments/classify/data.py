@@ -99,6 +99,12 @@ class ClassifyData:
     def in_features(self) -> int:
         return self.x_train.shape[-1]
 
+    def to(self, device) -> "ClassifyData":
+        """A copy with every tensor on ``device`` (the splits and OOD sets; labels stay int64)."""
+        return ClassifyData(self.name, *(t.to(device) for t in (self.x_train, self.y_train, self.x_val, self.y_val,
+                                                                self.x_test, self.y_test)),
+                            {k: v.to(device) for k, v in self.ood.items()}, self.num_classes, self.base)
+
     def subset(self, n_train: int, n_test: int) -> "ClassifyData":
         """The first ``n_train`` training and ``n_test`` test (and OOD) points: for smoke tests."""
         return ClassifyData(self.name, self.x_train[:n_train], self.y_train[:n_train], self.x_val, self.y_val,

@@ -131,8 +131,9 @@ def _nll(probs: Tensor, y: Tensor) -> float:
 # ----------------------------------------------------------------------------- training
 
 
-def _epoch_batches(n: int, batch_size: int, generator: torch.Generator):
-    perm = torch.randperm(n, generator=generator)
+def _epoch_batches(n: int, batch_size: int, generator: torch.Generator, device=None):
+    """One epoch's minibatch indices, drawn by the CPU ``generator`` (the same order on every device)."""
+    perm = torch.randperm(n, generator=generator).to(device)
     return [perm[i:i + batch_size] for i in range(0, n, batch_size)]
 
 
@@ -150,7 +151,7 @@ def _train_adam(net: nn.Module, data: ClassifyData, budget: Budget, seed: int, p
     state: dict = {}
     net.train()
     for e in range(budget.epochs):
-        for idx in _epoch_batches(n, budget.batch_size, g):
+        for idx in _epoch_batches(n, budget.batch_size, g, x.device):
             opt.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
             opt.step()
@@ -334,7 +335,7 @@ def _vi_fit(kind: str, make_net, data: ClassifyData, budget: Budget, seed: int, 
     svi = SVI(bnn.model, bnn.guide, optim, elbo)
     g = torch.Generator().manual_seed(seed)
     for _ in range(budget.epochs):
-        for idx in _epoch_batches(n, budget.batch_size, g):
+        for idx in _epoch_batches(n, budget.batch_size, g, x.device):
             svi.step(x[idx], y[idx], dataset_size=n)
             optim.step()
         tick(1)
@@ -417,13 +418,17 @@ def run_methods(methods: Sequence[str], network: str, data: ClassifyData, budget
             out[kind] = {"probs": probs, "seconds": clock() - t0, "extra": {"lr": lr, "val_nll": scores}}
     run_factor_laplace(want, map_net, data, budget, seed, inputs, out, t_map / len(budget.prior_precisions))
     run_peers(want, make, map_net, data, budget, seed, inputs, tick, out, t_map / len(budget.prior_precisions))
+    for v in out.values():  # the results on the CPU, whatever device the methods ran on
+        for k in ("probs", "probs_T"):
+            if k in v:
+                v[k] = [p.cpu() for p in v[k]]
     rows = {}
     for m in METHODS:
         if m in out:
             v = out[m]
             rows[m] = {"probs": v["probs"][1:], "seconds": v["seconds"], "extra": v.get("extra", {})}
     if budget.temperature:
-        rows.update(tempered_rows(out, y_val))
+        rows.update(tempered_rows(out, y_val.cpu()))
     return rows
 
 

@@ -88,10 +88,11 @@ def make_network(kind: str, data, dropout: float = 0.0) -> nn.Module:
     """
     if kind not in NETWORKS:
         raise ValueError(f"make_network: kind must be one of {NETWORKS}, got {kind!r}.")
-    dtype = data.x_train.dtype
+    # initialised on the CPU (the same weights on every device for a seed), then moved to the data's device
+    at = {"device": data.x_train.device, "dtype": data.x_train.dtype}
     if kind == "cnn":
-        return CNN1d(data.in_features, data.num_classes, dropout=dropout).to(dtype)
+        return CNN1d(data.in_features, data.num_classes, dropout=dropout).to(**at)
     if data.base == "mnist1d":
-        return ResidualMLP(data.in_features, data.num_classes, dropout=dropout).to(dtype)
+        return ResidualMLP(data.in_features, data.num_classes, dropout=dropout).to(**at)
     return nn.Sequential(nn.Linear(data.in_features, 100), nn.ReLU(), _dropout(dropout),
-                         nn.Linear(100, data.num_classes)).to(dtype)
+                         nn.Linear(100, data.num_classes)).to(**at)
