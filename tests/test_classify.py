@@ -258,6 +258,36 @@ def test_merge_runs_equals_one_run_over_the_seeds(tmp_path):
                             rows_from=[_relabel(tmp_path / "s1", epochs=5)])
 
 
+def test_prior_precision_from_an_earlier_run_reproduces_its_rows(tmp_path):
+    """Rows added later with MAP's choice read from an earlier run equal the rows that run made itself (the
+    MAP network retrained once at that value is the one the grid chose), without MAP's grid."""
+    torch.set_num_threads(1)
+    budget = Budget(epochs=4, swag_epochs=3, rank=2, samples=4, prior_precisions=(0.3, 30.0), ensemble=2,
+                    temperature=False)
+    first = classify.run_benchmark([("digits", "mlp")], ["map", "ensemble"], budget, [1], tmp_path / "first",
+                                   progress=False, subset=(150, 60))
+    chosen = first["combos"]["digits-mlp"]["methods"]["map"]["extra"][0]["prior_precision"]
+    prior = classify.prior_precisions_from(tmp_path / "first", budget, [("digits", "mlp")], [1])
+    assert prior == {"digits-mlp": {1: chosen}}
+    later = classify.run_benchmark([("digits", "mlp")], ["ensemble"], budget, [1], tmp_path / "later",
+                                   progress=False, subset=(150, 60), prior_precisions=prior)
+    rows = later["combos"]["digits-mlp"]["methods"]
+    assert set(rows) == {"ensemble"}
+    for k, v in first["combos"]["digits-mlp"]["methods"]["ensemble"]["per_seed"].items():
+        assert rows["ensemble"]["per_seed"][k] == pytest.approx(v, abs=1e-12), k
+    with pytest.raises(SystemExit, match=r"holds no MAP row of digits-mlp for seed\(s\) \[2\] \(it holds \[1\]\)"):
+        classify.prior_precisions_from(tmp_path / "first", budget, [("digits", "mlp")], [1, 2])
+    with pytest.raises(SystemExit, match=r"--prior-precision-from .* ran under another budget than this one "
+                                         r"\(epochs=4 against 5\)"):
+        classify.prior_precisions_from(tmp_path / "first", Budget(**{**budget.__dict__, "epochs": 5}),
+                                       [("digits", "mlp")], [1])
+    with pytest.raises(SystemExit, match="makes no map row"):
+        cli.main(["classify", "--datasets", "digits", "--methods", "map", "vifa", "--prior-precision-from",
+                  str(tmp_path / "first"), "--output-dir", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="leave 'map' out of methods"):
+        run_methods(["map"], "mlp", load_classify("digits", 1).subset(150, 60), budget, 1, prior_precision=1.0)
+
+
 def _relabel(folder, **budget):
     """A copy of the run in ``folder`` whose recorded budget says ``budget``; returns the copy's folder."""
     result = json.loads((folder / "results.json").read_text())

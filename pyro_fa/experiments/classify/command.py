@@ -81,6 +81,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                         help="train nothing: merge the results of earlier runs (e.g. one seed or one dataset each, "
                              "run side by side) into one report in --output-dir")
+    parser.add_argument("--prior-precision-from", default=None, metavar="DIR",
+                        help="MAP's prior precision per dataset × network and seed from an earlier run of the same "
+                             "budget (its results.json): MAP's grid is not trained again (rows added to a table "
+                             "later; leave map out of --methods)")
     parser.add_argument("--rows-from", nargs="+", default=(), metavar="DIR",
                         help="with --merge: runs whose rows replace (or join) the rows of the same name in the same "
                              "seeds of the merged runs (a few rows rerun after a change; of the same budget but "
@@ -127,8 +131,34 @@ def parse_device(value) -> torch.device:
     return device
 
 
+def prior_precisions_from(folder, budget: Budget, combos: Sequence[tuple], seeds: Sequence[int]) -> Dict[str, dict]:
+    """MAP's chosen prior precision, ``{"<dataset>-<network>": {seed: value}}``, from an earlier run in ``folder``.
+
+    Raises
+    ------
+    SystemExit
+        When ``folder`` holds no results, ran under another budget (beyond the grids of
+        :data:`~pyro_fa.experiments.classify.methods.ROW_ONLY_FIELDS`), or lacks MAP's row for one of ``seeds``.
+    """
+    ((result, _),) = _read_runs([folder])
+    _row_only_diff(result, Path(folder), json.loads(json.dumps(asdict(budget))), "--prior-precision-from",
+                   "this one")
+    out: Dict[str, dict] = {}
+    for dataset, network in combos:
+        key = f"{dataset}-{network}"
+        combo = result["combos"].get(key, {}).get("methods", {})
+        held = result.get("seeds_per_combo", {}).get(key, result["seeds"])
+        lack = [s for s in seeds if s not in held or "map" not in combo]
+        if lack:
+            raise SystemExit(f"pyro-fa classify: --prior-precision-from {folder} holds no MAP row of {key} for "
+                             f"seed(s) {lack} (it holds {sorted(held) if 'map' in combo else 'none'}).")
+        out[key] = {s: float(combo["map"]["extra"][held.index(s)]["prior_precision"]) for s in seeds}
+    return out
+
+
 def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budget, seeds: Sequence[int],
-                  output_dir, progress: bool = True, subset: Optional[tuple] = None, device="cpu") -> dict:
+                  output_dir, progress: bool = True, subset: Optional[tuple] = None, device="cpu",
+                  prior_precisions: Optional[Dict[str, dict]] = None) -> dict:
     """Run ``methods`` on every (dataset, network) of ``combos`` for every seed; write the result files.
 
     Parameters
@@ -148,6 +178,9 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
     device : torch.device or str, default "cpu"
         Where the methods train and predict (the data are moved there; results come back to the CPU). The
         memory columns (``fit_peak_mib``) count the process's resident host memory on every device.
+    prior_precisions : dict, optional
+        MAP's prior precision per ``"<dataset>-<network>"`` and seed, chosen by an earlier run
+        (:func:`prior_precisions_from`): MAP's grid is not trained again (``run_methods(prior_precision=)``).
 
     Returns
     -------
@@ -160,7 +193,7 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
 
     out = Path(output_dir)
     device = torch.device(device)
-    total = len(combos) * len(seeds) * epochs_of(methods, budget)
+    total = len(combos) * len(seeds) * epochs_of(methods, budget, reuse_prior=prior_precisions is not None)
     bar = progress_bar(total=total, desc="classify", unit="epoch", enabled=progress)
     combos_out: Dict[str, dict] = {}
     probs0: Dict[str, Dict[str, List[torch.Tensor]]] = {}
@@ -178,7 +211,9 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
                           "norms": median_norms(data),
                           "paper_accuracy": rep.PAPER_ACCURACY.get((dataset, network)), "methods": {}}
             bar.set_description(f"classify {key} seed {seed}")
-            results = run_methods(methods, network, data.to(device), budget, seed, tick=bar.update)
+            reuse = None if prior_precisions is None else prior_precisions[key][seed]
+            results = run_methods(methods, network, data.to(device), budget, seed, tick=bar.update,
+                                  prior_precision=reuse)
             for name in results:
                 r = results[name]
                 scores = rep.evaluate(r["probs"], data.y_test, record["ood"])
@@ -297,14 +332,15 @@ def _read_runs(dirs: Sequence) -> list:
     return runs
 
 
-def _row_only_diff(result: dict, folder: Path, base: dict) -> None:
+def _row_only_diff(result: dict, folder: Path, base: dict, flag: str = "--rows-from",
+                   against: str = "the merged runs") -> None:
     """Refuse a ``rows_from`` run whose budget differs from the merged runs' in more than :data:`ROW_ONLY_FIELDS`."""
     other = sorted(k for k in set(base) | set(result["budget"])
                    if result["budget"].get(k) != base.get(k) and k not in ROW_ONLY_FIELDS)
     if other:
         got = "; ".join(f"{k}={result['budget'].get(k)!r} against {base.get(k)!r}" for k in other)
-        raise SystemExit(f"pyro-fa classify: --rows-from {folder} ran under another budget than the merged runs "
-                         f"({got}); only the grids of single rows ({', '.join(ROW_ONLY_FIELDS)}) may differ.")
+        raise SystemExit(f"pyro-fa classify: {flag} {folder} ran under another budget than {against} ({got}); only "
+                         f"the grids of single rows ({', '.join(ROW_ONLY_FIELDS)}) may differ.")
 
 
 def _row_only_values(combos: dict, seeds_of: dict, origin: dict, base: dict) -> dict:
@@ -469,13 +505,19 @@ def run(args) -> int:
     if n_seeds < 1:
         raise SystemExit(f"pyro-fa classify: --seeds must be >= 1, got {n_seeds}.")
     methods = args.methods or [m for m in METHODS if not (args.quick and m in QUICK_SKIPS)]
+    reuse = getattr(args, "prior_precision_from", None)
+    if reuse is not None and "map" in methods:
+        raise SystemExit("pyro-fa classify: --prior-precision-from reuses MAP's choice, so it makes no map row; "
+                         "name the rows to add in --methods, without map.")
+    seeds = [args.seed + s for s in range(n_seeds)]
+    prior = None if reuse is None else prior_precisions_from(reuse, budget, combos, seeds)
     missing = _missing_packages([d for d, _ in combos], methods, explicit=args.methods is not None)
     with OutputFolder(args.output_dir, "pyro-fa classify"):
         torch.set_num_threads(args.threads)
-        return _run_locked(args, budget, combos, methods, n_seeds, missing, device)
+        return _run_locked(args, budget, combos, methods, n_seeds, missing, device, prior)
 
 
-def _run_locked(args, budget: Budget, combos, methods, n_seeds: int, missing: List[str], device) -> int:
+def _run_locked(args, budget: Budget, combos, methods, n_seeds: int, missing: List[str], device, prior) -> int:
     from pyro_fa.experiments.classify import report as rep
 
     print(f"pyro-fa classify: {', '.join(f'{d}-{n}' for d, n in combos)} x {len(methods)} method(s), "
@@ -483,7 +525,7 @@ def _run_locked(args, budget: Budget, combos, methods, n_seeds: int, missing: Li
           + (f"; not installed, skipped: {', '.join(missing)} (`make setup` installs them)" if missing else ""))
     t0 = time.perf_counter()
     result = run_benchmark(combos, methods, budget, [args.seed + s for s in range(n_seeds)], args.output_dir,
-                           progress=not args.no_progress, device=device)
+                           progress=not args.no_progress, device=device, prior_precisions=prior)
     print()
     print(rep.bar_summary(result["bar"]))
     if budget != Budget() or n_seeds < DEFAULT_SEEDS:

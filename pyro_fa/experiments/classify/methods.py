@@ -105,8 +105,10 @@ class Budget:
     ensemble: int = 5
     samples: int = 30
     vi_lrs: Tuple[float, ...] = (1e-3, 3e-3, 1e-2)
-    ivon_lrs: Tuple[float, ...] = (0.05, 0.1, 0.2, 0.4)  # 0.2 and 0.1 sat at the edges of a smaller grid
-    ivon_hess_inits: Tuple[float, ...] = (0.03, 0.1, 0.5)
+    # IVON's choices sat at the top rate (0.4) of the grid {0.05, ..., 0.4} x {0.03, 0.1, 0.5} on most seeds, and
+    # beyond it it gained (benchmarks/bench_ivon_grid.py): the grid where its validation optimum lay
+    ivon_lrs: Tuple[float, ...] = (0.4, 0.8, 1.6, 3.2, 6.4)
+    ivon_hess_inits: Tuple[float, ...] = (0.01, 0.03, 0.1, 0.5, 2.0)
     laplace_rank: int = 20
     temperature: bool = True
     train_subset: Optional[int] = None  # smoke tests: the first N training points only
@@ -349,9 +351,19 @@ def _vi_fit(kind: str, make_net, data: ClassifyData, budget: Budget, seed: int, 
 # ----------------------------------------------------------------------------- all methods
 
 
+#: rows that start from the MAP network itself (the rest use only its prior precision, or neither)
+NEED_MAP_NET = ("ensemble", "factor-laplace", "factor-laplace-grid", "factor-laplace-lin", "laplace", "laplace-grid",
+                "laplace-diag", "laplace-kron", "laplace-full")
+
+
 def run_methods(methods: Sequence[str], network: str, data: ClassifyData, budget: Budget, seed: int,
-                tick=lambda k: None) -> Dict[str, dict]:
+                tick=lambda k: None, prior_precision: Optional[float] = None) -> Dict[str, dict]:
     """Train and predict with every method of ``methods`` on one dataset, network and seed.
+
+    ``prior_precision``: MAP's choice from an earlier run of the same budget and seed (rows added to a table
+    later): MAP's grid is not trained again, nor its row produced; the MAP network is trained once at that
+    value where a row starts from it (:data:`NEED_MAP_NET`), the network the grid chose (training is
+    deterministic).
 
     Returns
     -------
@@ -370,7 +382,16 @@ def run_methods(methods: Sequence[str], network: str, data: ClassifyData, budget
 
     # MAP: the prior precision every other method uses (but IVON, which has its own grid)
     pp, map_net, t_map = budget.prior_precisions[-1], None, 0.0
-    if set(want) - {"ivon"}:
+    if prior_precision is not None:
+        if "map" in want:
+            raise ValueError(f"run_methods: the map row needs MAP's own grid; leave 'map' out of methods with "
+                             f"prior_precision={prior_precision!r}.")
+        pp = prior_precision
+        if set(want) & set(NEED_MAP_NET):
+            t0 = clock()
+            map_net = _map_net(make, data, budget, seed, pp, tick)
+            t_map = (clock() - t0) * len(budget.prior_precisions)  # as if the grid ran: the rows' share below
+    elif set(want) - {"ivon"}:
         t0 = clock()
 
         def fit_map(value):
@@ -482,12 +503,16 @@ def _run_swag_family(want, make, data, budget, seed, pp, inputs, tick, out) -> N
                                      "glm")
 
 
-def epochs_of(methods: Sequence[str], budget: Budget) -> int:
-    """Training epochs :func:`run_methods` runs for ``methods`` (for progress bars)."""
+def epochs_of(methods: Sequence[str], budget: Budget, reuse_prior: bool = False) -> int:
+    """Training epochs :func:`run_methods` runs for ``methods`` (for progress bars); ``reuse_prior``: with an
+    earlier run's prior precision (MAP trained once, and only for the rows of :data:`NEED_MAP_NET`)."""
     have = peers_available()
     want = {m for m in methods if can_run(m, have)}
     e = budget.epochs
-    total = e * len(budget.prior_precisions) if want - {"ivon"} else 0
+    if reuse_prior:
+        total = e * bool(want & set(NEED_MAP_NET))
+    else:
+        total = e * len(budget.prior_precisions) if want - {"ivon"} else 0
     total += e * (budget.ensemble - 1) * ("ensemble" in want)
     total += e * len(budget.dropouts) * ("dropout" in want)
     if want & {"swa", "swag", "swag-em", "swag-em-glm", "multiswag", "multiswag-glm"}:
