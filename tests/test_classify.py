@@ -127,7 +127,8 @@ def test_benchmark_files_and_metrics_recomputed(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     monkeypatch.setattr(posthoc, "FULL_MAX_WEIGHTS", 1000)
     budget = Budget(epochs=4, swag_epochs=3, rank=2, ensemble=2, samples=4, prior_precisions=(1.0, 10.0),
-                    dropouts=(0.1,), swag_lrs=(3e-3,), vi_lrs=(3e-3,), ivon_lrs=(0.1,), ivon_hess_inits=(0.5,))
+                    dropouts=(0.1,), swag_lrs=(3e-3,), vi_lrs=(3e-3,), ivon_lrs=(0.1,), ivon_hess_inits=(0.5,),
+                    laplace_rank=8)
     with pytest.warns(UserWarning, match="laplace-full skipped: the network has 7510 weights, more than 1000") \
             if posthoc.peers_available()["laplace"] else contextlib.nullcontext():
         out = classify.run_benchmark([("digits", "mlp")], list(METHODS), budget, [0], tmp_path, progress=False,
