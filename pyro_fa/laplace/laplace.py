@@ -62,7 +62,10 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         Categorical on the softmax of C >= 2 logits (Bernoulli for one logit), or Gaussian with noise
         ``sigma_noise``.
     rank : int, default 20
-        :math:`K \ge 1`; ``rank >= D`` keeps the curvature exactly (small D).
+        :math:`K \ge 1`; ``rank >= D`` keeps the curvature exactly (small D). Time and memory grow with K.
+        Where the predictive's spread matters (OOD detection, a small prior precision), take K larger
+        than the default: a small K under-states the dense GGN Laplace's spread there, while at a large prior
+        precision it already matches it (``benchmarks/bench_laplace_rank_ood.py`` measures both).
     subset : {"all", "last_layer"} or iterable of Tensors, default "all"
         The weights the approximation is over (see :func:`~pyro_fa.laplace.curvature.select_parameters`);
         the others stay at their values.
