@@ -72,8 +72,8 @@ from torch import Tensor, nn
 
 from pyro_fa.experiments.classify.data import ClassifyData
 from pyro_fa.experiments.classify.networks import NETWORKS, CNN1d, make_network
-from pyro_fa.experiments.classify.posthoc import PEERS, TEMPERED, average_log_probs, can_run, peers_available, \
-    run_factor_laplace, run_peers, tempered_rows
+from pyro_fa.experiments.classify.posthoc import FACTOR_LAPLACE_ROWS, LAPLACE_ROWS, PEERS, TEMPERED, \
+    average_log_probs, can_run, peers_available, run_factor_laplace, run_peers, tempered_rows
 
 __all__ = ["Budget", "METHODS", "NETWORKS", "PEERS", "TEMPERED", "peers_available", "CNN1d", "make_network", "run_methods", "epochs_of"]
 
@@ -87,7 +87,7 @@ METHODS = ("map", "ensemble", "dropout", "swa", "swag", "swag-em", "swag-em-glm"
 #: runs it merges into in these fields (see :func:`pyro_fa.experiments.classify.command.merge_runs`)
 ROW_ONLY_FIELDS = {"ivon_lrs": ("ivon",), "ivon_hess_inits": ("ivon",), "dropouts": ("dropout",),
                    "vi_lrs": ("vifa", "autonormal", "lowrank"),
-                   "laplace_rank": ("factor-laplace", "factor-laplace-grid", "factor-laplace-lin")}
+                   "laplace_rank": tuple(FACTOR_LAPLACE_ROWS)}
 
 
 @dataclass
@@ -355,8 +355,7 @@ def _vi_fit(kind: str, make_net, data: ClassifyData, budget: Budget, seed: int, 
 
 
 #: rows that start from the MAP network itself (the rest use only its prior precision, or neither)
-NEED_MAP_NET = ("ensemble", "factor-laplace", "factor-laplace-grid", "factor-laplace-lin", "laplace", "laplace-grid",
-                "laplace-diag", "laplace-kron", "laplace-full")
+NEED_MAP_NET = ("ensemble", *FACTOR_LAPLACE_ROWS, *LAPLACE_ROWS)
 
 
 def run_methods(methods: Sequence[str], network: str, data: ClassifyData, budget: Budget, seed: int,
