@@ -37,11 +37,12 @@ and one seed; the default runs every method, 150 epochs, every grid and 5 seeds.
 from __future__ import annotations
 
 import io
+import math
 import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -78,6 +79,9 @@ def add_arguments(parser) -> None:
                         help="torch device every method trains and predicts on: cpu (default), cuda, cuda:N, mps; "
                              "networks are initialised and minibatches drawn on the CPU, so a seed starts alike "
                              "everywhere")
+    parser.add_argument("--grid", action="append", default=[], metavar="NAME=V,V,...",
+                        help="replace one of the budget's grids (repeatable), e.g. vi_lrs=3e-3,1e-2,3e-2,1e-1; of "
+                             f"{', '.join(GRID_FIELDS)} (laplace_rank takes one integer)")
     parser.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                         help="train nothing: merge the results of earlier runs (e.g. one seed or one dataset each, "
                              "run side by side) into one report in --output-dir")
@@ -91,9 +95,46 @@ def add_arguments(parser) -> None:
                              "for the grid of the rows they bring, e.g. IVON's)")
 
 
+#: the budget fields ``--grid`` may replace: the hyperparameter grids, and FactorLaplace's rank
+GRID_FIELDS = ("prior_precisions", "swag_lrs", "dropouts", "vi_lrs", "ivon_lrs", "ivon_hess_inits", "laplace_rank")
+
+
+def parse_grid(text: str) -> Tuple[str, object]:
+    """``"NAME=V1,V2,..."`` (``--grid``) as ``(name, values)``: positive finite floats, distinct, for a grid of
+    :data:`GRID_FIELDS`; dropout rates below 1; ``laplace_rank`` one positive integer.
+
+    Raises
+    ------
+    SystemExit
+        Naming the field, what it takes and what was given.
+    """
+    name, sep, rest = str(text).partition("=")
+    name = name.strip().replace("-", "_")
+    if not sep or name not in GRID_FIELDS:
+        raise SystemExit(f"pyro-fa classify: --grid must be NAME=V1,V2,... with NAME of {', '.join(GRID_FIELDS)}, "
+                         f"got {text!r}.")
+    parts = [v.strip() for v in rest.split(",") if v.strip()]
+    try:
+        values = tuple(float(v) for v in parts)
+    except ValueError:
+        raise SystemExit(f"pyro-fa classify: --grid {name} takes numbers separated by commas, got {rest!r}.") from None
+    if not values or not all(math.isfinite(v) and v > 0 for v in values) or len(set(values)) < len(values):
+        raise SystemExit(f"pyro-fa classify: --grid {name} takes distinct positive finite numbers, got {rest!r}.")
+    if name == "dropouts" and max(values) >= 1:
+        raise SystemExit(f"pyro-fa classify: --grid dropouts takes rates in (0, 1), got {rest!r}.")
+    if name == "laplace_rank":
+        if len(values) != 1 or values[0] != int(values[0]):
+            raise SystemExit(f"pyro-fa classify: --grid laplace_rank takes one positive integer, got {rest!r}.")
+        return name, int(values[0])
+    return name, values
+
+
 def _budget(args) -> Budget:
     b = Budget.quick() if args.quick else Budget()
     b.map_select = getattr(args, "map_select", "tempered")
+    for text in getattr(args, "grid", None) or ():
+        name, values = parse_grid(text)
+        setattr(b, name, values)
     if args.epochs is not None:
         if args.epochs < 4:
             raise SystemExit(f"pyro-fa classify: --epochs must be >= 4, got {args.epochs}.")
