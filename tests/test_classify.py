@@ -173,9 +173,15 @@ def test_benchmark_files_and_metrics_recomputed(tmp_path, monkeypatch):
 
 def test_classify_command(tmp_path, capsys):
     code = cli.main(["classify", "--datasets", "digits", "--methods", "map", "swa", "swag-em", "--epochs", "4",
-                     "--seeds", "1", "--no-progress", "--device", "cpu", "--output-dir", str(tmp_path)])
+                     "--seeds", "1", "--no-progress", "--device", "cpu", "--output-dir", str(tmp_path),
+                     "--grid", "swag_lrs=2e-3", "--grid", "prior-precisions=0.5,2"])
     assert code == 0
     results = json.loads((tmp_path / "results.json").read_text())
+    # --grid replaced the grids the rows ran on, and the budget records them
+    assert results["budget"]["swag_lrs"] == [2e-3] and results["budget"]["prior_precisions"] == [0.5, 2.0]
+    extra = results["combos"]["digits-mlp"]["methods"]
+    assert extra["swa"]["extra"][0]["swag_lr"] == 2e-3
+    assert set(extra["map"]["extra"][0]["val_nll_tempered"]) == {"0.5", "2.0"}
     assert set(results["combos"]) == {"digits-mlp"}
     assert set(results["combos"]["digits-mlp"]["methods"]) == {"map", "swa", "swag-em", "map+T", "swa+T", "swag-em+T"}
     assert results["combos"]["digits-mlp"]["methods"]["swag-em+T"]["extra"][0]["tempered_scale_choice"]
@@ -306,6 +312,17 @@ def test_classify_command_bad_input(tmp_path):
         cli.main(["classify", "--methods", "mcmc"])
     with pytest.raises(SystemExit, match="--epochs must be >= 4"):
         cli.main(["classify", "--epochs", "2", "--output-dir", str(tmp_path)])
+    for grid, says in (("vi_lr=1e-3", "--grid must be NAME=V1,V2,... with NAME of"), ("vi_lrs", "got 'vi_lrs'"),
+                       ("vi_lrs=1e-3,x", "numbers separated by commas, got '1e-3,x'"),
+                       ("vi_lrs=", "distinct positive finite"), ("ivon_lrs=0.4,nan", "distinct positive finite"),
+                       ("swag_lrs=-1e-3", "distinct positive finite"), ("vi_lrs=1e-3,1e-3", "distinct"),
+                       ("dropouts=0.1,1", r"rates in \(0, 1\), got '0.1,1'"),
+                       ("laplace_rank=20,40", "one positive integer"), ("laplace_rank=2.5", "one positive integer")):
+        with pytest.raises(SystemExit, match=says):
+            cli.main(["classify", "--grid", grid, "--output-dir", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
+    assert classify.parse_grid("laplace_rank=40") == ("laplace_rank", 40)
+    assert classify.parse_grid("vi_lrs=3e-3, 1e-2") == ("vi_lrs", (3e-3, 1e-2))
     with pytest.raises(SystemExit, match="--seeds must be >= 1"):
         cli.main(["classify", "--seeds", "0", "--output-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="no dataset"):
