@@ -117,3 +117,21 @@ def test_randomized_fit_on_cuda_equals_the_cpu_one_where_the_range_is_exact():
     torch.testing.assert_close(_cov(gpu).cpu(), _cov(cpu), rtol=1e-6, atol=1e-9)
     torch.testing.assert_close(gpu.log_marginal_likelihood().cpu(), cpu.log_marginal_likelihood(), rtol=1e-8, atol=0)
     torch.testing.assert_close(gpu.predict_proba(X[:5].cuda()).cpu(), cpu.predict_proba(X[:5]))
+
+
+@pytest.mark.parametrize("method", ["scatter", "online", "sketch", "randomized"])
+def test_fit_second_moment_defaults_to_the_default_dtype_on_the_cpu(method):
+    """Without ``dtype`` and ``device`` the factors come in torch's default dtype on the CPU, equal to those of
+    an explicit ``dtype=torch.get_default_dtype(), device="cpu"`` (the randomized fit once failed on ``None``)."""
+    g = torch.Generator().manual_seed(0)
+    blocks = [torch.randn(40, 3, generator=g) @ torch.randn(3, 12, generator=g) + 0.1 * torch.randn(40, 12, generator=g)
+              for _ in range(3)]
+    got = fit_second_moment(lambda: iter(blocks), 12, 2, method=method)
+    want = fit_second_moment(lambda: iter(blocks), 12, 2, method=method, dtype=torch.get_default_dtype(),
+                             device="cpu")
+    for a, b in zip(got[:2], want[:2]):
+        assert a.dtype == torch.get_default_dtype() and a.device.type == "cpu"
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # and the fit is of the moment: its diagonal, F F^T + psi, equals the blocks' mean square to the FA's floor
+    S = torch.cat(blocks).pow(2).mean(0)
+    torch.testing.assert_close(got[0].pow(2).sum(-1) + got[1], S, rtol=0.05, atol=1e-4)

@@ -167,7 +167,7 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
         Convergence of the batch fit (on the total log-likelihood of the FA model).
     seed : int, default 0
     dtype, device
-        Of the returned factors (the model's).
+        Of the returned factors (the model's); default torch's default dtype, on the CPU.
     owner : str
         Name starting error messages.
     process_group : torch.distributed process group, optional
@@ -194,6 +194,8 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
     ``"scatter"``: :math:`O(D^2)` memory, :math:`O(VD^2)` per pass and :math:`O(D^2K)` per EM iteration.
     ``"online"``: :math:`O(DK)` memory and :math:`O(VDK)` per pass.
     """
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    device = torch.device("cpu") if device is None else torch.device(device)
     if method == "auto":
         method = "scatter" if dim <= dense_max_dim else "randomized"
     fit = _FITS.get(method)
@@ -293,6 +295,7 @@ def _fit_randomized(passes, dim, rank, *, method, num_passes, tol, max_iter, see
         generator = torch.Generator(device=device).manual_seed(seed + 7919 * dist.get_rank(process_group))
         Q = _cholesky_qr2(torch.randn(hi - lo, width, generator=generator, dtype=wide, device=device), reduce)
     diag = torch.zeros(hi - lo, dtype=wide, device=device)
+    rows = max(1, 2 ** 19 // width)
     n_vec = 0
     for p in range(num_passes):
         Z = torch.zeros(hi - lo, width, dtype=wide, device=device)
@@ -311,25 +314,33 @@ def _fit_randomized(passes, dim, rank, *, method, num_passes, tol, max_iter, see
             if process_group is None and (not bool(torch.isfinite(product).all())
                                           or (sq is not None and not bool(torch.isfinite(sq).all()))):
                 _check_block(V, dim, owner)
-            Z += product.to(wide)
+            for i in range(0, product.shape[0], rows):  # in row slices: no D x width temporary in the wide dtype
+                Z[i:i + rows] += product[i:i + rows]
+            del VQ, product
             if sq is not None:
                 diag += sq.to(wide)
             n_vec += V.shape[0]
         _check_count(n_vec, owner)
         if p < num_passes - 1:
             Q = torch.linalg.qr(Z)[0] if process_group is None else _cholesky_qr2(Z, reduce)
+            del Z, Qv  # the next pass's are allocated after these are freed
     nu = torch.finfo(dtype).eps * float(reduce(Z.pow(2).sum()).sqrt())
     Z += nu * Q
     M = reduce(Q.T @ Z)
     R = torch.linalg.cholesky((M + M.T) / 2, upper=True)
     B = torch.linalg.solve_triangular(R, Z, upper=True, left=False)
+    # only B goes on: the D x width sketches freed before the SVD and the FA allocate their own (the peak memory
+    # at rank 100, docs/laplace.md)
+    del Z, Q, Qv
     if process_group is None:
         U, sv, _ = torch.linalg.svd(B, full_matrices=False)
         E = U * (sv.pow(2) - nu).clamp_min(0).sqrt()  # G ~ E E^T
+        del U
     else:  # the SVD of a matrix held by rows, from its Gram: B = U S V^T, U S = B V
         s2, Vr = torch.linalg.eigh(reduce(B.T @ B))
         keep = (s2 - nu).clamp_min(0).sqrt() / s2.clamp_min(torch.finfo(wide).tiny).sqrt()
         E = (B @ Vr) * keep
+    del B
     F, psi, n_iter, converged = _fa_low_rank(E, diag, n_vec, rank, reduce=reduce, dim=dim)
     return F.to(dtype), psi.to(dtype), {"method": "randomized", "n_vectors": n_vec, "passes": num_passes,
                                         "n_iter": n_iter, "converged": converged, "rows": (lo, hi)}
@@ -381,10 +392,9 @@ def _fa_low_rank(E: Tensor, diag: Tensor, n: int, rank: int, reduce: Optional[Ca
     const = D * math.log(2 * math.pi) + K
     old_ll, converged, it = -math.inf, False, 0
     for it in range(1, _FA_MAX_ITER + 1):
-        Wp = E / psi.sqrt().unsqueeze(-1)
-        width = Wp.shape[-1]
-        # one sum over the rows: the Gram, the trace of S Psi^-1 and log det Psi
-        sums = reduce(torch.cat([(Wp.T @ Wp).reshape(-1), (var / psi).sum().reshape(1),
+        width = E.shape[-1]
+        # one sum over the rows: the Gram of E / sqrt(psi), the trace of S Psi^-1 and log det Psi
+        sums = reduce(torch.cat([(E.T @ (E / psi.unsqueeze(-1))).reshape(-1), (var / psi).sum().reshape(1),
                                  psi.log().sum().reshape(1)]))
         lam, U = torch.linalg.eigh(sums[:-2].reshape(width, width) / n)
         k = min(K, lam.shape[0])
