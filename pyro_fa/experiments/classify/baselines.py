@@ -133,6 +133,15 @@ def _loader(x: Tensor, y: Tensor, batch_size: int, shuffle: bool = False, seed: 
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle, generator=generator)
 
 
+def _index_loader(n: int, batch_size: int, seed: int) -> DataLoader:
+    """The minibatch indices of ``_loader(x, y, batch_size, shuffle=True, seed=seed)``, epoch after epoch, as
+    index tensors: the same draws from the same generator, so the same order, and ``x[idx]`` gathers a batch
+    in one operation on any device, where the loader of ``TensorDataset(x, y)`` indexes it one example at a
+    time (a kernel per example on a GPU)."""
+    return DataLoader(torch.arange(n), batch_size=batch_size, shuffle=True,
+                      generator=torch.Generator().manual_seed(seed))
+
+
 def laplace_probs(
     net_map: nn.Module,
     train_xy: Tuple[Tensor, Tensor],
@@ -387,10 +396,12 @@ def _ivon_train(ivon, make_net, x, y, epochs, batch_size, lr, seed, hess_init, b
         beta1=0.9, beta2=beta2, weight_decay=weight_decay, mc_samples=1,
     )
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
-    loader = _loader(x, y, batch_size, shuffle=True, seed=seed)
+    loader = _index_loader(x.shape[0], batch_size, seed)
     net.train()
     for _ in range(epochs):
-        for xb, yb in loader:
+        for idx in loader:
+            idx = idx.to(device)
+            xb, yb = x[idx], y[idx]
             with opt.sampled_params(train=True):
                 opt.zero_grad()
                 F.cross_entropy(net(xb), yb).backward()
