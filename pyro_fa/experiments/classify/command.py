@@ -37,8 +37,8 @@ and one seed; the default runs every method, 150 epochs, every grid and 5 seeds.
 from __future__ import annotations
 
 import io
-import math
 import json
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
