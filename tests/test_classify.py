@@ -192,6 +192,20 @@ def test_classify_command(tmp_path, capsys):
     assert rep.SMALL_RUN_NOTE in printed and "says nothing about the bar" in printed
 
 
+def test_a_widened_grid_is_still_the_full_run():
+    """The bars' note "this run is smaller" is for runs short of the full budget, not for grids widened by --grid."""
+    from dataclasses import replace
+
+    full = Budget()
+    assert classify.is_full_budget(full)
+    assert classify.is_full_budget(replace(full, vi_lrs=full.vi_lrs + (3e-2, 1e-1), laplace_rank=300))
+    assert classify.is_full_budget(replace(full, ivon_lrs=tuple(reversed(full.ivon_lrs)) + (12.8,)))
+    assert not classify.is_full_budget(replace(full, vi_lrs=full.vi_lrs[1:]))  # a point of the grid left out
+    assert not classify.is_full_budget(replace(full, laplace_rank=20))
+    assert not classify.is_full_budget(replace(full, epochs=12))
+    assert not classify.is_full_budget(Budget.quick())
+
+
 def test_merge_runs_equals_one_run_over_the_seeds(tmp_path):
     """Two one-seed runs merged give the per-seed numbers, means and bars of one two-seed run."""
     torch.set_num_threads(1)

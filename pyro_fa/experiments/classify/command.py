@@ -129,6 +129,18 @@ def parse_grid(text: str) -> Tuple[str, object]:
     return name, values
 
 
+def is_full_budget(budget: Budget) -> bool:
+    """Whether ``budget`` is the full run's (the one the bars are set for): the default :class:`Budget`, or one
+    whose grids hold every default value and more (``--grid`` widened them) and whose FactorLaplace rank is at
+    least the default's."""
+    ref, got = asdict(Budget()), asdict(budget)
+    for name in GRID_FIELDS:
+        a, b = ref.pop(name), got.pop(name)
+        if not (b >= a if name == "laplace_rank" else set(a) <= set(b)):
+            return False
+    return ref == got
+
+
 def _budget(args) -> Budget:
     b = Budget.quick() if args.quick else Budget()
     b.map_select = getattr(args, "map_select", "tempered")
@@ -314,7 +326,7 @@ def write_report(out: Path, combos: dict, checks: list, budget: Budget, seeds, p
         if _paper_line(combo):
             text += [_paper_line(combo).strip(), ""]
     text += ["## The bars", "", rep.bar_summary(checks), ""]
-    if budget != Budget() or min(len(v) for v in (seeds_of or {"": seeds}).values()) < DEFAULT_SEEDS:
+    if not is_full_budget(budget) or min(len(v) for v in (seeds_of or {"": seeds}).values()) < DEFAULT_SEEDS:
         text += [rep.SMALL_RUN_NOTE, ""]
     atomic_write_text(out / "table.md", "\n".join(text))
     atomic_write_json(out / "results.json", {"budget": asdict(budget), "seeds": list(seeds), "devices": list(devices),
@@ -569,7 +581,7 @@ def _run_locked(args, budget: Budget, combos, methods, n_seeds: int, missing: Li
                            progress=not args.no_progress, device=device, prior_precisions=prior)
     print()
     print(rep.bar_summary(result["bar"]))
-    if budget != Budget() or n_seeds < DEFAULT_SEEDS:
+    if not is_full_budget(budget) or n_seeds < DEFAULT_SEEDS:
         print(f"\n{rep.SMALL_RUN_NOTE}")
     out = Path(args.output_dir)
     print(f"\n{time.perf_counter() - t0:.0f} s; wrote {out / 'table.md'}, {out / 'results.json'}, "
