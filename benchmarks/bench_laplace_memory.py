@@ -6,8 +6,10 @@ the peak resident memory (VmHWM) and fits on all the data; printed is the peak a
 resident memory before it, and the fit time, each also as a ratio to
 FactorLaplace's at the same D, measured in one run:
 
-* FactorLaplace, all weights, K = 20, exact GGN vectors: ``factor`` with its default curvature fit (the scatter
-  sketch refitted by batch FA at these D, one pass), ``factor-em`` with online EM, one pass;
+* FactorLaplace, all weights, K = 20 (``--rank``), exact GGN vectors: ``factor`` with its default curvature fit
+  (``"auto"``: above D = 2 048 the randomized range finder, two passes, refitted by batch FA; the tables in
+  ``docs/laplace.md`` before 2026-11-26 ran when the default was the one-pass scatter sketch), ``factor-em`` with
+  online EM, one pass;
 * laplace-torch 0.3, all weights, ``diag``, ``kron`` and ``full`` (its default backend).
 
 ``full`` is not started where its D x D float32 matrix alone would exceed half the machine's memory: the
