@@ -243,6 +243,14 @@ def test_merge_runs_equals_one_run_over_the_seeds(tmp_path):
         [a["swag-em"]["per_seed"]["nll"][0], 2 * a["swag-em"]["per_seed"]["nll"][1]], abs=1e-12)
     assert replaced["map"]["per_seed"]["nll"] == pytest.approx(a["map"]["per_seed"]["nll"], abs=1e-12)
     assert replaced["swag-em"]["mean"]["nll"] == pytest.approx(np.mean(replaced["swag-em"]["per_seed"]["nll"]))
+    # a published table keeps no predictions.pt: rows merged into it bring the first seed's predictions and
+    # targets for the figures
+    shutil.copytree(tmp_path / "replaced", tmp_path / "published")
+    (tmp_path / "published" / "predictions.pt").unlink()
+    classify.merge_runs([tmp_path / "published"], tmp_path / "republished", rows_from=[tmp_path / "s0"])
+    saved = torch.load(tmp_path / "republished" / "predictions.pt")
+    assert torch.equal(saved["targets"]["digits-mlp"], torch.load(tmp_path / "s0" / "predictions.pt")["targets"]["digits-mlp"])
+    assert (tmp_path / "republished" / "reliability.png").is_file()
     rerun["combos"]["digits-mlp"]["methods"] = {"swa": row}
     (tmp_path / "rerun" / "results.json").write_text(json.dumps(rerun))
     with pytest.raises(SystemExit, match=r"the row 'swa' of digits-mlp added by --rows-from lacks seed\(s\) \[0\]"):

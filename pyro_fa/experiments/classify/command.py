@@ -419,7 +419,7 @@ def _row_only_values(combos: dict, seeds_of: dict, origin: dict, base: dict) -> 
     return out
 
 
-def _replace_rows(result: dict, folder: Path, combos: dict, seeds_of: dict, probs0: dict,
+def _replace_rows(result: dict, folder: Path, combos: dict, seeds_of: dict, probs0: dict, targets0: dict,
                   origin: Optional[dict] = None, base: Optional[dict] = None) -> None:
     """Put the rows of one ``rows_from`` run into the merged seeds (see :func:`merge_runs`); note in ``origin``
     the value of each field of :data:`ROW_ONLY_FIELDS` the replaced rows ran under."""
@@ -450,6 +450,7 @@ def _replace_rows(result: dict, folder: Path, combos: dict, seeds_of: dict, prob
         if saved is not None and key in saved["probs"] and merged and merged[0] in result["seeds"] \
                 and min(result["seeds"]) == merged[0]:
             probs0.setdefault(key, {}).update(saved["probs"][key])
+            targets0.setdefault(key, saved["targets"][key])  # where the merged runs kept no predictions
 
 
 def merge_runs(dirs: Sequence, output_dir, rows_from: Sequence = ()) -> dict:
@@ -513,7 +514,7 @@ def merge_runs(dirs: Sequence, output_dir, rows_from: Sequence = ()) -> dict:
                 into["extra"].extend(m["extra"])
     origin: dict = {}
     for result, folder in extra_runs:
-        _replace_rows(result, folder, combos, seeds_of, probs0, origin=origin, base=base)
+        _replace_rows(result, folder, combos, seeds_of, probs0, targets0, origin=origin, base=base)
     for key, combo in combos.items():
         for name, m in combo["methods"].items():
             lack = [seeds_of[key][i] for i, v in enumerate(m["seconds"]) if v is None]
