@@ -135,3 +135,26 @@ def test_fit_second_moment_defaults_to_the_default_dtype_on_the_cpu(method):
     # and the fit is of the moment: its diagonal, F F^T + psi, equals the blocks' mean square to the FA's floor
     S = torch.cat(blocks).pow(2).mean(0)
     torch.testing.assert_close(got[0].pow(2).sum(-1) + got[1], S, rtol=0.05, atol=1e-4)
+
+
+def test_randomized_fit_refuses_nonfinite_vectors_and_an_overflowing_sketch():
+    """A NaN among the vectors is named as such (found through its row of V Q); finite vectors whose products
+    overflow float32 are refused too, not handed to the QR as inf."""
+    g = torch.Generator().manual_seed(0)
+    blocks = [torch.randn(20, 30, generator=g, dtype=torch.float32) for _ in range(3)]
+    bad = [b.clone() for b in blocks]
+    bad[1][4, 7] = float("nan")
+    with pytest.raises(ValueError, match="curvature vectors must be finite, got NaN or inf"):
+        fit_second_moment(lambda: iter(bad), 30, 2, method="randomized")
+    inf = [b.clone() for b in blocks]
+    inf[2][0, 0] = float("inf")
+    with pytest.raises(ValueError, match="curvature vectors must be finite"):
+        fit_second_moment(lambda: iter(inf), 30, 2, method="randomized")
+    huge = [b * 1e20 for b in blocks]
+    assert all(bool(torch.isfinite(b).all()) for b in huge)
+    with pytest.raises(ValueError, match="overflowed torch.float32"):
+        fit_second_moment(lambda: iter(huge), 30, 2, method="randomized", dtype=torch.float32)
+    # the same vectors in float64 fit
+    F, psi, _ = fit_second_moment(lambda: iter(b.double() for b in huge), 30, 2, method="randomized",
+                                  dtype=torch.float64)
+    assert bool(torch.isfinite(F).all() and torch.isfinite(psi).all())

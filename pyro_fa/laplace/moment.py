@@ -310,8 +310,9 @@ def _fit_randomized(passes, dim, rank, *, method, num_passes, tol, max_iter, see
             VQ = V @ Qv if process_group is None else reduce(V @ Qv).to(dtype)
             product = V.T @ VQ
             sq = V.pow(2).sum(0) if p == 0 else None  # the exact diagonal, from the first pass
-            # non-finite vectors make the block's sums non-finite: the full check only then (it raises)
-            if process_group is None and (not bool(torch.isfinite(product).all())
+            # a non-finite vector makes its row of V Q non-finite (NaN * q, inf * 0 = NaN): checked there, on
+            # (rows, width) numbers instead of the product's (D, width); the full check only then (it raises)
+            if process_group is None and (not bool(torch.isfinite(VQ).all())
                                           or (sq is not None and not bool(torch.isfinite(sq).all()))):
                 _check_block(V, dim, owner)
             for i in range(0, product.shape[0], rows):  # in row slices: no D x width temporary in the wide dtype
@@ -321,6 +322,10 @@ def _fit_randomized(passes, dim, rank, *, method, num_passes, tol, max_iter, see
                 diag += sq.to(wide)
             n_vec += V.shape[0]
         _check_count(n_vec, owner)
+        # finite vectors whose products or squares overflowed the vectors' dtype
+        if not bool(torch.isfinite(Z).all()) or (p == 0 and not bool(torch.isfinite(diag).all())):
+            raise ValueError(f"{owner}: the curvature's sketch overflowed {dtype} (finite curvature vectors, "
+                             f"products beyond its range); fit in float64. Nothing was fitted.")
         if p < num_passes - 1:
             Q = torch.linalg.qr(Z)[0] if process_group is None else _cholesky_qr2(Z, reduce)
             del Z, Qv  # the next pass's are allocated after these are freed
