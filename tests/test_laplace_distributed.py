@@ -137,6 +137,18 @@ def _entry(rank, world_size, init_file, out_dir):
             bad.fit([(X[:10], y[:10] + (5 if rank == 1 else 0))])
         except ValueError as exc:
             out["refused"] = str(exc)
+        # finite float32 vectors whose sketch overflows on rank 1's rows only (its columns are the huge ones):
+        # both ranks raise, neither waits in the next collective
+        from pyro_fa.laplace import fit_second_moment
+
+        g = torch.Generator().manual_seed(10 + rank)
+        huge = [torch.randn(20, 10, generator=g, dtype=torch.float32) * torch.tensor([1.0] * 5 + [1e20] * 5)
+                for _ in range(2)]
+        try:
+            fit_second_moment(lambda: iter(huge), 10, 2, method="randomized", dtype=torch.float32,
+                              process_group=dist.group.WORLD)
+        except ValueError as exc:
+            out["overflow"] = str(exc)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -278,6 +290,11 @@ def test_sharded_randomized_fit_equals_one_process_where_the_range_is_exact(resu
 
 
 @pytest.mark.slow
+def test_an_overflowing_sketch_raises_on_every_rank(results):
+    for r in range(WORLD_SIZE):
+        assert "the curvature's sketch overflowed torch.float32" in results[r]["overflow"]
+
+
 def test_refused_input_raises_on_every_rank(results):
     assert all("train mode" in r["train_mode"] for r in results), [r.get("train_mode") for r in results]
     assert "classification targets must be labels in [0, 3)" in results[1]["refused"]

@@ -322,8 +322,9 @@ def _fit_randomized(passes, dim, rank, *, method, num_passes, tol, max_iter, see
                 diag += sq.to(wide)
             n_vec += V.shape[0]
         _check_count(n_vec, owner)
-        # finite vectors whose products or squares overflowed the vectors' dtype
-        if not bool(torch.isfinite(Z).all()) or (p == 0 and not bool(torch.isfinite(diag).all())):
+        # finite vectors whose products or squares overflowed the vectors' dtype (on any rank: all raise)
+        finite = bool(torch.isfinite(Z).all()) and (p > 0 or bool(torch.isfinite(diag).all()))
+        if not _agree(finite, process_group, device):
             raise ValueError(f"{owner}: the curvature's sketch overflowed {dtype} (finite curvature vectors, "
                              f"products beyond its range); fit in float64. Nothing was fitted.")
         if p < num_passes - 1:
