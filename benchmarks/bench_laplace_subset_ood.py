@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -34,6 +33,7 @@ from pyro_fa.experiments.classify import baselines as peers
 from pyro_fa.experiments.classify.data import load_classify
 from pyro_fa.experiments.classify.methods import Budget, _map_net
 from pyro_fa.experiments.classify.networks import make_network
+from pyro_fa.experiments._io import mean_se
 from pyro_fa.laplace import FactorLaplace
 from pyro_fa.metrics.classification import negative_log_likelihood, ood_auroc, predictive_entropy
 
@@ -92,23 +92,19 @@ def main(argv=None) -> int:
             f"{k}: NLL {v[-1]['nll']:.3f}, AUROC reversed {v[-1]['reversed']:.3f}, shuffled {v[-1]['shuffled']:.3f}"
             for k, v in rows.items()), flush=True)
 
-    def mse(v):
-        m = sum(v) / len(v)
-        return m, (math.sqrt(sum((a - m) ** 2 for a in v) / (len(v) - 1) / len(v)) if len(v) > 1 else float("nan"))
-
     kfac = rows["laplace-torch, all weights, KFAC"]
     print(f"\nMNIST-1D MLP, {args.seeds} seed(s), {args.epochs} epochs; prior precision by marglik; GLM probit "
           "(FactorLaplace); AUROC by predictive entropy; paired differences to KFAC, mean ± s.e.\n")
     print("| row | NLL | AUROC reversed | AUROC shuffled | NLL − KFAC | shuffled − KFAC | fit s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, rs in rows.items():
-        cells = [f"{mse([r[k] for r in rs])[0]:.3f}" for k in ("nll", "reversed", "shuffled")]
+        cells = [f"{mean_se([r[k] for r in rs])[0]:.3f}" for k in ("nll", "reversed", "shuffled")]
         if name == "laplace-torch, all weights, KFAC" or name == "MAP":
             diff = ["—", "—"]
         else:
-            diff = [f"{m:+.3f} ± {s:.3f}" for m, s in (mse([a[k] - b[k] for a, b in zip(rs, kfac)])
+            diff = [f"{m:+.3f} ± {s:.3f}" for m, s in (mean_se([a[k] - b[k] for a, b in zip(rs, kfac)])
                                                       for k in ("nll", "shuffled"))]
-        secs = f"{mse([r['seconds'] for r in rs])[0]:.0f}" if "seconds" in rs[0] else "—"
+        secs = f"{mean_se([r['seconds'] for r in rs])[0]:.0f}" if "seconds" in rs[0] else "—"
         print(f"| {name} | " + " | ".join(cells + diff + [secs]) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -37,6 +37,7 @@ from torch import nn
 from pyro_fa.experiments.classify.data import load_classify
 from pyro_fa.experiments.classify.methods import Budget, _epoch_batches, _probs, _tempered_nll, _train_adam
 from pyro_fa.experiments.classify.networks import make_network
+from pyro_fa.experiments._io import mean_se
 from pyro_fa.predictive import fit_temperature
 
 RECIPES = ("reference", "cosine", "adamw", "adamw-cosine")
@@ -119,28 +120,24 @@ def main(argv=None) -> int:
             print(f"seed {seed} reference on all {whole.x_train.shape[0]} training signals: test accuracy "
                   f"{100 * full[-1]:.1f} % ({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    def mse(v):
-        m = sum(v) / len(v)
-        return m, (math.sqrt(sum((a - m) ** 2 for a in v) / (len(v) - 1) / len(v)) if len(v) > 1 else float("nan"))
-
     print(f"\nMNIST-1D MLP, {args.seeds} seed(s), {args.epochs} epochs; regulariser chosen by the tempered "
           "validation NLL; test part scored once. Greydanus (2020) reports ~68 %.\n")
     print("| recipe | regulariser chosen | accuracy % | NLL + T | accuracy − reference (paired) | NLL + T − reference |")
     print("| --- | --- | --- | --- | --- | --- |")
     ref = rows.get("reference")
     for recipe, rs in rows.items():
-        acc, nll = mse([100 * r["acc"] for r in rs]), mse([r["nll_T"] for r in rs])
+        acc, nll = mean_se([100 * r["acc"] for r in rs]), mean_se([r["nll_T"] for r in rs])
         diff = ""
         if ref is not None and recipe != "reference":
-            da = mse([100 * (a["acc"] - b["acc"]) for a, b in zip(rs, ref)])
-            dn = mse([a["nll_T"] - b["nll_T"] for a, b in zip(rs, ref)])
+            da = mean_se([100 * (a["acc"] - b["acc"]) for a, b in zip(rs, ref)])
+            dn = mean_se([a["nll_T"] - b["nll_T"] for a, b in zip(rs, ref)])
             diff = f"{da[0]:+.1f} ± {da[1]:.1f} | {dn[0]:+.3f} ± {dn[1]:.3f}"
         else:
             diff = "— | —"
         chosen = ", ".join(f"{r['reg']:g}" for r in rs)
         print(f"| {recipe} | {chosen} | {acc[0]:.1f} ± {acc[1]:.1f} | {nll[0]:.3f} ± {nll[1]:.3f} | {diff} |")
     if full:
-        acc = mse([100 * a for a in full])
+        acc = mean_se([100 * a for a in full])
         print(f"| reference, all 4 000 training signals, no decay | — | {acc[0]:.1f} ± {acc[1]:.1f} | — | — | — |")
     if args.json:
         with open(args.json, "w") as f:

@@ -338,13 +338,21 @@ def test_classify_command_bad_input(tmp_path):
                        ("vi_lrs=1e-3,x", "numbers separated by commas, got '1e-3,x'"),
                        ("vi_lrs=", "distinct positive finite"), ("ivon_lrs=0.4,nan", "distinct positive finite"),
                        ("swag_lrs=-1e-3", "distinct positive finite"), ("vi_lrs=1e-3,1e-3", "distinct"),
-                       ("dropouts=0.1,1", r"rates in \(0, 1\), got '0.1,1'"),
-                       ("laplace_rank=20,40", "one positive integer"), ("laplace_rank=2.5", "one positive integer")):
+                       ("dropouts=0.1,1", r"--grid: Budget: dropouts must be rates in \(0, 1\), got \(0\.1, 1\.0\)"),
+                       ("laplace_rank=20,40", "one positive integer"), ("laplace_rank=2.5", "one positive integer"),
+                       ("laplace_rank=0", "laplace_rank must be a positive integer, got 0")):
         with pytest.raises(SystemExit, match=says):
             cli.main(["classify", "--grid", grid, "--output-dir", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
     assert classify.parse_grid("laplace_rank=40") == ("laplace_rank", 40)
     assert classify.parse_grid("vi_lrs=3e-3, 1e-2") == ("vi_lrs", (3e-3, 1e-2))
+    # the ranges are the Budget's own, whoever builds it
+    for bad, says in (({"vi_lrs": (1e-3, -1e-3)}, r"vi_lrs must be distinct positive finite numbers, got \(0\.001, -0\.001\)"),
+                      ({"ivon_hess_inits": ()}, r"ivon_hess_inits must be distinct positive finite numbers, got \(\)"),
+                      ({"dropouts": (0.5, 1.5)}, r"dropouts must be rates in \(0, 1\)"),
+                      ({"laplace_rank": 2.0}, "laplace_rank must be a positive integer, got 2.0")):
+        with pytest.raises(ValueError, match=says):
+            Budget(**bad)
     with pytest.raises(SystemExit, match="--seeds must be >= 1"):
         cli.main(["classify", "--seeds", "0", "--output-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="no dataset"):

@@ -327,8 +327,14 @@ def test_ivon_probs_refuses_bad_options(problem, kwargs, match):
 def test_ivon_index_loader_draws_the_tensor_loaders_batches():
     """IVON's minibatches are gathered by index (one operation per batch on a GPU) in the very order the shuffled
     ``DataLoader(TensorDataset(x, y))`` gave them, epoch after epoch, so the recorded IVON rows stand."""
+    from torch.utils.data import DataLoader, TensorDataset
+
     x, y = torch.randn(103, 3), torch.arange(103)
-    old, new = peers._loader(x, y, 16, shuffle=True, seed=7), peers._index_loader(103, 16, 7)
+
+    def tensor_loader(seed):  # what IVON iterated before
+        return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(seed))
+
+    old, new = tensor_loader(7), peers._index_loader(103, 16, 7)
     for _ in range(3):  # every epoch draws from the same generator, in the same way
         got = [(x[i], y[i]) for i in new]
         want = list(old)
@@ -336,4 +342,4 @@ def test_ivon_index_loader_draws_the_tensor_loaders_batches():
         for (xa, ya), (xb, yb) in zip(got, want):
             assert torch.equal(xa, xb) and torch.equal(ya, yb)
     other = [y[i] for i in peers._index_loader(103, 16, 8)]
-    assert not all(torch.equal(a, b) for a, b in zip(other, [b for _, b in peers._loader(x, y, 16, True, 7)]))
+    assert not all(torch.equal(a, b) for a, b in zip(other, [b for _, b in tensor_loader(7)]))

@@ -128,14 +128,14 @@ def _device_dtype(net: nn.Module) -> Tuple[torch.device, torch.dtype]:
     return p.device, p.dtype
 
 
-def _loader(x: Tensor, y: Tensor, batch_size: int, shuffle: bool = False, seed: int = 0) -> DataLoader:
-    generator = torch.Generator().manual_seed(seed) if shuffle else None
-    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle, generator=generator)
+def _loader(x: Tensor, y: Tensor, batch_size: int) -> DataLoader:
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 
 def _index_loader(n: int, batch_size: int, seed: int) -> DataLoader:
-    """The minibatch indices of ``_loader(x, y, batch_size, shuffle=True, seed=seed)``, epoch after epoch, as
-    index tensors: the same draws from the same generator, so the same order, and ``x[idx]`` gathers a batch
+    """The minibatch indices of a shuffled ``DataLoader(TensorDataset(x, y), batch_size)`` with a generator seeded
+    by ``seed``, epoch after epoch, as index tensors: the same draws from the same generator, so the same order
+    (what IVON's rows were recorded with), and ``x[idx]`` gathers a batch
     in one operation on any device, where the loader of ``TensorDataset(x, y)`` indexes it one example at a
     time (a kernel per example on a GPU)."""
     return DataLoader(torch.arange(n), batch_size=batch_size, shuffle=True,

@@ -40,15 +40,15 @@ import io
 import json
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from pyro_fa.experiments.classify.data import DATASETS, load_classify, median_norms
-from pyro_fa.experiments.classify.methods import MAP_SCORES, METHODS, NETWORKS, PEERS, ROW_ONLY_FIELDS, Budget, \
-    epochs_of, peers_available, run_methods
+from pyro_fa.experiments.classify.methods import GRIDS, MAP_SCORES, METHODS, NETWORKS, PEERS, ROW_ONLY_FIELDS, \
+    Budget, epochs_of, peers_available, run_methods
 from pyro_fa.experiments._io import OutputFolder, atomic_write_json, atomic_write_text, mean_se, positive_int, \
     progress_bar
 
@@ -96,12 +96,12 @@ def add_arguments(parser) -> None:
 
 
 #: the budget fields ``--grid`` may replace: the hyperparameter grids, and FactorLaplace's rank
-GRID_FIELDS = ("prior_precisions", "swag_lrs", "dropouts", "vi_lrs", "ivon_lrs", "ivon_hess_inits", "laplace_rank")
+GRID_FIELDS = (*GRIDS, "laplace_rank")
 
 
 def parse_grid(text: str) -> Tuple[str, object]:
-    """``"NAME=V1,V2,..."`` (``--grid``) as ``(name, values)``: positive finite floats, distinct, for a grid of
-    :data:`GRID_FIELDS`; dropout rates below 1; ``laplace_rank`` one positive integer.
+    """``"NAME=V1,V2,..."`` (``--grid``) as ``(name, values)`` for a field of :data:`GRID_FIELDS`: a tuple of
+    floats, or one integer for ``laplace_rank`` (their ranges are :class:`Budget`'s to check).
 
     Raises
     ------
@@ -113,17 +113,12 @@ def parse_grid(text: str) -> Tuple[str, object]:
     if not sep or name not in GRID_FIELDS:
         raise SystemExit(f"pyro-fa classify: --grid must be NAME=V1,V2,... with NAME of {', '.join(GRID_FIELDS)}, "
                          f"got {text!r}.")
-    parts = [v.strip() for v in rest.split(",") if v.strip()]
     try:
-        values = tuple(float(v) for v in parts)
+        values = tuple(float(v) for v in rest.split(",") if v.strip())
     except ValueError:
         raise SystemExit(f"pyro-fa classify: --grid {name} takes numbers separated by commas, got {rest!r}.") from None
-    if not values or not all(math.isfinite(v) and v > 0 for v in values) or len(set(values)) < len(values):
-        raise SystemExit(f"pyro-fa classify: --grid {name} takes distinct positive finite numbers, got {rest!r}.")
-    if name == "dropouts" and max(values) >= 1:
-        raise SystemExit(f"pyro-fa classify: --grid dropouts takes rates in (0, 1), got {rest!r}.")
     if name == "laplace_rank":
-        if len(values) != 1 or values[0] != int(values[0]):
+        if len(values) != 1 or not math.isfinite(values[0]) or values[0] != int(values[0]):
             raise SystemExit(f"pyro-fa classify: --grid laplace_rank takes one positive integer, got {rest!r}.")
         return name, int(values[0])
     return name, values
@@ -144,9 +139,11 @@ def is_full_budget(budget: Budget) -> bool:
 def _budget(args) -> Budget:
     b = Budget.quick() if args.quick else Budget()
     b.map_select = getattr(args, "map_select", "tempered")
-    for text in getattr(args, "grid", None) or ():
-        name, values = parse_grid(text)
-        setattr(b, name, values)
+    grids = dict(parse_grid(text) for text in getattr(args, "grid", None) or ())
+    try:
+        b = replace(b, **grids)  # Budget checks the values
+    except ValueError as err:
+        raise SystemExit(f"pyro-fa classify: --grid: {err}") from None
     if args.epochs is not None:
         if args.epochs < 4:
             raise SystemExit(f"pyro-fa classify: --epochs must be >= 4, got {args.epochs}.")

@@ -90,6 +90,10 @@ ROW_ONLY_FIELDS = {"ivon_lrs": ("ivon",), "ivon_hess_inits": ("ivon",), "dropout
                    "laplace_rank": tuple(FACTOR_LAPLACE_ROWS)}
 
 
+#: the hyperparameter grids of :class:`Budget` (one training per value)
+GRIDS = ("prior_precisions", "swag_lrs", "dropouts", "vi_lrs", "ivon_lrs", "ivon_hess_inits")
+
+
 @dataclass
 class Budget:
     """Training budget, shared settings and the hyperparameter grids (one training per grid point)."""
@@ -119,6 +123,14 @@ class Budget:
     def __post_init__(self):
         if self.map_select not in MAP_SCORES:
             raise ValueError(f"Budget: map_select must be 'tempered' or 'nll', got {self.map_select!r}.")
+        for name in GRIDS:
+            values = tuple(getattr(self, name))
+            if not values or not all(math.isfinite(v) and v > 0 for v in values) or len(set(values)) < len(values):
+                raise ValueError(f"Budget: {name} must be distinct positive finite numbers, got {values!r}.")
+            if name == "dropouts" and max(values) >= 1:
+                raise ValueError(f"Budget: dropouts must be rates in (0, 1), got {values!r}.")
+        if isinstance(self.laplace_rank, bool) or not isinstance(self.laplace_rank, int) or self.laplace_rank < 1:
+            raise ValueError(f"Budget: laplace_rank must be a positive integer, got {self.laplace_rank!r}.")
 
     @classmethod
     def quick(cls) -> "Budget":
