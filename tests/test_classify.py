@@ -375,7 +375,10 @@ def test_classify_command_bad_input(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_run_methods_on_cuda_matches_the_cpu():
     """Every method family trains and predicts on the GPU (data, networks, posteriors, peers), returns its
-    probabilities on the CPU, and scores what the same seed scores on the CPU, up to the GPU's round-off."""
+    probabilities on the CPU, and scores what the same seed scores on the CPU: up to the GPU's round-off where
+    every draw comes from a seeded CPU generator (MAP, the SWAG family and its scale choice, the Laplace rows),
+    loosely where training draws from torch's global stream on the device, which differs from the CPU's (MC
+    dropout's masks, the guides' SVI draws, IVON's weight noise)."""
     torch.set_num_threads(1)
     budget = Budget(epochs=6, swag_epochs=3, rank=2, samples=4, prior_precisions=(1.0,), dropouts=(0.1,),
                     swag_lrs=(3e-3,), vi_lrs=(3e-3,), ivon_lrs=(0.1,), ivon_hess_inits=(0.5,), laplace_rank=4)
@@ -387,7 +390,8 @@ def test_run_methods_on_cuda_matches_the_cpu():
     for name, row in on_gpu.items():
         assert all(p.device.type == "cpu" and torch.isfinite(p).all() for p in row["probs"]), name
         nll = [rep.evaluate(r["probs"], data.y_test, list(data.ood))["nll"] for r in (on_cpu[name], row)]
-        assert nll[1] == pytest.approx(nll[0], rel=0.05, abs=0.02), name
+        device_stream = name.split("+")[0] in ("dropout", "vifa", "ivon")
+        assert nll[1] == pytest.approx(nll[0], rel=0.15 if device_stream else 0.01), name
 
 
 def _combo(per_method, ood=("x",)):

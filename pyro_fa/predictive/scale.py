@@ -398,7 +398,9 @@ def tune_scale(posterior, inputs, targets, likelihood: Union[str, Callable] = "c
     noise_std : float or Tensor, optional
         For ``likelihood="gaussian"``.
     seed : int, default 0
-        Seed of the draws.
+        Seed of the draws. They come from a CPU generator and move to the posterior's device, so one seed
+        gives the same draws, the same curve up to round-off and the same choice on every device (a CUDA
+        generator's stream differs from the CPU's).
     rule : {"one_se", "fraction", "argmax", "significant", "gated"}, default "one_se"
         See :func:`select_scale`; ``"argmax"`` is the previous behaviour (with the mean a candidate).
     fraction : float, default 0.7
@@ -526,7 +528,8 @@ class _Scorer:
         self.point_ll = point_log_likelihood(likelihood, noise_std, fn)
         self.inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         ref = predictives[0].loc
-        generator = torch.Generator(device=ref.device).manual_seed(seed)
+        # a CPU generator: the same draws, hence the same choice, on every device (pyro_fa._random moves them)
+        generator = torch.Generator().manual_seed(seed)
         self.draws = _draws(predictives, num_samples, generator)
         self.y = targets.to(ref.device)
         self.fn = fn
