@@ -80,6 +80,8 @@ def test_fraction_rule_steps_back_from_a_noisy_optimum_and_falls_back_to_the_mea
     for rule in ("one_se", "fraction"):
         i, reason = select_scale(scales, noise, rule)
         assert i == 0 and "no scale beats the mean by more than its paired standard error" in reason
+    i, reason = select_scale(scales, noise)  # the default, "gated"
+    assert i == 0 and "no scale beats the mean by more than twice its paired standard error" in reason
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -196,12 +198,12 @@ def test_warnings_for_a_flat_curve_and_a_small_validation_set():
     net, swag = _gaussian_swag()
     x, y = _data(swag, tau2_over_v=0.0)  # the data's weight does not vary: sampling does not help
     with pytest.warns(ScaleSelectionWarning, match=r"tune_scale: the validation curve is flat: no scale beats the "
-                                                   r"mean by more than its paired standard error"):
+                                                   r"mean by more than twice its paired standard error"):
         search = tune_scale(swag, x, y, "gaussian", scales=[1.0, 10.0, 100.0], num_samples=20, noise_std=0.5)
-    assert search.scale == 0.0 and swag.scale == 0.0 and search.gain == 0.0 and search.rule == "one_se"
+    assert search.scale == 0.0 and swag.scale == 0.0 and search.gain == 0.0 and search.rule == "gated"
     with pytest.warns(ScaleSelectionWarning, match=r"tune_scale: 30 validation points are too few") as record:
         small = swag.tune_scale(x[:30], y[:30], "gaussian", scales=[1.0, 10.0], num_samples=5, noise_std=0.5)
-    assert small.rule == "one_se" and swag.scale == small.scale  # SWAG.tune_scale's default rule
+    assert small.rule == "gated" and swag.scale == small.scale  # SWAG.tune_scale's default rule
     assert record[0].filename == __file__  # the warning names the caller's line, not the library's
 
 
@@ -265,4 +267,4 @@ def test_gated_rule_keeps_the_mean_on_a_gain_below_two_standard_errors():
         i, reason = select_scale([0.0, 31.6], L, "gated")
         assert i == expect, (gain, reason)
         if expect == 0:
-            assert "within twice its paired standard error" in reason
+            assert "no scale beats the mean by more than twice its paired standard error" in reason

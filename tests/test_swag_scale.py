@@ -142,8 +142,8 @@ def test_scale_and_tuning_errors():
         swag.tune_scale(X, y, scales=[0.0])
     with pytest.raises(ValueError, match=r"tune_scale: scales must be finite numbers >= 0, got -1.0"):
         swag.tune_scale(X, y, scales=[1.0, -1.0])
-    with pytest.raises(ValueError, match=r"tune_scale: rule must be one of \('one_se', 'fraction', 'argmax', "
-                                         r"'significant', 'gated'\), got 'best'"):
+    with pytest.raises(ValueError, match=r"tune_scale: rule must be one of \('gated', 'one_se', 'fraction', "
+                                         r"'argmax', 'significant'\), got 'best'"):
         swag.tune_scale(X, y, rule="best")
     with pytest.raises(ValueError, match=r"tune_scale: fraction must be a number in \(0, 1\], got 1.5"):
         swag.tune_scale(X, y, fraction=1.5)

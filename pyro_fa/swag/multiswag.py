@@ -125,7 +125,7 @@ class MultiSWAG(nn.Module):
             m.scale = value
 
     def tune_scale(self, inputs, targets, likelihood="categorical", *, scales=None, num_samples: int = 30,
-                   noise_std=None, seed: int = 0, rule: str = "one_se", fraction: float = 0.7, num_se: float = 1.5,
+                   noise_std=None, seed: int = 0, rule: str = "gated", fraction: float = 0.7, num_se: float = 1.5,
                    widen: int = 3,
                    pred_type: str = "nn", temperature: bool = False):
         """Choose one scale for all members by the validation log-likelihood of the mixture's model average.

@@ -382,7 +382,7 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         self._scale = float(value)
 
     def tune_scale(self, inputs, targets, likelihood="categorical", *, scales=None, num_samples: int = 30,
-                   noise_std=None, seed: int = 0, rule: str = "one_se", fraction: float = 0.7, num_se: float = 1.5,
+                   noise_std=None, seed: int = 0, rule: str = "gated", fraction: float = 0.7, num_se: float = 1.5,
                    widen: int = 3,
                    pred_type: str = "nn", temperature: bool = False):
         """Choose :attr:`scale` on validation data, never worse there than the mean (scale 0).

@@ -5,8 +5,8 @@ The MAP fits are :class:`pyro_fa.nn.BatchedVI` replicas of the ``"delta"`` famil
 phase steps plain SGD on every replica's weight vector and feeds :class:`~pyro_fa.SWAG`.
 
 Each kind's scale (online EM, SGA, classic SWAG) is chosen on the tuning splits' validation parts by
-:func:`pyro_fa.predictive.select_scale` (its default rule, scale 0 — the SWA mean — among
-the candidates), together with the SGD rate of the collection phase, and used on every split
+:func:`pyro_fa.predictive.select_scale` (rule ``"one_se"``, the default when the committed UCI tables were run;
+scale 0 — the SWA mean — among the candidates), together with the SGD rate of the collection phase, and used on every split
 (MultiSWAG mixes SWAG-EM members at SWAG-EM's scale);
 each SWAG row also reports its mean's (SWA's; for MultiSWAG the ensemble of the members'
 means) test log-likelihood as ``mean_ll``.
@@ -127,7 +127,7 @@ def _choose_scale(swags: Dict[int, object], model: BatchedVI, data: SplitData, n
         L = torch.cat([L, _scale_curve(swags, model, data, num_samples, gen, scales[-1:])])
     if not bool(torch.isfinite(L[0]).all()):
         return 1.0, {"scale": 1.0, "reason": "the mean's validation log-likelihood is not finite: scale 1 kept"}
-    i, reason = select_scale(scales, L)
+    i, reason = select_scale(scales, L, "one_se")  # the rule of the committed UCI tables (docs/uci.md)
     N = L.shape[1]
     d = L - L[0]
     return scales[i], {"scale": scales[i], "reason": reason, "scales": scales, "val_ll": L.mean(1).tolist(),
