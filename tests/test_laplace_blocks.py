@@ -247,3 +247,17 @@ def test_the_block_form_refuses_a_process_group(tmp_path):
         FactorLaplace(_net(), "classification", rank=2, process_group=dist.group.WORLD)  # an int still shards
     finally:
         dist.destroy_process_group()
+
+
+def test_rank_max_caps_the_generous_fits_and_warns_where_it_binds():
+    net = _net()
+    X, y, data = _data()
+    la = FactorLaplace(net, "classification", rank="auto", rank_budget=6, rank_max=3, curvature_fit="scatter")
+    assert la._blocks.fit_ranks == [3, 3] and la.cov_factor.shape == (31, 6)
+    with pytest.warns(RuntimeWarning, match=r"rank='auto' gave blocks \['0', '2'\] every column"):
+        la.fit(data)
+    assert la.block_ranks.tolist() == [3, 3]
+    with pytest.raises(ValueError, match="rank_max is only used with rank='auto', got rank=\\[2, 2\\]"):
+        FactorLaplace(net, "classification", rank=[2, 2], rank_max=3)
+    with pytest.raises(ValueError, match="rank_max must be a positive int.*got 0"):
+        FactorLaplace(net, "classification", rank="auto", rank_budget=4, rank_max=0)

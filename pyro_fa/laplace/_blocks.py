@@ -27,7 +27,7 @@ consumed it. Blocks whose fits need fewer passes (``"scatter"``: one) leave the 
 
 **Ranks chosen by the fitted spectrum** (``rank="auto"``, ``rank_budget=K``; :func:`allocate`): every block is
 fitted at a generous rank :math:`\min(K, D_b)` (``D_b - 1`` for the methods that need a rank below the
-dimension), its factor rotated to orthogonal columns (:math:`F_b \leftarrow F_bW`, :math:`F_b^\top F_b =
+dimension; at most ``rank_max``, cheaper, with a warning where a block's allocation reaches it), its factor rotated to orthogonal columns (:math:`F_b \leftarrow F_bW`, :math:`F_b^\top F_b =
 W\Lambda W^\top`, so :math:`F_bF_b^\top` is unchanged), and the :math:`K` columns :math:`f` of all blocks with
 the largest value
 
@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Tuple
@@ -124,13 +125,18 @@ class BlockRanks:
                              f"got {saved!r}; nothing was loaded. It comes from another rank configuration.")
 
 
-def block_ranks(owner: str, rank, rank_budget, named, curvature_fit: str, process_group=None) -> Optional[BlockRanks]:
-    """Parse ``FactorLaplace``'s ``rank`` / ``rank_budget``: ``None`` for an int rank (one block, unchanged),
+def block_ranks(owner: str, rank, rank_budget, named, curvature_fit: str, process_group=None,
+                rank_max=None) -> Optional[BlockRanks]:
+    """Parse ``FactorLaplace``'s ``rank`` / ``rank_budget`` / ``rank_max``: ``None`` for an int rank (one block,
+    unchanged),
     else the :class:`BlockRanks`. Raises ``ValueError`` / ``TypeError`` naming the argument, what it must be and
     what it was."""
     names, bounds = module_blocks(named)
     sizes = [e - a for a, e in bounds]
     methods = [_resolved(curvature_fit, d) for d in sizes]
+    if rank != "auto" and rank_max is not None:
+        raise ValueError(f"{owner}: rank_max is only used with rank='auto', got rank={rank!r} and "
+                         f"rank_max={rank_max!r}.")
     if isinstance(rank, int) and not isinstance(rank, bool):
         if rank_budget is not None:
             raise ValueError(f"{owner}: rank_budget is only used with rank='auto', got rank={rank!r} and "
@@ -150,9 +156,13 @@ def block_ranks(owner: str, rank, rank_budget, named, curvature_fit: str, proces
         if isinstance(rank_budget, bool) or not isinstance(rank_budget, int) or rank_budget < 1:
             raise ValueError(f"{owner}: rank='auto' needs rank_budget, the total number of columns of F to "
                              f"allocate over the blocks, a positive int, got {rank_budget!r}.")
+        if rank_max is not None and (isinstance(rank_max, bool) or not isinstance(rank_max, int) or rank_max < 1):
+            raise ValueError(f"{owner}: rank_max must be a positive int (the rank each block is fitted at before "
+                             f"the allocation), got {rank_max!r}.")
         budget = rank_budget
         fixed = None
-        fit_ranks = [min(budget, d) if m == "scatter" else min(budget, d - 1) for m, d in zip(methods, sizes)]
+        top = budget if rank_max is None else min(budget, rank_max)
+        fit_ranks = [min(top, d) if m == "scatter" else min(top, d - 1) for m, d in zip(methods, sizes)]
         if min(fit_ranks) < 1:
             bad = [n for n, k in zip(names, fit_ranks) if k < 1]
             raise ValueError(f"{owner}: rank='auto' with curvature_fit={curvature_fit!r} needs blocks of at least "
@@ -344,6 +354,11 @@ def assemble(blocks: BlockRanks, Fs: List[Tensor], psis: List[Tensor], ratio: fl
     if blocks.ranks is None:
         prior_b = [prior[a:e] for a, e in blocks.bounds]
         Fs, psis, ranks, values = allocate(Fs, psis, blocks.width, prior_b, scale)
+        bound = [n for n, k, f, m, (a, e) in zip(blocks.names, ranks, blocks.fit_ranks, blocks.methods, blocks.bounds)
+                 if k == f < min(blocks.budget, e - a - (m != "scatter"))]  # rank_max kept it from more
+        if bound:
+            warnings.warn(f"FactorLaplace: rank='auto' gave blocks {bound!r} every column they were fitted with "
+                          f"(rank_max); a larger rank_max may give them more.", RuntimeWarning, stacklevel=3)
     else:
         ranks = [F.shape[1] for F in Fs]
     D = blocks.bounds[-1][1]

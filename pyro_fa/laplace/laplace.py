@@ -90,8 +90,9 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         a randomized range finder and Nyström approximation of the uncentred moment refitted by batch FA
         (``"randomized"``, ``num_passes`` passes, shardable; see :mod:`pyro_fa.laplace.moment`).
         ``"auto"``: ``"scatter"`` for D <= 2048, else ``"randomized"``.
-    rank_budget : int, optional
-        The total rank of ``rank="auto"`` (only with it).
+    rank_budget, rank_max : int, optional
+        Only with ``rank="auto"``: the total rank, and the rank each block is fitted at before the allocation
+        (default ``rank_budget``: any block may take it all; smaller costs less, warned where it binds).
     mc_samples : int, default 1
     num_passes : int, optional
         Passes over the data: default 4 for ``"online"``, 1 for ``"sketch"``, 2 for ``"randomized"``.
@@ -161,7 +162,8 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
                  subset: Union[str, Iterable[Tensor]] = "all", prior_precision=1.0, sigma_noise: float = 1.0, *,
                  curvature: str = "ggn", curvature_fit: str = "auto", mc_samples: int = 1,
                  num_passes: Optional[int] = None,
-                 chunk_size: int = 32, seed: int = 0, process_group=None, rank_budget: Optional[int] = None):
+                 chunk_size: int = 32, seed: int = 0, process_group=None, rank_budget: Optional[int] = None,
+                 rank_max: Optional[int] = None):
         super().__init__()
         name = type(self).__name__
         if not isinstance(model, nn.Module):
@@ -179,7 +181,7 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         self.seed = _positive_int(name, "seed", seed, minimum=0)
         self.process_group = process_group
         named = select_parameters(model, subset, name)
-        self._blocks = _block_ranks(name, rank, rank_budget, named, curvature_fit, process_group)
+        self._blocks = _block_ranks(name, rank, rank_budget, named, curvature_fit, process_group, rank_max)
         if self._blocks is not None:  # per-block ranks: F is (D, the total), block diagonal
             self.rank = self._blocks.width
         object.__setattr__(self, "model", model)  # not a submodule: the network's weights stay out of state_dict
