@@ -333,7 +333,7 @@ def allocate(Fs: List[Tensor], psis: List[Tensor], budget: int, prior: List[Tens
         rotated.append(Fr[:, order])
         values.append(v[order])
     every = torch.cat(values)
-    block_of = torch.cat([torch.full((len(v),), b) for b, v in enumerate(values)])
+    block_of = torch.cat([torch.full((len(v),), b, device=v.device) for b, v in enumerate(values)])
     keep = torch.argsort(every, descending=True, stable=True)[:budget]
     ranks = [int((block_of[keep] == b).sum()) for b in range(len(Fs))]
     out_F, out_psi = [], []
