@@ -70,9 +70,9 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         Per layer (block): a list with one rank per module owning parameters of the subset, in the subset's
         order (``rank=[400, 100, 100]``), or a dict from those modules' names in ``model.named_modules()``
         (``{"linear1": 400, ...}``): each block's curvature fitted on its own (one pass over the data for all),
-        block diagonal, :math:`F` of shape (D, sum of the ranks) with zeros off the blocks, so memory and the
-        posterior's :math:`O(DK^2)` grow with the total; ``"auto"``: ``rank_budget`` columns allocated over the
-        blocks by the fitted spectrum (each block fitted at rank ``rank_budget`` first). See
+        block diagonal, :math:`F` of shape (D, sum of the ranks) with zeros off the blocks, so memory, the
+        posterior's :math:`O(DK^2)` and the GLM predictive grow with the total; ``"auto"``: ``rank_budget``
+        columns allocated over the blocks by the fitted spectrum (each fitted at ``rank_max`` first). See
         :mod:`pyro_fa.laplace._blocks`; attribute ``block_ranks``. Not with a ``process_group``.
     subset : {"all", "last_layer"} or iterable of Tensors, default "all"
         The weights the approximation is over (see :func:`~pyro_fa.laplace.curvature.select_parameters`);
