@@ -1,7 +1,8 @@
 r"""Laplace approximation with a factor-analysis curvature: the third way to a low-rank-plus-diagonal posterior.
 
 * :class:`FactorLaplace` — post hoc at a trained network, laplace-torch's verbs (``fit``,
-  ``log_marginal_likelihood``, ``optimize_prior_precision``, ``predict_proba`` / ``predict``);
+  ``log_marginal_likelihood``, ``optimize_prior_precision``, ``predict_proba`` / ``predict``), with one rank or a
+  rank per layer (``rank=[400, 100, 100]``, or ``rank="auto"`` allocating a budget by the fitted spectrum);
 * :class:`LowRankPrecisionNormal` — the Gaussian whose *precision* is low rank plus diagonal, the
   currency it hands to other layers (:class:`ShardedLowRankPrecisionNormal`: this rank's rows of it, what a
   fit with a ``process_group`` hands out);

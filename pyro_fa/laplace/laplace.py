@@ -21,12 +21,13 @@ local linearization*, AISTATS 2021, shared with every posterior in :mod:`pyro_fa
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Union
+from typing import Dict, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
 from pyro_fa._state import check_state_dict
+from pyro_fa.laplace._blocks import assemble as _assemble_blocks, block_ranks as _block_ranks, fit_blocks
 from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_network, select_parameters
 from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
 from pyro_fa.laplace._prior import PriorPrecisionSelection, positive_int as _positive_int, show as _show
@@ -61,11 +62,18 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
     likelihood : {"classification", "regression"}
         Categorical on the softmax of C >= 2 logits (Bernoulli for one logit), or Gaussian with noise
         ``sigma_noise``.
-    rank : int, default 20
+    rank : int, list of int, dict or "auto", default 20
         :math:`K \ge 1`; ``rank >= D`` keeps the curvature exactly (small D). Time and memory grow with K.
         Where the predictive's spread matters (OOD detection, a small prior precision), take K larger
         than the default: a small K under-states the dense GGN Laplace's spread there, while at a large prior
         precision it already matches it (``benchmarks/bench_laplace_rank_ood.py`` measures both).
+        Per layer (block): a list with one rank per module owning parameters of the subset, in the subset's
+        order (``rank=[400, 100, 100]``), or a dict from those modules' names in ``model.named_modules()``
+        (``{"linear1": 400, ...}``): each block's curvature fitted on its own (one pass over the data for all),
+        block diagonal, :math:`F` of shape (D, sum of the ranks) with zeros off the blocks, so memory, the
+        posterior's :math:`O(DK^2)` and the GLM predictive grow with the total; ``"auto"``: ``rank_budget``
+        columns allocated over the blocks by the fitted spectrum (each fitted at ``rank_max`` first). See
+        :mod:`pyro_fa.laplace._blocks`; attribute ``block_ranks``. Not with a ``process_group``.
     subset : {"all", "last_layer"} or iterable of Tensors, default "all"
         The weights the approximation is over (see :func:`~pyro_fa.laplace.curvature.select_parameters`);
         the others stay at their values.
@@ -82,6 +90,9 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         a randomized range finder and Nyström approximation of the uncentred moment refitted by batch FA
         (``"randomized"``, ``num_passes`` passes, shardable; see :mod:`pyro_fa.laplace.moment`).
         ``"auto"``: ``"scatter"`` for D <= 2048, else ``"randomized"``.
+    rank_budget, rank_max : int, optional
+        Only with ``rank="auto"``: the total rank, and the rank each block is fitted at before the allocation
+        (default ``rank_budget``: any block may take it all; smaller costs less, warned where it binds).
     mc_samples : int, default 1
     num_passes : int, optional
         Passes over the data: default 4 for ``"online"``, 1 for ``"sketch"``, 2 for ``"randomized"``.
@@ -147,11 +158,12 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
     torch.Size([4, 2])
     """
 
-    def __init__(self, model: nn.Module, likelihood: str, rank: int = 20,
+    def __init__(self, model: nn.Module, likelihood: str, rank: Union[int, Sequence[int], Dict[str, int], str] = 20,
                  subset: Union[str, Iterable[Tensor]] = "all", prior_precision=1.0, sigma_noise: float = 1.0, *,
                  curvature: str = "ggn", curvature_fit: str = "auto", mc_samples: int = 1,
                  num_passes: Optional[int] = None,
-                 chunk_size: int = 32, seed: int = 0, process_group=None):
+                 chunk_size: int = 32, seed: int = 0, process_group=None, rank_budget: Optional[int] = None,
+                 rank_max: Optional[int] = None):
         super().__init__()
         name = type(self).__name__
         if not isinstance(model, nn.Module):
@@ -162,13 +174,16 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
             raise ValueError(f"{name}: curvature must be one of {CURVATURES}, got {curvature!r}.")
         if curvature_fit not in MOMENT_FITS:
             raise ValueError(f"{name}: curvature_fit must be one of {MOMENT_FITS}, got {curvature_fit!r}.")
-        self.rank = _positive_int(name, "rank", rank)
+        self.rank = _positive_int(name, "rank", rank) if isinstance(rank, int) else rank
         self.mc_samples = _positive_int(name, "mc_samples", mc_samples)
         self.num_passes = None if num_passes is None else _positive_int(name, "num_passes", num_passes)
         self.chunk_size = _positive_int(name, "chunk_size", chunk_size)
         self.seed = _positive_int(name, "seed", seed, minimum=0)
         self.process_group = process_group
         named = select_parameters(model, subset, name)
+        self._blocks = _block_ranks(name, rank, rank_budget, named, curvature_fit, process_group, rank_max)
+        if self._blocks is not None:  # per-block ranks: F is (D, the total), block diagonal
+            self.rank = self._blocks.width
         object.__setattr__(self, "model", model)  # not a submodule: the network's weights stay out of state_dict
         self.likelihood, self.curvature, self.curvature_fit = likelihood, curvature, curvature_fit
         self._named = named
@@ -193,6 +208,8 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         self.register_buffer("loss_grad", torch.zeros(hi - lo, **dd))
         self.register_buffer("fitted_temperature", torch.zeros((), **dd))
         self.register_buffer("n_outputs", torch.zeros((), dtype=torch.int64, device=ref.device))
+        if self._blocks is not None:
+            self.register_buffer("block_ranks", torch.tensor(self._blocks.initial, device=ref.device))
         self._f = flat_network(model, named)
 
     # ------------------------------------------------------------------ checks
@@ -328,9 +345,13 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
                     yield curvature_vectors(self._f, theta, xc, self.likelihood, self.curvature,
                                             num_samples=self.mc_samples, generator=generator)
 
-        F, psi, info = fit_second_moment(passes, self.dim, self.rank, method=self.curvature_fit,
-                                         num_passes=self.num_passes, seed=self.seed, dtype=theta.dtype,
-                                         device=theta.device, owner=name, process_group=self.process_group)
+        if self._blocks is not None:  # every block's fitter fed from the one stream
+            F, psi, info = fit_blocks(passes, self._blocks, num_passes=self.num_passes, seed=self.seed,
+                                      dtype=theta.dtype, device=theta.device, owner=name)
+        else:
+            F, psi, info = fit_second_moment(passes, self.dim, self.rank, method=self.curvature_fit,
+                                             num_passes=self.num_passes, seed=self.seed, dtype=theta.dtype,
+                                             device=theta.device, owner=name, process_group=self.process_group)
         if self.process_group is not None:
             import torch.distributed as dist
 
@@ -350,6 +371,11 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         if not bool(torch.isfinite(totals["grad"]).all()):
             raise ValueError(f"{name}: the gradient of the loss at the MAP must be finite, got NaN or inf.")
         ratio = info["n_vectors"] / n_data  # F F^T + psi fits G / V: rescale to G / N
+        if self._blocks is not None:  # laid out block diagonally (allocated first for rank="auto"), rescaled
+            F, psi, ranks, info["values"] = _assemble_blocks(self._blocks, F, psi, ratio, self._prior_diag(
+                self.prior_precision), n_data / float(self.sigma_noise) ** 2)
+            ratio = 1.0
+            self._replace(block_ranks=ranks)
         lo, hi = self._rows
         self._replace(loc=theta[lo:hi], cov_factor=F * ratio ** 0.5, cov_diag=psi * ratio, loss=totals["loss"],
                       loss_grad=totals["grad"][lo:hi], n_data=torch.tensor(n_data),
@@ -528,6 +554,8 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         """
         check_state_dict(self, state_dict, strict)
         name = type(self).__name__
+        if self._blocks is not None:
+            self._blocks.check_state(name, state_dict)
         if self._sharding is not None and "shard" in state_dict:
             saved, mine = [int(v) for v in state_dict["shard"]], [int(v) for v in self.shard]
             if saved != mine:
@@ -559,4 +587,5 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
 
     def extra_repr(self) -> str:
         return (f"likelihood={self.likelihood!r}, dim={self.dim}, rank={self.rank}, curvature={self.curvature!r}, "
-                f"curvature_fit={self.curvature_fit!r}" + (f", rows={self._rows}" if self._sharding else ""))
+                f"curvature_fit={self.curvature_fit!r}" + (f", rows={self._rows}" if self._sharding else "")
+                + ("" if self._blocks is None else f", blocks={dict(zip(self._blocks.names, self.block_ranks.tolist()))}"))
