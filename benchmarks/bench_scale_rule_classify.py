@@ -122,8 +122,7 @@ def report(records: dict) -> None:
     print("\ncell: mean over seeds of test NLL / SWA's, worst seed, seeds worse than SWA by more than 1 %")
     print("\nthe default rule against the committed table (SWAG-EM and SWA test NLL):")
     for key, seed, lr, scale, nll, swa in check:
-        _, combo = _table(key)
-        result, _ = _table(key)
+        result, combo = _table(key)
         seeds = result.get("seeds_per_combo", {}).get(key, result["seeds"])
         j = seeds.index(seed)
         m = combo["methods"]
