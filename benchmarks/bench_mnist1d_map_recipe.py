@@ -11,7 +11,8 @@ reaches 68.0 % on the same network. This benchmark trains the same network on th
   (``torch.optim.lr_scheduler.CosineAnnealingLR``, stepped per minibatch);
 * ``adamw``: AdamW (Loshchilov & Hutter 2019, *Decoupled weight decay regularization*) at the constant
   rate 1e-2, decoupled decay λ over ``--adamw-decays``;
-* ``adamw-cosine``: both.
+* ``adamw-cosine``: both;
+* ``adam-3e-3``, ``adam-1e-3``: the reference recipe at a smaller constant rate (the same steps and decay grid).
 
 ``--full-train`` adds the question of the data: the reference recipe without decay (δ = 0.01, the smallest
 of the grid) trained on all 4 000 training signals, as the ``mnist1d`` repository does, with no validation
@@ -40,7 +41,7 @@ from pyro_fa.experiments.classify.networks import make_network
 from pyro_fa.experiments._io import mean_se
 from pyro_fa.predictive import fit_temperature
 
-RECIPES = ("reference", "cosine", "adamw", "adamw-cosine")
+RECIPES = ("reference", "cosine", "adamw", "adamw-cosine", "adam-3e-3", "adam-1e-3")
 
 
 def train(recipe: str, data, budget: Budget, seed: int, reg: float) -> nn.Module:
@@ -55,7 +56,8 @@ def train(recipe: str, data, budget: Budget, seed: int, reg: float) -> nn.Module
     if recipe.startswith("adamw"):
         opt = torch.optim.AdamW(net.parameters(), lr=budget.lr, weight_decay=reg)
     else:
-        opt = torch.optim.Adam(net.parameters(), lr=budget.lr, weight_decay=reg / n)
+        lr = float(recipe.split("-", 1)[1]) if recipe.startswith("adam-") else budget.lr
+        opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=reg / n)
     steps = budget.epochs * math.ceil(n / budget.batch_size)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps) if recipe.endswith("cosine") else None
     g = torch.Generator().manual_seed(seed)  # the reference's minibatch order

@@ -156,6 +156,7 @@ def laplace_probs(
     batch_size: int = 256,
     subset_of_weights: str = "last_layer",
     hessian_structure: str = "kron",
+    prior_structure: Optional[str] = None,
     log_prior_prec_range: Tuple[float, float] = GRID_LOG10_RANGE,
     info: Optional[dict] = None,
     tempered: Optional[dict] = None,
@@ -198,6 +199,10 @@ def laplace_probs(
     hessian_structure : {"kron", "diag", "full"}, default "kron"
         KFAC, diagonal or full (D x D, D the weights it covers) generalised Gauss-Newton (laplace-torch's
         option of that name). "full" over all weights stores D² numbers and eigendecomposes them, O(D³).
+    prior_structure : {"scalar", "layerwise", "diag"}, optional
+        Passed to laplace-torch's ``optimize_prior_precision`` (one prior precision, one per parameter
+        tensor, one per weight); by default none is passed, and laplace-torch 0.3 keeps the scalar it was
+        built with.
     log_prior_prec_range : (float, float), default (-4, 8)
         Base-10 logarithms of the smallest and largest prior precision of the grid search: the default
         reaches far past the MAP limit (at 1e8 the last layer's posterior variance is negligible), which
@@ -292,6 +297,7 @@ def laplace_probs(
                         val_loader=val_loader,
                         link_approx=link_approx,
                         n_samples=n_samples,
+                        **({} if prior_structure is None else {"prior_structure": prior_structure}),
                         **({"log_prior_prec_min": lo, "log_prior_prec_max": hi}
                            if prior_method == "gridsearch" else {}),
                     )
