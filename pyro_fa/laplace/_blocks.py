@@ -12,9 +12,12 @@ its own rank :math:`K_b`. The curvature is then block diagonal,
     \mathrm{blockdiag}(F_bF_b^\top + \Psi_b) = FF^\top + \Psi, \qquad F = \mathrm{blockdiag}(F_b)
     \in \mathbb R^{D\times\sum_b K_b},
 
-so the posterior stays a :class:`~pyro_fa.laplace.posterior.LowRankPrecisionNormal` of rank :math:`\sum_b K_b`
-and everything downstream (GLM predictive, marginal likelihood, prior precision, sampling, ``state_dict``) is
-unchanged. KFAC's block structure (Ritter, Botev & Barber, *A scalable Laplace approximation for neural
+but :math:`F` is never formed: each :math:`F_b` is held on its own (:func:`assemble`,
+:class:`~pyro_fa.laplace._fitted_state.FittedState`), the posterior is a
+:class:`~pyro_fa.laplace.posterior.BlockLowRankPrecisionNormal` (one capacitance per block,
+:math:`O(\sum_b D_bK_b^2)`) and the GLM predictive takes the factor by blocks, so everything downstream (marginal
+likelihood, prior precision, sampling, ``state_dict``) gives the dense layout's numbers in
+:math:`O(\sum_b D_bK_b)` memory instead of :math:`O(D\sum_b K_b)`. KFAC's block structure (Ritter, Botev & Barber, *A scalable Laplace approximation for neural
 networks*, ICLR 2018; Daxberger et al., *Laplace Redux*, NeurIPS 2021) with each block low rank plus diagonal
 instead of a Kronecker product.
 

@@ -12,8 +12,9 @@ the Laplace approximation is
 
 with :math:`\delta` the prior precision (a scalar, or one per parameter tensor) and :math:`\sigma` the
 noise of a Gaussian likelihood (:math:`\sigma = 1` for classification). The posterior is a
-:class:`~pyro_fa.laplace.posterior.LowRankPrecisionNormal`: :math:`O(DK)` memory and no :math:`D\times D`
-tensor. The verbs are laplace-torch's (Daxberger et al., *Laplace Redux — effortless Bayesian deep learning*,
+:class:`~pyro_fa.laplace.posterior.LowRankPrecisionNormal` (a
+:class:`~pyro_fa.laplace.posterior.BlockLowRankPrecisionNormal` with a rank per layer): :math:`O(DK)` memory and
+no :math:`D\times D` tensor. The verbs are laplace-torch's (Daxberger et al., *Laplace Redux — effortless Bayesian deep learning*,
 NeurIPS 2021): ``fit``, ``log_marginal_likelihood``, ``optimize_prior_precision``, ``predict_proba`` /
 ``predict`` (the GLM predictive of Immer, Korzepa & Bauer, *Improving predictions of Bayesian neural nets via
 local linearization*, AISTATS 2021, shared with every posterior in :mod:`pyro_fa.predictive.glm`).
