@@ -13,7 +13,7 @@ for at small :math:`D`.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -261,7 +261,8 @@ class BlockLowRankPrecisionNormal(Distribution):
     support = constraints.real_vector
     has_rsample = True
 
-    def __init__(self, loc: Tensor, prec_factors, prec_diag: Tensor, validate_args: Optional[bool] = None):
+    def __init__(self, loc: Tensor, prec_factors: Sequence[Tuple[int, int, Tensor]], prec_diag: Tensor,
+                 validate_args: Optional[bool] = None):
         name = type(self).__name__
         if loc.dim() != 1:
             raise ValueError(f"{name}: loc must have shape (D,), got {tuple(loc.shape)!r}.")
