@@ -12,9 +12,12 @@ its own rank :math:`K_b`. The curvature is then block diagonal,
     \mathrm{blockdiag}(F_bF_b^\top + \Psi_b) = FF^\top + \Psi, \qquad F = \mathrm{blockdiag}(F_b)
     \in \mathbb R^{D\times\sum_b K_b},
 
-so the posterior stays a :class:`~pyro_fa.laplace.posterior.LowRankPrecisionNormal` of rank :math:`\sum_b K_b`
-and everything downstream (GLM predictive, marginal likelihood, prior precision, sampling, ``state_dict``) is
-unchanged. KFAC's block structure (Ritter, Botev & Barber, *A scalable Laplace approximation for neural
+but :math:`F` is never formed: each :math:`F_b` is held on its own (:func:`assemble`,
+:class:`~pyro_fa.laplace._fitted_state.FittedState`), the posterior is a
+:class:`~pyro_fa.laplace.posterior.BlockLowRankPrecisionNormal` (one capacitance per block,
+:math:`O(\sum_b D_bK_b^2)`) and the GLM predictive takes the factor by blocks, so everything downstream (marginal
+likelihood, prior precision, sampling, ``state_dict``) gives the dense layout's numbers in
+:math:`O(\sum_b D_bK_b)` memory instead of :math:`O(D\sum_b K_b)`. KFAC's block structure (Ritter, Botev & Barber, *A scalable Laplace approximation for neural
 networks*, ICLR 2018; Daxberger et al., *Laplace Redux*, NeurIPS 2021) with each block low rank plus diagonal
 instead of a Kronecker product.
 
@@ -61,7 +64,7 @@ from torch import Tensor
 
 from pyro_fa.laplace.moment import fit_second_moment
 
-__all__ = ["BlockRanks", "block_ranks", "module_blocks", "fit_blocks", "allocate"]
+__all__ = ["BlockRanks", "block_ranks", "check_layout", "module_blocks", "fit_blocks", "allocate", "assemble"]
 
 #: ``fit_second_moment``'s ``dense_max_dim``: ``"auto"`` fits a block of at most this many weights by ``"scatter"``
 _DENSE_MAX_DIM = 2048
@@ -108,6 +111,27 @@ class BlockRanks:
         """The ``block_ranks`` buffer before a fit: the fixed ranks, or zeros for ``"auto"``."""
         return list(self.ranks) if self.ranks is not None else [0] * len(self.names)
 
+    @property
+    def factor_names(self) -> List[str]:
+        """The buffers holding each block's factor :math:`F_b`, shape (D_b, K_b): ``block_factor_0``, ..."""
+        return [f"block_factor_{b}" for b in range(len(self.names))]
+
+    def dense(self, factors: List[Tensor], ref: Tensor) -> Tensor:
+        """``blockdiag(F_b)`` of shape (D, width), zeros off the blocks (and in the columns of an unfitted ``"auto"``)."""
+        out = ref.new_zeros(self.bounds[-1][1], self.width)
+        col = 0
+        for (a, e), F in zip(self.bounds, factors):
+            out[a:e, col:col + F.shape[1]] = F
+            col += F.shape[1]
+        return out
+
+    def saved_factor_shapes(self, state_dict) -> dict:
+        """The shapes of the block factors that a state's ``block_ranks`` gives them (none where it has none)."""
+        saved = state_dict.get("block_ranks")
+        if not torch.is_tensor(saved) or saved.shape != (len(self.names),):
+            return {}
+        return {key: (e - a, int(k)) for key, (a, e), k in zip(self.factor_names, self.bounds, saved)}
+
     def check_state(self, owner: str, state_dict) -> None:
         """Refuse a saved ``block_ranks`` that does not fit these blocks (before anything is loaded)."""
         saved = state_dict.get("block_ranks")
@@ -123,6 +147,22 @@ class BlockRanks:
                 f"an allocation of {self.width} columns with at most {self.fit_ranks!r} per block")
             raise ValueError(f"{owner}: state_dict['block_ranks'] must be {want} for the blocks {self.names!r}, "
                              f"got {saved!r}; nothing was loaded. It comes from another rank configuration.")
+
+
+def check_layout(owner: str, blocks: Optional[BlockRanks], rank: int, state_dict) -> None:
+    """Refuse a state with a rank per block for an int rank, or the other way round, naming both."""
+    saved = state_dict.get("block_ranks")
+    if blocks is None and saved is not None:
+        got = saved.tolist() if torch.is_tensor(saved) else saved
+        raise ValueError(f"{owner}: state_dict must come from a fit with one rank for all weights, like this one "
+                         f"(rank={rank}), got a fit with a rank per block (block_ranks {got!r}); nothing was "
+                         "loaded. Construct it with the rank it was fitted with (a list, dict or 'auto').")
+    if blocks is not None and saved is None and "cov_factor" in state_dict:
+        shape = getattr(state_dict["cov_factor"], "shape", None)
+        raise ValueError(f"{owner}: state_dict must come from a fit with a rank per block, like this one (blocks "
+                         f"{blocks.names!r}), got a fit with one rank (cov_factor of shape "
+                         f"{tuple(shape) if shape is not None else shape!r}); nothing was loaded. Construct it with "
+                         "the int rank it was fitted with.")
 
 
 def block_ranks(owner: str, rank, rank_budget, named, curvature_fit: str, process_group=None,
@@ -344,10 +384,11 @@ def allocate(Fs: List[Tensor], psis: List[Tensor], budget: int, prior: List[Tens
 
 
 def assemble(blocks: BlockRanks, Fs: List[Tensor], psis: List[Tensor], ratio: float, prior: Tensor,
-             scale: float) -> Tuple[Tensor, Tensor, Tensor, Optional[List[Tensor]]]:
-    r"""The block-diagonal :math:`F` (D, width) and :math:`\psi` (D,) of the curvature per example (the fits of
-    :math:`G/V` rescaled by ``ratio`` = V/N), allocated first for ``"auto"``; the ranks as an int64 tensor and the
-    column values of ``"auto"`` (``None`` for fixed ranks)."""
+             scale: float) -> Tuple[List[Tensor], Tensor, Tensor, Optional[List[Tensor]]]:
+    r"""Each block's :math:`F_b` (D_b, K_b) and the whole :math:`\psi` (D,) of the curvature per example (the fits
+    of :math:`G/V` rescaled by ``ratio`` = V/N), allocated first for ``"auto"``; the ranks as an int64 tensor and
+    the column values of ``"auto"`` (``None`` for fixed ranks). The factors are contiguous tensors of their own
+    (not views of the generous fits of ``"auto"``): :math:`\sum_b D_bK_b` numbers in all."""
     Fs = [F * ratio ** 0.5 for F in Fs]
     psis = [psi * ratio for psi in psis]
     values = None
@@ -361,10 +402,10 @@ def assemble(blocks: BlockRanks, Fs: List[Tensor], psis: List[Tensor], ratio: fl
                           f"(rank_max); a larger rank_max may give them more.", RuntimeWarning, stacklevel=3)
     else:
         ranks = [F.shape[1] for F in Fs]
-    D = blocks.bounds[-1][1]
-    F = Fs[0].new_zeros(D, blocks.width)
-    col = 0
-    for (a, e), Fb in zip(blocks.bounds, Fs):
-        F[a:e, col:col + Fb.shape[1]] = Fb
-        col += Fb.shape[1]
-    return F, torch.cat(psis), torch.tensor(ranks, dtype=torch.int64), values
+    Fs = [F if _owns_its_storage(F) else F.clone(memory_format=torch.contiguous_format) for F in Fs]
+    return Fs, torch.cat(psis), torch.tensor(ranks, dtype=torch.int64), values
+
+
+def _owns_its_storage(t: Tensor) -> bool:
+    """Whether ``t`` is contiguous and the whole of its storage (not a view of a larger tensor)."""
+    return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()

@@ -12,8 +12,9 @@ the Laplace approximation is
 
 with :math:`\delta` the prior precision (a scalar, or one per parameter tensor) and :math:`\sigma` the
 noise of a Gaussian likelihood (:math:`\sigma = 1` for classification). The posterior is a
-:class:`~pyro_fa.laplace.posterior.LowRankPrecisionNormal`: :math:`O(DK)` memory and no :math:`D\times D`
-tensor. The verbs are laplace-torch's (Daxberger et al., *Laplace Redux — effortless Bayesian deep learning*,
+:class:`~pyro_fa.laplace.posterior.LowRankPrecisionNormal` (a
+:class:`~pyro_fa.laplace.posterior.BlockLowRankPrecisionNormal` with a rank per layer): :math:`O(DK)` memory and
+no :math:`D\times D` tensor. The verbs are laplace-torch's (Daxberger et al., *Laplace Redux — effortless Bayesian deep learning*,
 NeurIPS 2021): ``fit``, ``log_marginal_likelihood``, ``optimize_prior_precision``, ``predict_proba`` /
 ``predict`` (the GLM predictive of Immer, Korzepa & Bauer, *Improving predictions of Bayesian neural nets via
 local linearization*, AISTATS 2021, shared with every posterior in :mod:`pyro_fa.predictive.glm`).
@@ -26,12 +27,12 @@ from typing import Dict, Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from pyro_fa._state import check_state_dict
 from pyro_fa.laplace._blocks import assemble as _assemble_blocks, block_ranks as _block_ranks, fit_blocks
+from pyro_fa.laplace._fitted_state import FittedState
 from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_network, select_parameters
 from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
 from pyro_fa.laplace._prior import PriorPrecisionSelection, positive_int as _positive_int, show as _show
-from pyro_fa.laplace.posterior import LowRankPrecisionNormal
+from pyro_fa.laplace.posterior import BlockLowRankPrecisionNormal, LowRankPrecisionNormal
 from pyro_fa.laplace._sharded import ShardedLowRankPrecisionNormal, make_laplace_sharding, sharded_glm_moments
 from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_moments, probit_proba
 
@@ -42,7 +43,7 @@ LIKELIHOODS = ("classification", "regression")
 
 
 
-class FactorLaplace(PriorPrecisionSelection, nn.Module):
+class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
     r"""Laplace approximation :math:`N(\theta_*, P^{-1})` with a factor-analysis (low-rank plus diagonal) curvature.
 
     .. math::
@@ -70,10 +71,11 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         Per layer (block): a list with one rank per module owning parameters of the subset, in the subset's
         order (``rank=[400, 100, 100]``), or a dict from those modules' names in ``model.named_modules()``
         (``{"linear1": 400, ...}``): each block's curvature fitted on its own (one pass over the data for all),
-        block diagonal, :math:`F` of shape (D, sum of the ranks) with zeros off the blocks, so memory, the
-        posterior's :math:`O(DK^2)` and the GLM predictive grow with the total; ``"auto"``: ``rank_budget``
-        columns allocated over the blocks by the fitted spectrum (each fitted at ``rank_max`` first). See
-        :mod:`pyro_fa.laplace._blocks`; attribute ``block_ranks``. Not with a ``process_group``.
+        block diagonal, each block's :math:`F_b` (D_b, K_b) held on its own (:attr:`block_factors`), the
+        posterior a :class:`~pyro_fa.laplace.posterior.BlockLowRankPrecisionNormal`: memory
+        :math:`O(\sum_b D_bK_b)` and :math:`O(\sum_b D_bK_b^2)` time instead of the total rank's; ``"auto"``:
+        ``rank_budget`` columns allocated over the blocks by the fitted spectrum (each fitted at ``rank_max``
+        first). See :mod:`pyro_fa.laplace._blocks`; attribute ``block_ranks``. Not with a ``process_group``.
     subset : {"all", "last_layer"} or iterable of Tensors, default "all"
         The weights the approximation is over (see :func:`~pyro_fa.laplace.curvature.select_parameters`);
         the others stay at their values.
@@ -116,7 +118,11 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
     loc : Tensor of shape (D,), or (D_r,) when sharded
         :math:`\theta_*` (this rank's rows when sharded, as the two below).
     cov_factor : Tensor of shape (D, K) or (D_r, K)
-        :math:`F` (curvature per example, :math:`\sigma = 1`).
+        :math:`F` (curvature per example, :math:`\sigma = 1`). With a rank per block, the dense
+        :math:`\mathrm{blockdiag}(F_b)`, (D, sum of the ranks), formed on each access (not held).
+    block_factors : list of (int, int, Tensor), only with a rank per block
+        ``(lo, hi, F_b)``, :math:`F_b` of shape (hi - lo, K_b): the buffers ``block_factor_0``, ... that the
+        state holds instead of ``cov_factor``.
     cov_diag : Tensor of shape (D,) or (D_r,)
         :math:`\psi`, non-negative.
     shard : Tensor of shape (5,), int64, only when sharded
@@ -196,7 +202,11 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         self._sharding = None if process_group is None else make_laplace_sharding(process_group, D, name)
         lo, hi = self._rows
         self.register_buffer("loc", torch.zeros(hi - lo, **dd))
-        self.register_buffer("cov_factor", torch.zeros(hi - lo, min(self.rank, D), **dd))
+        if self._blocks is None:
+            self.register_buffer("cov_factor", torch.zeros(hi - lo, min(self.rank, D), **dd))
+        else:  # each block's factor (D_b, K_b) on its own (K_b = 0 before a fit with rank="auto")
+            for key, (a, e), k in zip(self._blocks.factor_names, self._blocks.bounds, self._blocks.initial):
+                self.register_buffer(key, torch.zeros(e - a, k, **dd))
         self.register_buffer("cov_diag", torch.zeros(hi - lo, **dd))
         if self._sharding is not None:
             sh = self._sharding
@@ -371,24 +381,21 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         if not bool(torch.isfinite(totals["grad"]).all()):
             raise ValueError(f"{name}: the gradient of the loss at the MAP must be finite, got NaN or inf.")
         ratio = info["n_vectors"] / n_data  # F F^T + psi fits G / V: rescale to G / N
-        if self._blocks is not None:  # laid out block diagonally (allocated first for rank="auto"), rescaled
+        factor = {}
+        if self._blocks is None:
+            factor["cov_factor"] = F * ratio ** 0.5
+        else:  # each block's factor kept on its own (allocated first for rank="auto"), rescaled
             F, psi, ranks, info["values"] = _assemble_blocks(self._blocks, F, psi, ratio, self._prior_diag(
                 self.prior_precision), n_data / float(self.sigma_noise) ** 2)
             ratio = 1.0
             self._replace(block_ranks=ranks)
+            self._replace_block_factors(F)
         lo, hi = self._rows
-        self._replace(loc=theta[lo:hi], cov_factor=F * ratio ** 0.5, cov_diag=psi * ratio, loss=totals["loss"],
+        self._replace(loc=theta[lo:hi], **factor, cov_diag=psi * ratio, loss=totals["loss"],
                       loss_grad=totals["grad"][lo:hi], n_data=torch.tensor(n_data),
                       n_outputs=torch.tensor(totals["outputs"]))
         self.fit_info = info
         return self
-
-    def _replace(self, **values: Tensor) -> None:
-        """Rebind buffers to ``values`` (new tensors, never written in place): tensors handed out earlier
-        (``state_dict()``, attributes, a posterior) keep their values."""
-        for key, value in values.items():
-            old = self._buffers[key]
-            self._buffers[key] = value.detach().to(dtype=old.dtype, device=old.device).reshape(old.shape)
 
     # ------------------------------------------------------------------ the posterior
     def _prior_diag(self, prior_precision: Tensor) -> Tensor:
@@ -411,14 +418,17 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         pp, sg = self._resolve(prior_precision, sigma_noise)
         scale = self.n_data.to(self.loc.dtype) / sg.pow(2)
         prec_diag = self._prior_diag(pp) + scale * self.cov_diag
-        prec_factor = self.cov_factor * scale.sqrt()
         # its own storage: neither a later fit() nor an in-place change of the posterior reaches the other
+        if self._blocks is not None:
+            blocks = [(a, e, F * scale.sqrt()) for a, e, F in self.block_factors]
+            return BlockLowRankPrecisionNormal(self.loc.clone(), blocks, prec_diag)
+        prec_factor = self.cov_factor * scale.sqrt()
         if self._sharding is not None:
             return ShardedLowRankPrecisionNormal(self.loc.clone(), prec_factor, prec_diag, self._sharding)
         return LowRankPrecisionNormal(self.loc.clone(), prec_factor, prec_diag)
 
     @property
-    def posterior(self) -> Union[LowRankPrecisionNormal, ShardedLowRankPrecisionNormal]:
+    def posterior(self) -> Union[LowRankPrecisionNormal, BlockLowRankPrecisionNormal, ShardedLowRankPrecisionNormal]:
         r"""The Laplace approximation :math:`N(\theta_*, P^{-1})` at the current prior precision and noise.
 
         A snapshot: its tensors share no storage with this object's buffers, so a later :meth:`fit`,
@@ -454,7 +464,8 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         if self._sharding is not None:
             # the whole linearisation point (D numbers, gathered) and each rank's rows of the posterior
             return sharded_glm_moments(self._f, self._sharding.all_gather(self.loc), x, post, self.chunk_size)
-        return linearized_moments(self.model, self.loc, x, cov_diag=post.cov_diag, cov_factor=post.cov_factor,
+        factor = post.cov_factor if self._blocks is None else post.cov_factors  # blocks: never densified
+        return linearized_moments(self.model, self.loc, x, cov_diag=post.cov_diag, cov_factor=factor,
                                   factor_sign=-1.0, chunk_size=self.chunk_size, params=self._params)
 
     def _sampled_outputs(self, x: Tensor, n_samples: int) -> Tensor:
@@ -542,48 +553,6 @@ class FactorLaplace(PriorPrecisionSelection, nn.Module):
         if self.likelihood == "classification":
             return self.predict_proba(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples)
         return self.predict(x, pred_type=pred_type, n_samples=n_samples)
-
-    # ------------------------------------------------------------------ state
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a saved fit, checked whole first (keys, shapes, finite values, a positive prior precision and noise,
-        a non-negative diagonal and count): nothing loaded when it does not fit.
-
-        The buffers get new storage (with ``assign=False``, the default): a ``state_dict()`` or posterior taken
-        earlier keeps its values. Likewise :meth:`fit` and :meth:`optimize_prior_precision` never write into a
-        tensor handed out, so ``torch.save(la.state_dict(), ...)`` of a fitted approximation stays that fit.
-        """
-        check_state_dict(self, state_dict, strict)
-        name = type(self).__name__
-        if self._blocks is not None:
-            self._blocks.check_state(name, state_dict)
-        if self._sharding is not None and "shard" in state_dict:
-            saved, mine = [int(v) for v in state_dict["shard"]], [int(v) for v in self.shard]
-            if saved != mine:
-                raise ValueError(f"{name}: state_dict must come from rank {mine[2]} of world size {mine[1]} holding "
-                                 f"rows [{mine[3]}, {mine[4]}) of D={mine[0]}, like this one, got rank {saved[2]} "
-                                 f"of {saved[1]} holding [{saved[3]}, {saved[4]}) of D={saved[0]}; nothing was "
-                                 "loaded. Save and load each rank's own state_dict.")
-        for key, what in (("prior_precision", "positive"), ("sigma_noise", "positive"), ("cov_diag", "non-negative"),
-                          ("n_data", "non-negative"), ("fitted_temperature", "non-negative")):
-            v = state_dict.get(key)
-            if torch.is_tensor(v) and v.numel() and not bool((v > 0).all() if what == "positive" else (v >= 0).all()):
-                raise ValueError(f"{name}: state_dict[{key!r}] must be {what}, got {_show(v)}; nothing was loaded.")
-        # new storage for every buffer: tensors handed out earlier (a previous state_dict()) are not overwritten
-        for key, buf in list(self._buffers.items()):
-            if buf is not None and key in state_dict:
-                self._buffers[key] = torch.empty_like(buf)
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
-
-    @property
-    def temperature(self) -> Optional[float]:
-        """The temperature of the last prior-precision choice (:meth:`optimize_prior_precision`), None without one;
-        saved in :meth:`state_dict` as ``fitted_temperature`` (0 for None)."""
-        t = float(self.fitted_temperature)
-        return None if t == 0.0 else t
-
-    @temperature.setter
-    def temperature(self, value: Optional[float]) -> None:
-        self._replace(fitted_temperature=torch.tensor(0.0 if value is None else float(value)))
 
     def extra_repr(self) -> str:
         return (f"likelihood={self.likelihood!r}, dim={self.dim}, rank={self.rank}, curvature={self.curvature!r}, "

@@ -140,6 +140,23 @@ def _check_vector(fn: str, name: str, value, D: int, ref: Tensor) -> Tensor:
     return value
 
 
+def _factor_blocks(fn: str, value, D: int, ref: Tensor) -> List[Tuple[int, int, Tensor]]:
+    """``cov_factor`` given by blocks: a sequence of ``(lo, hi, F_b)``, ``F_b`` of shape (hi - lo, K_b), checked."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(b, (list, tuple)) and len(b) == 3 for b in value):
+        raise TypeError(f"{fn}: cov_factor must be a Tensor of shape ({D}, K) or a sequence of (lo, hi, F_b) blocks, "
+                        f"got {type(value).__name__}.")
+    for lo, hi, F in value:
+        ok = all(isinstance(i, int) and not isinstance(i, bool) for i in (lo, hi)) and 0 <= lo < hi <= D
+        if not ok or not torch.is_tensor(F) or F.dim() != 2 or F.shape[0] != hi - lo:
+            raise ValueError(f"{fn}: cov_factor's blocks must be (lo, hi, F_b) with 0 <= lo < hi <= {D} and F_b of "
+                             f"shape (hi - lo, K_b), got ({lo!r}, {hi!r}, "
+                             f"{tuple(F.shape) if torch.is_tensor(F) else type(F).__name__}).")
+        if F.dtype != ref.dtype or F.device != ref.device:
+            raise ValueError(f"{fn}: cov_factor's blocks must be on the module's dtype and device ({ref.dtype}, "
+                             f"{ref.device}), got ({F.dtype}, {F.device}) for [{lo}, {hi}). Move them with .to(...).")
+    return list(value)
+
+
 def _inputs(fn: str, inputs) -> Tuple[Tensor, ...]:
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     if not inputs or not all(torch.is_tensor(x) for x in inputs):
@@ -182,8 +199,12 @@ def linearized_moments(module: nn.Module, loc: Tensor, inputs: Union[Tensor, Tup
     inputs : Tensor of shape (N, ...) or tuple of such Tensors
     cov_diag : Tensor of shape (D,)
         :math:`\psi`.
-    cov_factor : Tensor of shape (D, K)
-        :math:`F`; ``K`` may be 0 (a diagonal :math:`\Sigma`).
+    cov_factor : Tensor of shape (D, K), or sequence of (int, int, Tensor)
+        :math:`F`; ``K`` may be 0 (a diagonal :math:`\Sigma`). Or by blocks, ``[(lo, hi, F_b), ...]`` with
+        ``F_b`` of shape (hi - lo, K_b): :math:`F` is their columns, each zero outside its rows ``[lo, hi)``
+        (e.g. :attr:`~pyro_fa.laplace.posterior.BlockLowRankPrecisionNormal.cov_factors`), never formed:
+        :math:`J_xF_b` is contracted from the Jacobian's columns ``[lo, hi)`` (which the diagonal part computes
+        anyway), :math:`O(C\sum_b D_bK_b)` per example instead of :math:`\sum_b K_b` forward-mode products.
     factor_sign : {1.0, -1.0}, default 1.0
         :math:`\sigma`.
     scale : float, default 1.0
@@ -241,12 +262,11 @@ def linearized_moments(module: nn.Module, loc: Tensor, inputs: Union[Tensor, Tup
     D = sum(p.numel() for _, p in named)
     loc = _check_vector(fn, "loc", loc, D, ref)
     cov_diag = _check_vector(fn, "cov_diag", cov_diag, D, ref)
-    if not torch.is_tensor(cov_factor):
-        raise TypeError(f"{fn}: cov_factor must be a Tensor of shape ({D}, K), got {type(cov_factor).__name__}.")
-    if cov_factor.dim() != 2 or cov_factor.shape[0] != D:
+    blocks = None if torch.is_tensor(cov_factor) else _factor_blocks(fn, cov_factor, D, ref)
+    if blocks is None and (cov_factor.dim() != 2 or cov_factor.shape[0] != D):
         raise ValueError(f"{fn}: cov_factor must have shape ({D}, K) (the module's {D} weights), got "
                          f"{tuple(cov_factor.shape)!r}.")
-    if cov_factor.dtype != ref.dtype or cov_factor.device != ref.device:
+    if blocks is None and (cov_factor.dtype != ref.dtype or cov_factor.device != ref.device):
         raise ValueError(f"{fn}: cov_factor must be on the module's dtype and device ({ref.dtype}, {ref.device}), "
                          f"got ({cov_factor.dtype}, {cov_factor.device}). Move it with .to(...).")
     if factor_sign not in (1, -1) or isinstance(factor_sign, bool):
@@ -259,9 +279,12 @@ def linearized_moments(module: nn.Module, loc: Tensor, inputs: Union[Tensor, Tup
     inputs = _inputs(fn, inputs)
     f = _flat_function(module, named)
     N = inputs[0].shape[0]
-    K = cov_factor.shape[1]
+    K = cov_factor.shape[1] if blocks is None else 0  # blocks: J_x F_b from the Jacobian's own coordinates
     diag = cov_diag * scale if scale != 1.0 else cov_diag
-    factor_t = (cov_factor * math.sqrt(scale) if scale != 1.0 else cov_factor).t()  # (K, D)
+    if blocks is None:
+        factor_t = (cov_factor * math.sqrt(scale) if scale != 1.0 else cov_factor).t()  # (K, D)
+    else:
+        blocks = [(lo, hi, F * math.sqrt(scale) if scale != 1.0 else F) for lo, hi, F in blocks]
 
     names, sizes = [n for n, _ in named], [p.numel() for _, p in named]
 
@@ -285,9 +308,16 @@ def linearized_moments(module: nn.Module, loc: Tensor, inputs: Union[Tensor, Tup
         if mean.dim() != 2 or mean.shape[0] != chunk[0].shape[0]:
             raise ValueError(f"{fn}: the module's output must have shape (N, C) or (N,) for inputs of N="
                              f"{chunk[0].shape[0]} examples, got {tuple(mean.shape)!r}.")
-        cov = None
+        cov, offset = None, 0
+        block_JF = [None] * len(blocks or ())  # J_x F_b per factor block, (n, C, K_b)
         for J, d in zip(per_example_jacobian(loc_parts, *chunk), diag_parts):  # blocks (n, C, *shape)
             J = J.detach().reshape(J.shape[0], J.shape[1], -1)
+            for i, (lo, hi, F) in enumerate(blocks or ()):  # the block's rows within this parameter tensor
+                a, e = max(lo, offset), min(hi, offset + J.shape[-1])
+                if a < e:
+                    part = J[..., a - offset:e - offset] @ F[a - lo:e - lo]
+                    block_JF[i] = part if block_JF[i] is None else block_JF[i] + part
+            offset += J.shape[-1]
             part = J.square_().matmul(d) if diagonal else torch.matmul(J * d, J.transpose(-1, -2))
             cov = part if cov is None else cov.add_(part)
             del J
@@ -295,6 +325,8 @@ def linearized_moments(module: nn.Module, loc: Tensor, inputs: Union[Tensor, Tup
             JF = vmap(lambda v: jvp(lambda th: f(th, *chunk), (loc,), (v,))[1])(factor_t).detach()  # (K, n, C)
             low_rank = JF.square().sum(0) if diagonal else torch.einsum("knc,knm->ncm", JF, JF)
             cov = cov + factor_sign * low_rank
+        for JF in block_JF:  # every block meets some parameter tensor (lo < hi <= D)
+            cov = cov + factor_sign * (JF.square().sum(-1) if diagonal else JF @ JF.transpose(-1, -2))
         means.append(mean.detach())
         covs.append(cov)
         start += n
