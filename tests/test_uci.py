@@ -155,6 +155,41 @@ def test_swag_scale_curve_is_the_held_out_log_likelihood_of_common_draws():
     assert record["val_ll"][record["scales"].index(scale)] >= record["val_ll"][0]
 
 
+def test_multiswag_scale_curve_scores_the_mixture_of_members():
+    """MultiSWAG's scale search scores each split's mixture of members: every member's draws pooled, per point
+    the log of the mean density over all of them (scale 0: the ensemble of the members' means), computed here
+    from the members' own draws and Normal densities."""
+    from pyro_fa.experiments.uci import swag_family
+
+    x, y = _toy(N=60)
+    n, M = 2, 3
+    R = n * M  # replica = member * n + split
+    data = uci.SplitData(x[:40].expand(R, -1, -1), y[:40].expand(R, -1), x[40:].expand(R, -1, -1),
+                         y[40:].expand(R, -1), torch.tensor([1.0, 2.0]).repeat(M))
+    budget = uci.Budget(swag_steps=60, swag_collections=20, swag_warmup=5, swag_batch=10, rank=2)
+    swags, model = swag_family._map_then_collect(BatchedMLP(3, (6,)), data, 1.0, 1e-2, 30, 1e-2, budget, ("em",),
+                                                 range(R), torch.Generator().manual_seed(0),
+                                                 torch.Generator().manual_seed(1))
+    scales = [0.0, 1.0, 100.0]
+    L = swag_family._scale_curve(swags["em"], model, data, 12, torch.Generator().manual_seed(2), scales, members=M)
+    assert L.shape == (3, n * 20)
+    g = torch.Generator().manual_seed(2)
+    dev = [swags["em"][r].predictive().deviations(12 // M, g) for r in range(R)]  # 4 draws a member, replica order
+    sd = model.likelihood_scale().detach()
+    for i, s in enumerate(scales):
+        for split in range(n):
+            dens = []
+            for member in range(M):
+                r = member * n + split
+                theta = swags["em"][r].loc + math.sqrt(s) * dev[r] if s else swags["em"][r].loc.unsqueeze(0)
+                means = model.mlp.forward(theta.unsqueeze(1).expand(-1, R, -1), data.x_eval)[:, r]  # (S, 20)
+                dens.append(torch.distributions.Normal(means, sd[r]).log_prob(data.y_eval[r]).exp())
+            ref = torch.cat(dens).mean(0).log() - data.y_std[split].log()
+            torch.testing.assert_close(L[i].reshape(n, 20)[split], ref, rtol=1e-4, atol=1e-5)
+    scale, record = swag_family._choose_scale(swags["em"], model, data, 12, 2, members=M)
+    assert scale == record["scale"] and record["val_ll"][record["scales"].index(scale)] >= record["val_ll"][0]
+
+
 def test_choose_takes_the_best_mean_over_tuning_splits():
     configs = [{"precision": 1.0, "lr": 0.1}, {"precision": 10.0, "lr": 0.1}]
     curves = [(10, torch.tensor([-2.0, -2.0, -1.0, -4.0])), (20, torch.tensor([-1.5, -1.6, -3.0, -3.0]))]

@@ -29,7 +29,7 @@ def _units(names: Sequence[str], method_names: Sequence[str]) -> List[Tuple[str,
 #: 1: the protocol of the unit files without a ``key`` (named ``<dataset>__<unit>.json``), still read.
 UNIT_PROTOCOL = 1
 #: how the SWAG family's scales are chosen (:func:`pyro_fa.predictive.select_scale`'s default rule): part of its key
-SWAG_SCALE_SELECTION = "one_se (paired), the mean a candidate"
+SWAG_SCALE_SELECTION = "gated (paired), the mean a candidate; MultiSWAG on its own mixtures"
 #: what every unit file holds (a file without them is not a unit, and is ignored with a warning); files
 #: written since units are keyed also hold ``key`` (see :func:`_unit_key`)
 _UNIT_FIELDS = {"dataset": str, "unit": str, "n_splits": int, "budget": dict, "seed": int, "device": str,

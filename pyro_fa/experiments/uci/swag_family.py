@@ -5,9 +5,11 @@ The MAP fits are :class:`pyro_fa.nn.BatchedVI` replicas of the ``"delta"`` famil
 phase steps plain SGD on every replica's weight vector and feeds :class:`~pyro_fa.SWAG`.
 
 Each kind's scale (online EM, SGA, classic SWAG) is chosen on the tuning splits' validation parts by
-:func:`pyro_fa.predictive.select_scale` (rule ``"one_se"``, the default when the committed UCI tables were run;
-scale 0 — the SWA mean — among the candidates), together with the SGD rate of the collection phase, and used on every split
-(MultiSWAG mixes SWAG-EM members at SWAG-EM's scale);
+:func:`pyro_fa.predictive.select_scale` (its default rule, ``"gated"``:
+the mean unless the best scale's paired gain exceeds two standard errors; scale 0 — the SWA mean — among the
+candidates), together with the SGD rate of the collection phase, and used on every split
+(MultiSWAG mixes SWAG-EM members at a scale of its own, chosen on mixtures of members trained on the tuning
+splits);
 each SWAG row also reports its mean's (SWA's; for MultiSWAG the ensemble of the members'
 means) test log-likelihood as ``mean_ll``.
 """
@@ -92,42 +94,50 @@ def _swag_predict(swags: Dict[int, object], model: BatchedVI, data: SplitData, r
 
 @torch.no_grad()
 def _scale_curve(swags: Dict[int, object], model: BatchedVI, data: SplitData, num_samples: int,
-                 generator: torch.Generator, scales: Sequence[float]) -> torch.Tensor:
+                 generator: torch.Generator, scales: Sequence[float], members: int = 1) -> torch.Tensor:
     r"""Per-point held-out log-likelihoods (original units) of every replica's SWAG at each scale, common draws.
 
     Returns a Tensor of shape (len(scales), R * M): the model average over ``num_samples`` draws
     :math:`c + \sqrt{s}\,\delta` (the same :math:`\delta` for every scale) at every held-out point of every
-    replica, scale 0 being the mean's prediction.
+    replica, scale 0 being the mean's prediction. With ``members`` > 1 the replicas are ``members`` blocks of
+    the same splits (replica = member * n + split) and each split's model average mixes its members (MultiSWAG,
+    ``num_samples // members`` draws each; scale 0 is the ensemble of the members' means): shape
+    (len(scales), n * M).
     """
     R = data.y.shape[0]
+    per = max(1, num_samples // members)
     loc = torch.stack([swags[r].loc for r in range(R)])  # (R, D)
-    dev = torch.stack([swags[r].predictive().deviations(num_samples, generator) for r in range(R)], 1)  # (S, R, D)
+    dev = torch.stack([swags[r].predictive().deviations(per, generator) for r in range(R)], 1)  # (S, R, D)
     sd = model.likelihood_scale().detach()[:R].unsqueeze(-1)  # (R, 1), standardised units
     shift = data.y_std.log().unsqueeze(-1)  # (R, 1): to the original units
     rows = []
     for s in scales:
         theta = loc.unsqueeze(0) if s == 0 else loc + math.sqrt(s) * dev
         means = model.mlp.forward(theta, data.x_eval)  # (S, R, M)
-        ll = torch.distributions.Normal(means, sd).log_prob(data.y_eval)
-        rows.append((log_mean_exp(ll) - shift).reshape(-1))
+        ll = torch.distributions.Normal(means, sd).log_prob(data.y_eval)  # (S, R, M)
+        if members > 1:  # (members * S, n, M): every member's draws of a split pooled
+            ll = ll.reshape(ll.shape[0], members, R // members, -1).transpose(0, 1).reshape(-1, R // members,
+                                                                                            ll.shape[-1])
+        rows.append((log_mean_exp(ll) - shift[:ll.shape[1]]).reshape(-1))
     return torch.stack(rows)
 
 
 def _choose_scale(swags: Dict[int, object], model: BatchedVI, data: SplitData, num_samples: int, seed: int,
-                  widen: int = 3) -> Tuple[float, dict]:
-    """The scale chosen on the validation parts (grid widened past an upper edge where the best sits), and a record."""
+                  widen: int = 3, members: int = 1) -> Tuple[float, dict]:
+    """The scale chosen on the validation parts (grid widened past an upper edge where the best sits), and a record;
+    ``members`` > 1: of the mixtures of :func:`_scale_curve`."""
     scales: List[float] = [0.0, *DEFAULT_SCALES]
     gen = torch.Generator(device=data.x.device).manual_seed(seed)
-    L = _scale_curve(swags, model, data, num_samples, gen, scales)
+    L = _scale_curve(swags, model, data, num_samples, gen, scales, members)
     for _ in range(widen):
         if int(L[1:].mean(1).argmax()) + 1 != len(scales) - 1:
             break
         scales.append(scales[-1] * scales[-1] / scales[-2])
         gen = torch.Generator(device=data.x.device).manual_seed(seed)  # the same draws again
-        L = torch.cat([L, _scale_curve(swags, model, data, num_samples, gen, scales[-1:])])
+        L = torch.cat([L, _scale_curve(swags, model, data, num_samples, gen, scales[-1:], members)])
     if not bool(torch.isfinite(L[0]).all()):
         return 1.0, {"scale": 1.0, "reason": "the mean's validation log-likelihood is not finite: scale 1 kept"}
-    i, reason = select_scale(scales, L, "one_se")  # the rule of the committed UCI tables (docs/uci.md)
+    i, reason = select_scale(scales, L)  # the default rule, "gated"
     N = L.shape[1]
     d = L - L[0]
     return scales[i], {"scale": scales[i], "reason": reason, "scales": scales, "val_ll": L.mean(1).tolist(),
@@ -166,32 +176,39 @@ def run_swag(methods: Sequence[Method], splits, budget: Budget, seed: int, progr
         swag_scores.append(rec["val_ll"][rec["scales"].index(rec["scale"])] if "val_ll" in rec else -math.inf)
     best = max(range(len(budget.swag_lrs)), key=lambda i: swag_scores[i])
     choice = {**choice, "swag_lr": budget.swag_lrs[best]}
+    M = budget.ensemble if any(m.swag == "multiswag" for m in methods) else 1
+    if M > 1:  # MultiSWAG's own scale, on the mixtures of M members per tuning split at the chosen rate
+        tune_m = tune.take(torch.arange(n_tune, device=device).repeat(M))
+        swags, m = _map_then_collect(spec, tune_m, choice["precision"], choice["lr"], choice["steps"],
+                                     choice["swag_lr"], budget, ["em"], range(n_tune), cpu_gen, gen, progress)
+        scale_choices[best]["multiswag"] = _choose_scale(swags["em"], m, tune_m, budget.eval_samples, seed + 1,
+                                                         members=M)
     scales = {kind: picked[0] for kind, picked in scale_choices[best].items()}
     # 3. every split: `ensemble` members per split (member 0 is the single-SWAG run)
     final = final_data(splits)
     n = final.y.shape[0]
-    M = budget.ensemble if any(m.swag == "multiswag" for m in methods) else 1
     data = final.take(torch.arange(n, device=device).repeat(M))  # replica = member * n + split
     swags, model = _map_then_collect(spec, data, choice["precision"], choice["lr"], choice["steps"],
                                      choice["swag_lr"], budget, kinds, range(n), cpu_gen, gen, progress)
     test_gen = torch.Generator(device=device).manual_seed(seed + 2)
     out = {}
     for method in methods:
-        kind = "em" if method.swag == "multiswag" else method.swag
+        kind = "em" if method.swag == "multiswag" else method.swag  # MultiSWAG mixes SWAG-EM members
         groups = [[m * n + s for m in range(M)] for s in range(n)] if method.swag == "multiswag" \
             else [[s] for s in range(n)]
+        key = method.swag if method.swag in scales else kind  # the scale: MultiSWAG's own
         for sw in swags[kind].values():  # the mean first (SWA; MultiSWAG: the ensemble of the members' means)
             sw.scale = 0.0
         means, nv = _swag_predict(swags[kind], model, data, groups, len(groups[0]), test_gen)  # one draw a member
         mean_ll = evaluate(means, nv, final)["ll"]
         for sw in swags[kind].values():
-            sw.scale = scales[kind]
+            sw.scale = scales[key]
         means, nv = _swag_predict(swags[kind], model, data, groups, budget.test_samples, test_gen)
         scores = evaluate(means, nv, final)
         out[method.name] = {
             "choice": choice, "val_ll": map_val_ll, "tune_splits": n_tune,
             "swag_val_ll": dict(zip(map(str, budget.swag_lrs), swag_scores)),
-            "scale": scales[kind], "scale_choice": scale_choices[best][kind][1], "mean_ll": mean_ll.tolist(),
+            "scale": scales[key], "scale_choice": scale_choices[best][key][1], "mean_ll": mean_ll.tolist(),
             "search": table, "dim": spec.dim, **{k: v.tolist() for k, v in scores.items()},
             "noise_scale": (model.likelihood_scale()[:n].detach() * final.y_std).tolist(),
         }
