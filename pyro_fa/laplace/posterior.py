@@ -26,7 +26,39 @@ from pyro_fa.fa.moments import wide_dtype
 __all__ = ["LowRankPrecisionNormal", "BlockLowRankPrecisionNormal"]
 
 
-class LowRankPrecisionNormal(Distribution):
+class _PrecisionNormal(Distribution):
+    r"""What a Gaussian :math:`N(\mu, P^{-1})` given by its precision's factors shares: the moments, the log-density
+    from :meth:`log_det_precision` and a :meth:`_precision_quadratic`, the entropy; no batch shapes."""
+
+    support = constraints.real_vector
+    has_rsample = True
+
+    @property
+    def mean(self) -> Tensor:
+        return self.loc
+
+    @property
+    def mode(self) -> Tensor:
+        return self.loc
+
+    def log_prob(self, value: Tensor) -> Tensor:
+        r""":math:`\log N(x; \mu, P^{-1}) = \tfrac12(\log\det P - D\log 2\pi - (x-\mu)^\top P (x-\mu))`, shape ``value.shape[:-1]``."""
+        if self._validate_args:
+            self._validate_sample(value)
+        quad = self._precision_quadratic(value - self.loc)
+        return 0.5 * (self.log_det_precision() - self.loc.shape[0] * math.log(2 * math.pi) - quad)
+
+    def entropy(self) -> Tensor:
+        r""":math:`\tfrac D2 (1 + \log 2\pi) - \tfrac12 \log\det P`, a scalar."""
+        return 0.5 * self.loc.shape[0] * (1.0 + math.log(2 * math.pi)) - 0.5 * self.log_det_precision()
+
+    def expand(self, batch_shape, _instance=None):
+        if tuple(batch_shape) != ():
+            raise NotImplementedError(f"{type(self).__name__}: batch shapes are not supported, got {batch_shape!r}.")
+        return self
+
+
+class LowRankPrecisionNormal(_PrecisionNormal):
     r"""Multivariate normal :math:`N(\mu, P^{-1})` with precision :math:`P = \mathrm{diag}(a) + UU^\top`.
 
     The counterpart of :class:`torch.distributions.LowRankMultivariateNormal` (low-rank plus diagonal
@@ -67,9 +99,6 @@ class LowRankPrecisionNormal(Distribution):
         "prec_factor": constraints.independent(constraints.real, 2),
         "prec_diag": constraints.independent(constraints.positive, 1),
     }
-    support = constraints.real_vector
-    has_rsample = True
-
     def __init__(self, loc: Tensor, prec_factor: Tensor, prec_diag: Tensor, validate_args: Optional[bool] = None):
         name = type(self).__name__
         if loc.dim() != 1:
@@ -111,14 +140,6 @@ class LowRankPrecisionNormal(Distribution):
         return (self.prec_diag.to(L.dtype).log().sum() + 2 * L.diagonal().log().sum()).to(self.loc.dtype)
 
     # ------------------------------------------------------------------ moments
-    @property
-    def mean(self) -> Tensor:
-        return self.loc
-
-    @property
-    def mode(self) -> Tensor:
-        return self.loc
-
     @lazy_property
     def variance(self) -> Tensor:
         r"""Diagonal of :math:`P^{-1}`, shape (D,): :math:`1/a_d - \sum_k B_{dk}^2`, in :math:`O(DK^2)`."""
@@ -176,24 +197,9 @@ class LowRankPrecisionNormal(Distribution):
         z = self.prec_diag.sqrt() * eps_d + eps_k @ self.prec_factor.T
         return self.loc + self.covariance_matvec(z)
 
-    def log_prob(self, value: Tensor) -> Tensor:
-        r""":math:`\log N(x; \mu, P^{-1}) = \tfrac12(\log\det P - D\log 2\pi - (x-\mu)^\top P (x-\mu))`, shape ``value.shape[:-1]``."""
-        if self._validate_args:
-            self._validate_sample(value)
-        d = value - self.loc
-        quad = (d.pow(2) * self.prec_diag).sum(-1) + (d @ self.prec_factor).pow(2).sum(-1)
-        D = self.loc.shape[0]
-        return 0.5 * (self.log_det_precision() - D * math.log(2 * math.pi) - quad)
-
-    def entropy(self) -> Tensor:
-        r""":math:`\tfrac D2 (1 + \log 2\pi) - \tfrac12 \log\det P`, a scalar."""
-        D = self.loc.shape[0]
-        return 0.5 * D * (1.0 + math.log(2 * math.pi)) - 0.5 * self.log_det_precision()
-
-    def expand(self, batch_shape, _instance=None):
-        if tuple(batch_shape) != ():
-            raise NotImplementedError(f"{type(self).__name__}: batch shapes are not supported, got {batch_shape!r}.")
-        return self
+    def _precision_quadratic(self, d: Tensor) -> Tensor:
+        r""":math:`d^\top P d` for ``d`` of shape (..., D)."""
+        return (d.pow(2) * self.prec_diag).sum(-1) + (d @ self.prec_factor).pow(2).sum(-1)
 
 
 def _woodbury_quadratic(sums: Tensor, L: Tensor) -> Tensor:
@@ -202,7 +208,7 @@ def _woodbury_quadratic(sums: Tensor, L: Tensor) -> Tensor:
     return sums[0] - torch.linalg.solve_triangular(L, sums[1:].unsqueeze(-1), upper=False).pow(2).sum()
 
 
-class BlockLowRankPrecisionNormal(Distribution):
+class BlockLowRankPrecisionNormal(_PrecisionNormal):
     r"""Multivariate normal :math:`N(\mu, P^{-1})` whose precision's low-rank part is block diagonal.
 
     .. math::
@@ -258,9 +264,6 @@ class BlockLowRankPrecisionNormal(Distribution):
         "loc": constraints.real_vector,
         "prec_diag": constraints.independent(constraints.positive, 1),
     }
-    support = constraints.real_vector
-    has_rsample = True
-
     def __init__(self, loc: Tensor, prec_factors: Sequence[Tuple[int, int, Tensor]], prec_diag: Tensor,
                  validate_args: Optional[bool] = None):
         name = type(self).__name__
@@ -341,14 +344,6 @@ class BlockLowRankPrecisionNormal(Distribution):
         return total.to(self.loc.dtype)
 
     # ------------------------------------------------------------------ moments
-    @property
-    def mean(self) -> Tensor:
-        return self.loc
-
-    @property
-    def mode(self) -> Tensor:
-        return self.loc
-
     @lazy_property
     def variance(self) -> Tensor:
         r"""Diagonal of :math:`P^{-1}`, shape (D,), in :math:`O(\sum_b D_bK_b^2)`."""
@@ -407,24 +402,12 @@ class BlockLowRankPrecisionNormal(Distribution):
         z = self.prec_diag.sqrt() * eps_d + torch.cat(low, -1)
         return self.loc + self.covariance_matvec(z)
 
-    def log_prob(self, value: Tensor) -> Tensor:
-        r""":math:`\tfrac12(\log\det P - D\log 2\pi - (x-\mu)^\top P (x-\mu))`, shape ``value.shape[:-1]``."""
-        if self._validate_args:
-            self._validate_sample(value)
-        d = value - self.loc
+    def _precision_quadratic(self, d: Tensor) -> Tensor:
+        r""":math:`d^\top P d` for ``d`` of shape (..., D), block by block."""
         quad = (d.pow(2) * self.prec_diag).sum(-1)
         for db, (_, _, U) in zip(self._split(d), self.prec_factors):
             quad = quad + (db @ U).pow(2).sum(-1)
-        return 0.5 * (self.log_det_precision() - self.loc.shape[0] * math.log(2 * math.pi) - quad)
-
-    def entropy(self) -> Tensor:
-        r""":math:`\tfrac D2 (1 + \log 2\pi) - \tfrac12 \log\det P`, a scalar."""
-        return 0.5 * self.loc.shape[0] * (1.0 + math.log(2 * math.pi)) - 0.5 * self.log_det_precision()
-
-    def expand(self, batch_shape, _instance=None):
-        if tuple(batch_shape) != ():
-            raise NotImplementedError(f"{type(self).__name__}: batch shapes are not supported, got {batch_shape!r}.")
-        return self
+        return quad
 
 
 def _layout(blocks):
