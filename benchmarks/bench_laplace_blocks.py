@@ -31,7 +31,6 @@ largest differences of the layouts' results (log marginal likelihood, chosen pri
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import subprocess
@@ -39,33 +38,22 @@ import sys
 import time
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return -1
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current resident set
-        f.write("5")
-
-
 class _Stage:
-    """Seconds and peak resident MiB added over the resident memory at the start of a ``with`` block."""
+    """Seconds and the resident MiB added at the peak over the start of a ``with`` block (the classify command's
+    ``ResidentPeak``: garbage collected and the heap trimmed first, ``VmHWM`` reset to ``VmRSS``)."""
 
     def __init__(self, out: dict, name: str):
         self.out, self.name = out, name
 
     def __enter__(self):
-        gc.collect()
-        _reset_peak()
-        self.base, self.t = _status_kib("VmRSS"), time.perf_counter()
+        from pyro_fa.experiments.classify.posthoc import ResidentPeak
+
+        self.peak, self.t = ResidentPeak(), time.perf_counter()
 
     def __exit__(self, *exc):
+        mib = self.peak.added_mib()
         self.out[self.name] = {"seconds": time.perf_counter() - self.t,
-                               "peak_mib": (_status_kib("VmHWM") - self.base) / 1024}
+                               "peak_mib": float("nan") if mib is None else mib}
 
 
 def _dense_layout(la, FactorLaplace):
