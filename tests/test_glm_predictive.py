@@ -122,7 +122,8 @@ def test_linear_network_glm_equals_sampled_predictive():
     glm_out = swag.predictive(pred_type="glm").outputs(thetas, x)
     torch.testing.assert_close(glm_out, nn_out, rtol=1e-12, atol=1e-12)
     p_nn = swag.predict_proba(x, num_samples=8, generator=torch.Generator().manual_seed(3))
-    p_glm = swag.predict_proba(x, num_samples=8, generator=torch.Generator().manual_seed(3), pred_type="glm")
+    p_glm = swag.predict_proba(x, num_samples=8, generator=torch.Generator().manual_seed(3), pred_type="glm",
+                               link_approx="mc")
     torch.testing.assert_close(p_glm, p_nn, rtol=1e-12, atol=1e-12)
     # the scale search scores both predictives alike on the same draws
     a = swag.tune_scale(x, y, scales=[0.1, 1.0, 10.0], num_samples=6, pred_type="glm")
@@ -137,7 +138,8 @@ def test_linear_regression_predict_glm_closed_form():
     y = x @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + 0.1 * torch.randn(25, dtype=torch.float64)
     swag = _swag(net, x, y, rank=2)
     swag.scale = 2.0
-    mean, var = swag.predict(x, pred_type="glm", noise_std=0.3)
+    mean, var = swag.predict(x, pred_type="glm", noise_std=0.3, return_var=True)
+    torch.testing.assert_close(swag.predict(x, pred_type="glm"), mean)  # the mean alone by default
     X1 = torch.cat([x, torch.ones(25, 1, dtype=torch.float64)], 1)
     sigma = 2.0 * (swag.cov_factor @ swag.cov_factor.T + torch.diag(swag.cov_diag))
     assert mean.shape == var.shape == (25,)
@@ -161,7 +163,7 @@ def test_multiswag_glm_is_the_mixture_of_members():
         sigma = m.cov_factor @ m.cov_factor.T + torch.diag(m.cov_diag)
         means.append(f_loc)
         variances.append(torch.einsum("ncd,de,nce->nc", J, sigma, J))
-    mean, var = ms.predict(x, pred_type="glm")
+    mean, var = ms.predict(x, pred_type="glm", return_var=True)
     mix = (means[0] + means[1]) / 2
     torch.testing.assert_close(mean, mix)
     torch.testing.assert_close(var, (variances[0] + means[0] ** 2 + variances[1] + means[1] ** 2) / 2 - mix ** 2)
@@ -278,8 +280,8 @@ def test_swag_rejects_unknown_pred_type_and_link_approx():
         swag.predict_proba(x, pred_type="glm", link_approx="bridge")
     with pytest.raises(ValueError, match=r"SWAG: link_approx='probit' needs pred_type='glm'"):
         swag.predict_proba(x, link_approx="probit")
-    with pytest.raises(ValueError, match=r"SWAG: predict\(pred_type='glm'\) gives .* fn, loader and keyword"):
-        swag.predict(x, pred_type="glm", fn=torch.exp)
+    with pytest.raises(ValueError, match=r"SWAG: loader must be None for the closed-form GLM predictive"):
+        swag.predict(x, pred_type="glm", loader=[x])
     with pytest.raises(ValueError, match=r"SWAG: noise_std must be positive and finite, got -1"):
         swag.predict(x, pred_type="glm", noise_std=-1)
     with pytest.raises(ValueError, match=r"MultiSWAG: pred_type must be one of"):

@@ -42,7 +42,7 @@ def test_bayesian_linear_regression_is_exact_at_full_rank():
     assert _rel(la.posterior.mean, m) < 1e-12
     assert abs(float(la.log_marginal_likelihood()) / float(log_evidence) - 1) < 1e-6
     # GLM predictive of a linear model: z^T S z + sigma^2, exactly
-    mean, var = la.predict(X[:5])
+    mean, var = la.predict(X[:5], pred_type="glm", return_var=True)
     torch.testing.assert_close(mean[:, 0], Z[:5] @ m)
     torch.testing.assert_close(var[:, 0], (Z[:5] @ S * Z[:5]).sum(-1) + 0.16)
 
@@ -150,9 +150,9 @@ def test_logistic_and_softmax_regression_match_the_dense_laplace_at_rank_d_minus
         var = (Zx @ S * Zx).sum(-1)
         mean = net(X[:4]).detach()[:, 0]
         p1 = torch.sigmoid(mean / (1 + math.pi / 8 * var).sqrt())
-        torch.testing.assert_close(la.predict_proba(X[:4])[:, 1], p1, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(la.predict_proba(X[:4], pred_type="glm")[:, 1], p1, rtol=1e-4, atol=1e-6)
     else:
-        proba = la.predict_proba(X[:4])
+        proba = la.predict_proba(X[:4], pred_type="glm")
         assert proba.shape == (4, 2) and torch.allclose(proba.sum(-1), torch.ones(4, dtype=X.dtype))
 
 
@@ -275,14 +275,14 @@ def test_sampled_predictive_agrees_with_the_glm_one_for_a_linear_model():
     X, y, Z, net, prior, P, m, _ = _blr()
     la = FactorLaplace(net, "regression", rank=4, prior_precision=prior, sigma_noise=0.4).fit([(X, y)])
     torch.manual_seed(0)
-    mean_nn, var_nn = la.predict(X[:3], pred_type="nn", n_samples=20_000)
-    mean_glm, var_glm = la.predict(X[:3])
+    mean_nn, var_nn = la.predict(X[:3], pred_type="nn", return_var=True, num_samples=20_000)
+    mean_glm, var_glm = la.predict(X[:3], pred_type="glm", return_var=True)
     sd = (var_glm - 0.16).sqrt()
     assert bool(((mean_nn - mean_glm).abs() < 4.5 * sd / math.sqrt(20_000)).all())
     assert bool(((var_nn / var_glm - 1).abs() < 0.05).all())
     probs = FactorLaplace(_mlp(), "classification", rank=3).fit([(X[:, :2], torch.randint(3, (40,)))])
     for kw in (dict(pred_type="glm", link_approx="mc"), dict(pred_type="nn"), dict()):
-        p = probs.predict_proba(X[:5, :2], n_samples=50, **kw)
+        p = probs.predict_proba(X[:5, :2], num_samples=50, **kw)
         assert p.shape == (5, 3) and torch.allclose(p.sum(-1), torch.ones(5, dtype=p.dtype))
 
 
@@ -308,14 +308,14 @@ def test_buffers_follow_the_model_dtype_and_device(dtype, device):
     X, y = torch.randn(20, 2), torch.randint(3, (20,))
     la = FactorLaplace(net, "classification", rank=3).fit([(X, y)])
     for t in (la.loc, la.cov_factor, la.cov_diag, la.prior_precision, la.posterior.variance,
-              la.predict_proba(X[:2]), la.log_marginal_likelihood()):
+              la.predict_proba(X[:2], pred_type="glm"), la.log_marginal_likelihood()):
         assert t.dtype == dtype and t.device.type == torch.device(device).type
 
 
 def test_clear_errors_naming_the_argument():
     net = _mlp()
     X, y = torch.randn(10, 2, dtype=torch.float64), torch.randint(3, (10,))
-    with pytest.raises(ValueError, match=r"likelihood must be one of \('classification', 'regression'\), got 'poisson'"):
+    with pytest.raises(ValueError, match=r"FactorLaplace: likelihood must be one of 'classification', 'regression', got 'poisson'\."):
         FactorLaplace(net, "poisson")
     with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
         FactorLaplace("net", "regression")
@@ -337,7 +337,10 @@ def test_clear_errors_naming_the_argument():
                        r"'randomized'\), got 'svd'"):
         FactorLaplace(net, "regression", curvature_fit="svd")
     la = FactorLaplace(net, "classification", rank=2)
-    with pytest.raises(RuntimeError, match=r"predict_proba\(\) needs a fitted Laplace approximation; call fit"):
+    with pytest.raises(RuntimeError, match=r"FactorLaplace: the GLM predictive needs a fitted Laplace approximation; "
+                                           r"call fit"):
+        la.predict_proba(X, pred_type="glm")
+    with pytest.raises(RuntimeError, match=r"FactorLaplace: predictive\(\) needs a fitted Laplace approximation"):
         la.predict_proba(X)
     with pytest.raises(RuntimeError, match=r"log_marginal_likelihood\(\) needs a fitted"):
         la.log_marginal_likelihood()
@@ -353,8 +356,11 @@ def test_clear_errors_naming_the_argument():
         FactorLaplace(net, "classification", rank=33, curvature_fit="online").fit([(X, y)])
     assert int(la.n_data) == 0  # nothing was fitted by the refused calls
     la.fit([(X, y)])
-    with pytest.raises(ValueError, match="predict needs likelihood='regression', got 'classification'"):
-        la.predict(X)
+    assert la.predict(X, pred_type="glm").shape == (len(X), 3)  # a classifier's predict: the mean logits
+    with pytest.raises(ValueError, match=r"FactorLaplace: scale must be a finite number >= 0, got -1.0"):
+        la.scale = -1.0
+    with pytest.raises(ValueError, match=r"FactorLaplace: loader must be None \(the model is in eval mode"):
+        la.predictive(loader=[(X, y)])
     with pytest.raises(ValueError, match=r"pred_type must be one of \('nn', 'glm'\), got 'exact'"):
         la.predict_proba(X, pred_type="exact")
     with pytest.raises(ValueError, match=r"method must be one of \('marglik', 'gridsearch'\), got 'bayes'"):

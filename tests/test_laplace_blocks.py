@@ -177,7 +177,7 @@ def test_a_block_fit_round_trips_through_state_dict_and_refuses_another_layout()
         fresh = FactorLaplace(net, "classification", rank=rank, curvature_fit="scatter", **extra)
         fresh.load_state_dict(state)
         assert torch.equal(fresh.block_ranks, la.block_ranks)
-        torch.testing.assert_close(fresh.predict_proba(X[:5]), la.predict_proba(X[:5]), rtol=0, atol=0)
+        torch.testing.assert_close(fresh.predict_proba(X[:5], pred_type="glm"), la.predict_proba(X[:5], pred_type="glm"), rtol=0, atol=0)
         torch.testing.assert_close(fresh.log_marginal_likelihood(), la.log_marginal_likelihood(), rtol=0, atol=0)
         assert fresh.sample(3, generator=torch.Generator().manual_seed(1)).shape == (3, 31)
     other = FactorLaplace(net, "classification", rank=[2, 3], curvature_fit="scatter")
@@ -277,7 +277,7 @@ def test_blocks_on_cuda_give_the_cpus_precision_and_predictions():
     assert gpu.cov_factor.is_cuda and gpu.block_ranks.tolist() == cpu.block_ranks.tolist()
     torch.testing.assert_close(gpu.posterior.precision_matrix.cpu(), cpu.posterior.precision_matrix,
                                rtol=1e-6, atol=1e-9)
-    torch.testing.assert_close(gpu.predict_proba(X.cuda()).cpu(), cpu.predict_proba(X), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(gpu.predict_proba(X.cuda(), pred_type="glm").cpu(), cpu.predict_proba(X, pred_type="glm"), rtol=1e-6, atol=1e-9)
     # each block held on the device, and every verb there: the evidence, its gradient, the variances, draws
     assert all(F.is_cuda and F.dtype == torch.float64 for _, _, F in gpu.block_factors)
     post = gpu.posterior
@@ -392,15 +392,15 @@ def test_the_evidence_and_its_gradient_equal_the_dense_layouts(likelihood, per_t
 
 def test_the_glm_predictive_equals_the_dense_layouts():
     _, X, la, dense = _block_and_dense("classification", prior_precision=0.5)
-    torch.testing.assert_close(la.predict_proba(X[:9]), dense.predict_proba(X[:9]), **EXACT)
+    torch.testing.assert_close(la.predict_proba(X[:9], pred_type="glm"), dense.predict_proba(X[:9], pred_type="glm"), **EXACT)
     torch.testing.assert_close(la._glm_moments(X[:9])[1], dense._glm_moments(X[:9])[1], **EXACT)
     _, X, la, dense = _block_and_dense("regression", prior_precision=0.5)
-    for a, b in zip(la.predict(X[:9]), dense.predict(X[:9])):
+    for a, b in zip(la.predict(X[:9], pred_type="glm", return_var=True), dense.predict(X[:9], pred_type="glm", return_var=True)):
         torch.testing.assert_close(a, b, **EXACT)
     torch.manual_seed(4)
-    a = la.predict(X[:9], pred_type="nn", n_samples=7)
+    a = la.predict(X[:9], pred_type="nn", return_var=True, num_samples=7)
     torch.manual_seed(4)
-    for x, y in zip(a, dense.predict(X[:9], pred_type="nn", n_samples=7)):
+    for x, y in zip(a, dense.predict(X[:9], pred_type="nn", return_var=True, num_samples=7)):
         torch.testing.assert_close(x, y, **EXACT)
 
 
@@ -522,8 +522,8 @@ def test_the_fit_holds_only_the_blocks_numbers_and_never_forms_the_dense_factor(
         la.posterior.variance
         la.log_marginal_likelihood(mode="linearized")
         la.optimize_prior_precision("marglik", n_steps=3)
-        la.predict_proba(X[:5])
-        la.predict_proba(X[:5], pred_type="nn", n_samples=3)
+        la.predict_proba(X[:5], pred_type="glm")
+        la.predict_proba(X[:5], pred_type="nn", num_samples=3)
         la.sample(3)
 
 
@@ -563,11 +563,11 @@ def test_an_auto_fit_reloads_into_a_fresh_object_and_misfits_are_refused_whole()
     fresh.load_state_dict(state)
     for (_, _, a), (_, _, b) in zip(fresh.block_factors, la.block_factors):
         assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
-    torch.testing.assert_close(fresh.predict_proba(X[:5]), la.predict_proba(X[:5]), rtol=0, atol=0)
+    torch.testing.assert_close(fresh.predict_proba(X[:5], pred_type="glm"), la.predict_proba(X[:5], pred_type="glm"), rtol=0, atol=0)
     # a state of the dense layout is refused by a block fit, naming both
     dense = FactorLaplace(net, "classification", rank=7).fit(data)
     with pytest.raises(ValueError, match=r"must come from a fit with a rank per block, like this one \(blocks "
                                          r"\['0', '2', '4'\]\), got a fit with one rank \(cov_factor of shape "
                                          r"\(83, 7\)\); nothing was loaded"):
         fresh.load_state_dict(dense.state_dict())
-    torch.testing.assert_close(fresh.predict_proba(X[:5]), la.predict_proba(X[:5]), rtol=0, atol=0)
+    torch.testing.assert_close(fresh.predict_proba(X[:5], pred_type="glm"), la.predict_proba(X[:5], pred_type="glm"), rtol=0, atol=0)

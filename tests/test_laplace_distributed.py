@@ -87,9 +87,9 @@ def _entry(rank, world_size, init_file, out_dir):
             res["variance"] = la.posterior_variance.clone()
             res["log_prob"] = la.posterior.log_prob(_probe(la.dim)[lo:hi]).detach()
             res["entropy"] = la.posterior.entropy().detach()
-            res["glm"] = la.predict_proba(_test_inputs())
-            res["glm_mc"] = la.predict_proba(_test_inputs(), link_approx="mc", n_samples=50)
-            res["nn"] = la.predict_proba(_test_inputs(), pred_type="nn", n_samples=5)
+            res["glm"] = la.predict_proba(_test_inputs(), pred_type="glm")
+            res["glm_mc"] = la.predict_proba(_test_inputs(), pred_type="glm", link_approx="mc", num_samples=50)
+            res["nn"] = la.predict_proba(_test_inputs(), pred_type="nn", num_samples=5)
             res["draws"] = la.sample(4000, generator=torch.Generator().manual_seed(0))
             # a saved shard loads back on its rank; another rank's place is refused
             state = la.state_dict()
@@ -113,8 +113,8 @@ def _entry(rank, world_size, init_file, out_dir):
         lin = reg.log_marginal_likelihood(pp, sigma, mode="linearized")
         out["regression"] = {"lml": lml.detach(), "grads": torch.autograd.grad(lml, (pp, sigma)),
                              "lin": lin.detach(), "lin_grads": torch.autograd.grad(lin, (pp, sigma)),
-                             "predict": reg.predict(_test_inputs()),
-                             "predict_nn": reg.predict(_test_inputs(), pred_type="nn", n_samples=5)}
+                             "predict": reg.predict(_test_inputs(), pred_type="glm", return_var=True),
+                             "predict_nn": reg.predict(_test_inputs(), pred_type="nn", return_var=True, num_samples=5)}
         # the randomized fit, sharded, on a curvature of rank 9 < its 12 columns: captured exactly
         Xl, yl = _low_rank_data()
         la = FactorLaplace(_linear(), "classification", rank=4, curvature_fit="randomized", chunk_size=1000,
@@ -129,7 +129,7 @@ def _entry(rank, world_size, init_file, out_dir):
                            process_group=dist.group.WORLD).fit(mine)
         drop.train()
         try:
-            la.predict_proba(_test_inputs())
+            la.predict_proba(_test_inputs(), pred_type="glm")
         except ValueError as exc:
             out["train_mode"] = str(exc)
         bad = FactorLaplace(_net(), "classification", rank=3, process_group=dist.group.WORLD)
@@ -225,7 +225,7 @@ def test_sharded_posterior_equals_one_process(results, fit):
         torch.testing.assert_close(res["lin_layers"], lin.detach(), **tol)
         torch.testing.assert_close(res["lin_grad"], torch.autograd.grad(lin, pp)[0], **tol)
         torch.testing.assert_close(res["loss_grad"], single.loss_grad[lo:hi], **tol)
-        torch.testing.assert_close(res["glm"], single.predict_proba(_test_inputs()), **tol)
+        torch.testing.assert_close(res["glm"], single.predict_proba(_test_inputs(), pred_type="glm"), **tol)
         torch.testing.assert_close(res["reloaded_lml"], res["lml"])
         assert "must come from rank" in res["wrong_shard"]
         # the draws: this rank's rows, with the posterior's mean and variances (4000 draws: 5 standard errors)
@@ -255,7 +255,7 @@ def test_sharded_regression_evidence_gradients_and_predictive_equal_one_process(
     grads = torch.autograd.grad(lml, (pp, sigma))
     lin = single.log_marginal_likelihood(pp, sigma, mode="linearized")
     lin_grads = torch.autograd.grad(lin, (pp, sigma))
-    mean, var = single.predict(_test_inputs())
+    mean, var = single.predict(_test_inputs(), pred_type="glm", return_var=True)
     for res in (r["regression"] for r in results):
         torch.testing.assert_close(res["lml"], lml.detach(), rtol=1e-5, atol=0)
         torch.testing.assert_close(res["lin"], lin.detach(), rtol=1e-5, atol=0)

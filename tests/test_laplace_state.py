@@ -127,7 +127,7 @@ def test_a_kept_posterior_is_unchanged_by_a_later_fit_and_prior_precision():
 def test_state_dict_is_a_snapshot_that_round_trips_after_a_refit():
     net, la = _fitted()
     X_test, _ = _data(3, N=6)
-    p_first = la.predict_proba(X_test)
+    p_first = la.predict_proba(X_test, pred_type="glm")
     saved = la.state_dict()  # not cloned by the caller
     copy = _state(la)
     pp_before = la.prior_precision
@@ -145,7 +145,7 @@ def test_state_dict_is_a_snapshot_that_round_trips_after_a_refit():
             p.div_(1.5)
     fresh = FactorLaplace(net, "classification", rank=3)
     fresh.load_state_dict(saved)
-    torch.testing.assert_close(fresh.predict_proba(X_test), p_first, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fresh.predict_proba(X_test, pred_type="glm"), p_first, rtol=1e-12, atol=1e-12)
     # load_state_dict does not write into the tensors of a state_dict taken before it
     refit_state = la.state_dict()
     refit_copy = _state(la)

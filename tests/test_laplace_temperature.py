@@ -57,7 +57,7 @@ def _brute_force(net, train, val):
     out = []
     for v in GRID:
         la = _fitted(net, train, prior_precision=v)
-        logp = la.predict_proba(x_va).detach().double().clamp_min(1e-300).log()
+        logp = la.predict_proba(x_va, pred_type="glm").detach().double().clamp_min(1e-300).log()
         res = minimize_scalar(lambda s: _nll(logp, y_va, math.exp(s)), bounds=(math.log(1e-2), math.log(1e2)),
                               method="bounded", options={"xatol": 1e-10})
         out.append((res.fun, math.exp(res.x), _nll(logp, y_va)))
@@ -105,14 +105,14 @@ def test_on_an_overconfident_model_the_joint_choice_beats_raw_then_temperature(p
     map_nll = _nll(logp_map, y_te)
     la = _fitted(net, train)
     raw = float(la.optimize_prior_precision("gridsearch", val_loader=[val], grid=GRID))
-    logp_val = la.predict_proba(val[0]).double().log()
+    logp_val = la.predict_proba(val[0], pred_type="glm").double().log()
     t_raw = minimize_scalar(lambda s: _nll(logp_val, val[1], math.exp(s)), bounds=(-4.7, 4.7), method="bounded").x
-    raw_then_t = _nll(la.predict_proba(x_te).double().log(), y_te, math.exp(t_raw))
+    raw_then_t = _nll(la.predict_proba(x_te, pred_type="glm").double().log(), y_te, math.exp(t_raw))
     raw_val_t = _nll(logp_val, val[1], math.exp(t_raw))
     joint = float(la.optimize_prior_precision("gridsearch", val_loader=[val], grid=GRID, temperature=True))
-    joint_t = _nll(la.predict_proba(x_te).double().log(), y_te, la.temperature)
+    joint_t = _nll(la.predict_proba(x_te, pred_type="glm").double().log(), y_te, la.temperature)
     assert min(la.grid_tempered_[1]) <= raw_val_t + 1e-9
-    assert _nll(la.predict_proba(x_te).double().log(), y_te) < map_nll  # the MAP is overconfident here
+    assert _nll(la.predict_proba(x_te, pred_type="glm").double().log(), y_te) < map_nll  # the MAP is overconfident here
     assert joint != raw
     assert joint_t <= raw_then_t
 

@@ -140,8 +140,8 @@ def test_temperature_refusals_leave_the_posterior_alone():
     net, swag = _overconfident_swag(T=40)
     swag.scale = 2.0
     x, y = _blobs(100, 1)
-    with pytest.raises(ValueError, match=r"tune_scale: temperature=True needs likelihood='categorical' \(a "
-                                         r"temperature on class probabilities\), got likelihood='gaussian'"):
+    with pytest.raises(ValueError, match=r"tune_scale: temperature=True needs likelihood='classification' \(a "
+                                         r"temperature on class probabilities\), got likelihood='regression'"):
         tune_scale(swag, x, y.double(), "gaussian", noise_std=1.0, temperature=True)
     with pytest.raises(ValueError, match=r"tune_scale: temperature must be True or False, got 'yes'"):
         swag.tune_scale(x, y, temperature="yes")

@@ -121,7 +121,8 @@ def test_multiswag_shares_one_scale_and_eval_works():
     y = torch.randint(0, 3, (40,))
     found = ms.tune_scale(X, y, scales=[0.5, 2.0], num_samples=6)
     assert all(m.scale == found.scale for m in ms.members) and ms.scale == found.scale
-    assert ms.predictive_samples(X, num_samples=2).shape == (6, 40, 3)
+    assert ms.predictive_samples(X, num_samples=2).shape == (2, 40, 3)  # num_samples in all, split over members
+    assert ms.predictive_samples(X, num_samples=7).shape == (7, 40, 3)
     assert ms.predict_proba(X, num_samples=2).sum(-1).sub(1).abs().max() < 1e-6
     assert isinstance(ms.log_likelihood(X, y, num_samples=6), float)
     ms.members[0].scale = 3.0
@@ -155,9 +156,9 @@ def test_scale_and_tuning_errors():
         swag.tune_scale(X[:0], y[:0])
     with pytest.raises(ValueError, match=r"targets must have shape \(N,\).*got \(300, 1\). Flatten it"):
         swag.tune_scale(X, y[:, None])
-    with pytest.raises(ValueError, match=r"tune_scale: likelihood must be one of \('categorical', 'gaussian'\)"):
+    with pytest.raises(ValueError, match=r"SWAG: likelihood must be one of 'classification', 'regression' or a callable"):
         swag.tune_scale(X, y, "poisson")
-    with pytest.raises(ValueError, match=r"tune_scale: noise_std must be given for likelihood='gaussian'"):
+    with pytest.raises(ValueError, match=r"tune_scale: noise_std must be given for likelihood='regression'"):
         swag.tune_scale(X, y.double(), "gaussian")
     with pytest.raises(TypeError, match=r"tune_scale: posterior must have a scale and a predictive\(\) returning a "
                                         r"SampledPredictive \(a SWAG\), or hold such posteriors as members \(a "

@@ -34,6 +34,11 @@ EVIDENCE_MODES = ("map", "linearized")
 _DEFAULT_GRID = tuple(10.0 ** (k / 4) for k in range(-16, 17))  # 1e-4 ... 1e4
 
 
+def _link(pred_type: str, link_approx: str):
+    """The grid search's ``link_approx`` as the predictive reads it: only for the GLM ("nn" always samples)."""
+    return link_approx if pred_type == "glm" else None
+
+
 def show(value) -> str:
     """A hyperparameter for an error message: its values, without a tensor's grad_fn."""
     if torch.is_tensor(value):
@@ -51,9 +56,11 @@ class PriorPrecisionSelection:
     """Prior-precision selection of :class:`~pyro_fa.laplace.FactorLaplace` (see there)."""
 
     # ------------------------------------------------------------------ evidence
-    def log_likelihood(self, sigma_noise=None) -> Tensor:
-        r""":math:`\log p(\mathcal D \mid \theta_*)`, a scalar (differentiable in ``sigma_noise``)."""
-        self._check_fitted("log_likelihood()")
+    def train_log_likelihood(self, sigma_noise=None) -> Tensor:
+        r""":math:`\log p(\mathcal D \mid \theta_*)` of the training data at the MAP, a scalar (differentiable in
+        ``sigma_noise``); laplace-torch's ``la.log_likelihood``. (``log_likelihood(inputs, targets, ...)`` is the
+        predictive's, every posterior's: :class:`~pyro_fa.predictive.Posterior`.)"""
+        self._check_fitted("train_log_likelihood()")
         if self.likelihood == "classification":
             return -self.loss
         _, sg = self._resolve(None, sigma_noise)
@@ -114,7 +121,7 @@ class PriorPrecisionSelection:
         if mode not in EVIDENCE_MODES:
             raise ValueError(f"{type(self).__name__}: mode must be one of {EVIDENCE_MODES}, got {mode!r}.")
         pp, sg = self._resolve(prior_precision, sigma_noise)
-        log_lik = self.log_likelihood(sg)
+        log_lik = self.train_log_likelihood(sg)
         if self._sharding is not None:  # they enter this rank's partial sums: their gradients summed over ranks
             pp, sg = replicated(pp, self._sharding), replicated(sg, self._sharding)
         delta = self._prior_diag(pp)
@@ -291,7 +298,8 @@ class PriorPrecisionSelection:
         logs, ys = [], []
         for batch in loader:
             x, y = self._batch(batch, "val_loader")
-            p = self.predict_proba(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples)
+            p = self.predict_proba(x, pred_type=pred_type, link_approx=_link(pred_type, link_approx),
+                                   num_samples=n_samples)
             logs.append(p.detach().to(torch.float64).clamp_min(1e-300).log())
             ys.append(y.long().reshape(-1).to(p.device))
         if not logs:
@@ -308,10 +316,11 @@ class PriorPrecisionSelection:
         for batch in loader:
             x, y = self._batch(batch, "val_loader")
             if self.likelihood == "classification":
-                p = self.predict_proba(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples)
+                p = self.predict_proba(x, pred_type=pred_type, link_approx=_link(pred_type, link_approx),
+                                       num_samples=n_samples)
                 total += float(-p.gather(-1, y.long().reshape(-1, 1)).clamp_min(1e-300).log().sum())
             else:
-                mean, var = self.predict(x, pred_type=pred_type, n_samples=n_samples)
+                mean, var = self.predict(x, pred_type=pred_type, num_samples=n_samples, return_var=True)
                 y = y.to(mean.dtype).reshape(mean.shape)
                 total += float(0.5 * ((y - mean).pow(2) / var + var.log() + math.log(2 * math.pi)).sum())
             count += x.shape[0]

@@ -15,12 +15,15 @@ noise of a Gaussian likelihood (:math:`\sigma = 1` for classification). The post
 :class:`~pyro_fa.laplace.posterior.LowRankPrecisionNormal` (a
 :class:`~pyro_fa.laplace.posterior.BlockLowRankPrecisionNormal` with a rank per layer): :math:`O(DK)` memory and
 no :math:`D\times D` tensor. The verbs are laplace-torch's (Daxberger et al., *Laplace Redux — effortless Bayesian deep learning*,
-NeurIPS 2021): ``fit``, ``log_marginal_likelihood``, ``optimize_prior_precision``, ``predict_proba`` /
-``predict`` (the GLM predictive of Immer, Korzepa & Bauer, *Improving predictions of Bayesian neural nets via
-local linearization*, AISTATS 2021, shared with every posterior in :mod:`pyro_fa.predictive.glm`).
+NeurIPS 2021): ``fit``, ``log_marginal_likelihood``, ``optimize_prior_precision``; the predictions are every
+posterior's (:class:`~pyro_fa.predictive.Posterior`: ``predict``, ``predict_proba``, ``predict_log_proba``,
+``predictive``, ``log_likelihood``, ``tune_scale``), sampled networks by default (``pred_type="nn"``) or the GLM
+predictive of Immer, Korzepa & Bauer, *Improving predictions of Bayesian neural nets via local linearization*,
+AISTATS 2021 (``pred_type="glm"``, :mod:`pyro_fa.predictive.glm`).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Dict, Iterable, Optional, Sequence, Union
 
@@ -34,16 +37,16 @@ from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
 from pyro_fa.laplace._prior import PriorPrecisionSelection, positive_int as _positive_int, show as _show
 from pyro_fa.laplace.posterior import BlockLowRankPrecisionNormal, LowRankPrecisionNormal
 from pyro_fa.laplace._sharded import ShardedLowRankPrecisionNormal, make_laplace_sharding, sharded_glm_moments
-from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_moments, probit_proba
+from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_moments, linearized_network
+from pyro_fa.predictive.likelihood import LIKELIHOODS, normalize_likelihood
+from pyro_fa.predictive.posterior import Posterior
+from pyro_fa.predictive.sampled import SampledPredictive
 
 __all__ = ["FactorLaplace", "LIKELIHOODS"]
 
-#: the likelihoods of a Laplace approximation, by laplace-torch's names
-LIKELIHOODS = ("classification", "regression")
 
 
-
-class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
+class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
     r"""Laplace approximation :math:`N(\theta_*, P^{-1})` with a factor-analysis (low-rank plus diagonal) curvature.
 
     .. math::
@@ -62,7 +65,7 @@ class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
         posterior's mean is the weights at :meth:`fit`.
     likelihood : {"classification", "regression"}
         Categorical on the softmax of C >= 2 logits (Bernoulli for one logit), or Gaussian with noise
-        ``sigma_noise``.
+        ``sigma_noise`` (aliases ``"categorical"``, ``"gaussian"``: :func:`~pyro_fa.predictive.normalize_likelihood`).
     rank : int, list of int, dict or "auto", default 20
         :math:`K \ge 1`; ``rank >= D`` keeps the curvature exactly (small D). Time and memory grow with K.
         Where the predictive's spread matters (OOD detection, a small prior precision), take K larger
@@ -141,6 +144,12 @@ class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
 
     Notes
     -----
+    Predictions (:class:`~pyro_fa.predictive.Posterior`) default to sampled networks, ``pred_type="nn"`` with
+    ``num_samples=30``, as on every posterior (laplace-torch's default, and this class's before, was the GLM
+    predictive: pass ``pred_type="glm"``, whose ``link_approx`` defaults to ``"probit"``). ``predict(x)`` is the
+    predictive mean; ``predict(x, return_var=True)`` and ``la(x)`` for a regression give (mean, variance) with
+    :math:`\sigma^2` added. :attr:`scale` multiplies the predictive's covariance (:meth:`tune_scale`).
+
     :meth:`fit` costs :math:`C` reverse-mode products per example (``"ggn"``) or ``mc_samples`` gradients
     (``"mc"``), then :math:`O(D^2)` memory and :math:`O(D^2K)` per batch-FA iteration (``"scatter"``) or
     :math:`O(DK)` memory and :math:`O(DK)` per vector (``"online"``). The posterior costs :math:`O(DK^2)`.
@@ -174,8 +183,7 @@ class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
         name = type(self).__name__
         if not isinstance(model, nn.Module):
             raise TypeError(f"{name}: model must be a torch.nn.Module, got {type(model).__name__}.")
-        if likelihood not in LIKELIHOODS:
-            raise ValueError(f"{name}: likelihood must be one of {LIKELIHOODS}, got {likelihood!r}.")
+        likelihood = normalize_likelihood(name, likelihood)
         if curvature not in CURVATURES:
             raise ValueError(f"{name}: curvature must be one of {CURVATURES}, got {curvature!r}.")
         if curvature_fit not in MOMENT_FITS:
@@ -457,10 +465,90 @@ class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
         return self.posterior.rsample((n_samples,))
 
     # ------------------------------------------------------------------ predictives
+    @property
+    def scale(self) -> float:
+        r"""The predictive's covariance scale :math:`s`: predictions use :math:`N(\theta_*, s\,P^{-1})`.
+
+        Default 1 (the Laplace approximation itself); :meth:`tune_scale` chooses it on validation data, 0 being
+        the MAP network. A setting of the predictions only, not saved by :meth:`state_dict`; :meth:`get_posterior`
+        and :meth:`sample` stay at :math:`P^{-1}`.
+        """
+        return self.__dict__.get("_scale", 1.0)
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{type(self).__name__}: scale must be a finite number >= 0, got {value!r}.")
+        self.__dict__["_scale"] = float(value)
+
+    def _inputs(self, x):
+        ref = self.loc
+        return tuple(t.to(ref.device, ref.dtype) if t.is_floating_point() else t.to(ref.device)
+                     for t in super()._inputs(x))
+
+    def _default_noise_std(self):
+        return self.sigma_noise if self.likelihood == "regression" else None
+
+    def _whole(self, theta: Tensor) -> Tensor:
+        """The whole weight vector (sharded: gathered from the ranks' rows, collective)."""
+        return theta if self._sharding is None else self._sharding.all_gather(theta)
+
+    def _deviations(self, num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
+        r"""Unscaled draws :math:`\theta - \theta_*`, :math:`\theta \sim N(\theta_*, P^{-1})`, shape (S, D)."""
+        return self.sample(num_samples, generator=generator) - self.loc
+
+    def _draws(self, num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
+        if self.scale == 1.0:
+            return self.sample(num_samples, generator=generator)
+        return torch.add(self.loc, self._deviations(num_samples, generator), alpha=math.sqrt(self.scale))
+
+    def predictive(self, pred_type: str = "nn", *, loader=None) -> SampledPredictive:
+        r"""The Laplace approximation's predictive: draws at :attr:`scale` run in the network, or in its linearisation.
+
+        Parameters
+        ----------
+        pred_type : {"nn", "glm"}, default "nn"
+            ``"nn"``: the network at each draw :math:`\theta`; ``"glm"``: the network linearised at
+            :math:`\theta_*`, :math:`f(x; \theta_*) + J_x(\theta - \theta_*)` (Immer, Korzepa & Bauer 2021, §3).
+        loader : None
+            Not used (the model is in eval mode: no batch-norm statistics to refresh); must be None.
+
+        Returns
+        -------
+        SampledPredictive
+            With ``loc`` :math:`\theta_*` and unscaled ``deviations``, for
+            :func:`~pyro_fa.predictive.tune_scale`, :class:`~pyro_fa.predictive.TemperatureScaling` and
+            :mod:`pyro_fa.metrics`.
+
+        Raises
+        ------
+        RuntimeError
+            Before :meth:`fit`.
+        ValueError
+            An unknown ``pred_type``; a ``loader``.
+        """
+        name = type(self).__name__
+        check_pred_type(name, pred_type)
+        if loader is not None:
+            raise ValueError(f"{name}: loader must be None (the model is in eval mode, its batch-norm statistics "
+                             f"fixed), got {type(loader).__name__}.")
+        self._check_fitted("predictive()")
+        if pred_type == "nn":
+            def network(theta):
+                whole = self._whole(theta)
+                return contextlib.nullcontext(lambda *x: self._f(whole, *self._inputs(x)))
+        else:
+            loc = self._whole(self.loc)
+
+            def network(theta):
+                net = linearized_network(self.model, loc, self._whole(theta), self._params)
+                return contextlib.nullcontext(lambda *x: net(*self._inputs(x)))
+        return SampledPredictive(self._draws, network, module=self.model, loc=self.loc, deviations=self._deviations)
+
     def _glm_moments(self, x: Tensor):
         if self._sharding is not None:  # refused before any collective, as linearized_moments refuses it
             check_eval_mode(type(self).__name__, self.model, "model")
-        post = self.posterior
+        post = self.get_posterior()
         if self._sharding is not None:
             # the whole linearisation point (D numbers, gathered) and each rank's rows of the posterior
             return sharded_glm_moments(self._f, self._sharding.all_gather(self.loc), x, post, self.chunk_size)
@@ -468,91 +556,24 @@ class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
         return linearized_moments(self.model, self.loc, x, cov_diag=post.cov_diag, cov_factor=factor,
                                   factor_sign=-1.0, chunk_size=self.chunk_size, params=self._params)
 
-    def _sampled_outputs(self, x: Tensor, n_samples: int) -> Tensor:
-        thetas = self.posterior.rsample((n_samples,))
-        with torch.no_grad():  # sharded: one whole weight vector at a time gathered from the ranks' rows
-            gather = (lambda t: t) if self._sharding is None else self._sharding.all_gather
-            outs = [self._f(gather(t), x) for t in thetas]
-        outs = torch.stack(outs)
-        return outs.unsqueeze(-1) if outs.dim() == 2 else outs  # (S, N, C)
-
-    def predict_proba(self, x: Tensor, pred_type: str = "glm", link_approx: str = "probit",
-                      n_samples: int = 100) -> Tensor:
-        r"""Class probabilities of the Laplace approximation's predictive.
-
-        Parameters
-        ----------
-        x : Tensor of shape (N, ...)
-        pred_type : {"glm", "nn"}, default "glm"
-            The linearised network (Immer et al. 2021) or sampled networks.
-        link_approx : {"probit", "mc"}, default "probit"
-            For ``"glm"``: the probit approximation of the softmax of Gaussian logits, or ``n_samples`` draws of
-            them. ``"nn"`` always samples.
-        n_samples : int, default 100
-
-        Returns
-        -------
-        Tensor of shape (N, C)
-            (N, 2) for a single Bernoulli logit.
-        """
-        name = type(self).__name__
-        if self.likelihood != "classification":
-            raise ValueError(f"{name}: predict_proba needs likelihood='classification', got {self.likelihood!r}; "
-                             "use predict(x).")
-        check_pred_type(name, pred_type, link_approx if pred_type == "glm" else None)
-        _positive_int(name, "n_samples", n_samples)
-        self._check_fitted("predict_proba()")
-        x = x.to(self.loc.device, self.loc.dtype) if x.is_floating_point() else x.to(self.loc.device)
-        if pred_type == "nn":
-            return self._link(self._sampled_outputs(x, n_samples)).mean(0)
+    def _linearized_marginals(self, inputs, chunk_size):
+        r""":math:`f(x; \theta_*)` and :math:`s\,\mathrm{diag}(J_x P^{-1} J_x^\top)`, in the model output's shape."""
+        self._check_fitted("the GLM predictive")
+        (x,) = inputs
         mean, cov = self._glm_moments(x)
-        if link_approx == "probit":
-            if mean.shape[-1] == 1:
-                p1 = torch.sigmoid(mean / torch.sqrt(1 + math.pi / 8 * cov[..., 0]))
-                return torch.cat([1 - p1, p1], -1)
-            return probit_proba(mean, cov)
-        eye = torch.eye(mean.shape[-1], dtype=mean.dtype, device=mean.device)
-        chol = torch.linalg.cholesky(cov + 1e-10 * cov.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-30)[:, None, None] * eye)
-        z = mean + (torch.randn((n_samples,) + mean.shape, dtype=mean.dtype, device=mean.device).unsqueeze(-2)
-                    @ chol.transpose(-1, -2)).squeeze(-2)
-        probs = self._link(z).mean(0)
-        if self._sharding is not None:  # rank 0's draws: every rank returns the same probabilities
-            probs = self._sharding.broadcast(probs.to(torch.float64).to(self._sharding.device)).to(mean)
-        return probs
+        var = cov.diagonal(dim1=-2, dim2=-1) * self.scale
+        with torch.no_grad():  # the model's own output shape: (N,) or (N, C)
+            one = self._f(self._whole(self.loc), x[:1]).dim() == 1
+        return [(mean.squeeze(-1), var.squeeze(-1)) if one else (mean, var)]
 
-    @staticmethod
-    def _link(z: Tensor) -> Tensor:
-        if z.shape[-1] == 1:
-            p1 = torch.sigmoid(z)
-            return torch.cat([1 - p1, p1], -1)
-        return z.softmax(-1)
-
-    def predict(self, x: Tensor, pred_type: str = "glm", n_samples: int = 100):
-        r"""Predictive mean and variance of a regression, each of shape (N, C).
-
-        ``"glm"``: :math:`f(x; \theta_*)` and :math:`\mathrm{diag}(J\Sigma J^\top) + \sigma^2`; ``"nn"``: the
-        mean and variance of ``n_samples`` sampled networks' outputs, plus :math:`\sigma^2`.
-        """
-        name = type(self).__name__
-        if self.likelihood != "regression":
-            raise ValueError(f"{name}: predict needs likelihood='regression', got {self.likelihood!r}; "
-                             "use predict_proba(x).")
-        check_pred_type(name, pred_type)
-        _positive_int(name, "n_samples", n_samples)
-        self._check_fitted("predict()")
-        x = x.to(self.loc.device, self.loc.dtype) if x.is_floating_point() else x.to(self.loc.device)
-        noise = self.sigma_noise.pow(2)
-        if pred_type == "glm":
-            mean, cov = self._glm_moments(x)
-            return mean, cov.diagonal(dim1=-2, dim2=-1) + noise
-        outs = self._sampled_outputs(x, n_samples)
-        return outs.mean(0), outs.var(0, unbiased=False) + noise
-
-    def forward(self, x: Tensor, pred_type: str = "glm", link_approx: str = "probit", n_samples: int = 100):
-        """laplace-torch's ``la(x, ...)``: :meth:`predict_proba` for classification, :meth:`predict` for regression."""
+    def forward(self, x: Tensor, *, pred_type: str = "nn", link_approx: Optional[str] = None, num_samples: int = 30,
+                generator: Optional[torch.Generator] = None):
+        r"""laplace-torch's ``la(x, ...)``: :meth:`predict_proba` for classification, ``predict(x, return_var=True)``
+        (the mean and variance, :math:`\sigma^2` added) for regression."""
+        kw = dict(pred_type=pred_type, link_approx=link_approx, num_samples=num_samples, generator=generator)
         if self.likelihood == "classification":
-            return self.predict_proba(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples)
-        return self.predict(x, pred_type=pred_type, n_samples=n_samples)
+            return self.predict_proba(x, **kw)
+        return self.predict(x, return_var=True, **kw)
 
     def extra_repr(self) -> str:
         return (f"likelihood={self.likelihood!r}, dim={self.dim}, rank={self.rank}, curvature={self.curvature!r}, "

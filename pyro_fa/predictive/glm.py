@@ -36,12 +36,14 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev, jvp, vmap
 
 __all__ = ["linearized_moments", "linearized_network", "probit_proba", "PRED_TYPES", "LINK_APPROXES",
-           "check_pred_type", "check_eval_mode"]
+           "DEFAULT_LINK_APPROX", "check_pred_type", "resolve_link_approx", "check_eval_mode"]
 
 #: the predictives every posterior offers: sampled networks, or the network linearised at the mean
 PRED_TYPES = ("nn", "glm")
 #: how the GLM predictive's Gaussian logits become class probabilities
 LINK_APPROXES = ("mc", "probit")
+#: ``link_approx=None`` means, per ``pred_type``: sampled networks average by Monte Carlo, the GLM in closed form
+DEFAULT_LINK_APPROX = {"nn": "mc", "glm": "probit"}
 
 _JACOBIAN_BUDGET = 2 ** 22  # elements of one chunk's per-example Jacobians (n, C, D) when chunk_size is None
 # layers that are random or update their buffers in train mode: the linearisation is then not of one function
@@ -70,6 +72,20 @@ def check_pred_type(fn: str, pred_type, link_approx=None) -> None:
         if link_approx == "probit" and pred_type != "glm":
             raise ValueError(f"{fn}: link_approx='probit' needs pred_type='glm' (Gaussian outputs), got "
                              f"pred_type={pred_type!r}. Use link_approx='mc' for sampled networks.")
+
+
+def resolve_link_approx(fn: str, pred_type, link_approx=None) -> str:
+    """``link_approx`` checked against ``pred_type`` (:func:`check_pred_type`), ``None`` replaced by its default.
+
+    ``None`` is :data:`DEFAULT_LINK_APPROX`'s: ``"mc"`` for ``"nn"``, ``"probit"`` (the closed form) for ``"glm"``.
+
+    Examples
+    --------
+    >>> resolve_link_approx("SWAG", "glm"), resolve_link_approx("SWAG", "nn")
+    ('probit', 'mc')
+    """
+    check_pred_type(fn, pred_type, link_approx)
+    return DEFAULT_LINK_APPROX[pred_type] if link_approx is None else link_approx
 
 
 def check_eval_mode(fn: str, module: nn.Module, argument: str = "module") -> None:

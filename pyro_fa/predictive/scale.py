@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from pyro_fa.predictive.glm import check_pred_type
-from pyro_fa.predictive.likelihood import check_targets, point_log_likelihood
+from pyro_fa.predictive.likelihood import check_targets, normalize_likelihood, point_log_likelihood
 from pyro_fa.predictive.sampled import SampledPredictive, log_mean_exp
 
 __all__ = ["ScaleSearch", "ScaleSelectionWarning", "tune_scale", "select_scale", "bma_log_likelihood",
@@ -342,7 +342,7 @@ def _check_scales(scales, fn: str) -> List[float]:
 
 
 @torch.no_grad()
-def bma_log_likelihood(posterior, inputs, targets, likelihood="categorical", *, scale: Optional[float] = None,
+def bma_log_likelihood(posterior, inputs, targets, likelihood="classification", *, scale: Optional[float] = None,
                        num_samples: int = 30, noise_std=None, seed: int = 0, pred_type: str = "nn") -> float:
     r"""Log-likelihood per point of the Bayesian model average on ``(inputs, targets)``.
 
@@ -361,12 +361,13 @@ def bma_log_likelihood(posterior, inputs, targets, likelihood="categorical", *, 
         scale = own[0]
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale >= 0):
         raise ValueError(f"{fn}: scale must be a finite number >= 0, got {scale!r}.")
+    likelihood = normalize_likelihood(fn, likelihood, allow_callable=True)
     scorer = _Scorer(posterior, inputs, targets, likelihood, num_samples, noise_std, seed, pred_type, fn)
     return float(scorer(float(scale)).mean())
 
 
 @torch.no_grad()
-def tune_scale(posterior, inputs, targets, likelihood: Union[str, Callable] = "categorical", *,
+def tune_scale(posterior, inputs, targets, likelihood: Union[str, Callable] = "classification", *,
                scales: Optional[Sequence[float]] = None, num_samples: int = 30, noise_std=None,
                seed: int = 0, rule: str = "gated", fraction: float = 0.7, num_se: float = 1.5, widen: int = 3,
                pred_type: str = "nn", temperature: bool = False) -> ScaleSearch:
@@ -380,29 +381,30 @@ def tune_scale(posterior, inputs, targets, likelihood: Union[str, Callable] = "c
 
     Parameters
     ----------
-    posterior : SWAG, MultiSWAG or any posterior with a scale and a predictive
+    posterior : SWAG, MultiSWAG, FactorLaplace or any posterior with a scale and a predictive
         An object with a settable ``scale`` (0 allowed) and a ``predictive()`` returning a
         :class:`~pyro_fa.predictive.SampledPredictive` with a module, ``loc`` and
-        ``deviations`` (e.g. a SWAG built from an ``nn.Module``), or one with
+        ``deviations`` (e.g. a SWAG built from an ``nn.Module``, a fitted FactorLaplace), or one with
         ``members`` that are such objects (e.g. a MultiSWAG: the draws are split
         evenly over the members and one scale is chosen for all; scale 0 is then the
         ensemble of the members' means).
     inputs : Tensor or tuple of Tensors
         The validation inputs, passed to the module as ``module(*inputs)``.
     targets : Tensor of shape (N,)
-        Class labels (``"categorical"``) or real values (``"gaussian"``).
-    likelihood : {"categorical", "gaussian"} or callable, default "categorical"
-        ``"categorical"``: the module returns logits of shape (N, C). ``"gaussian"``: it
+        Class labels (``"classification"``) or real values (``"regression"``).
+    likelihood : {"classification", "regression"} or callable, default "classification"
+        ``"classification"``: the module returns logits of shape (N, C). ``"regression"``: it
         returns means of shape (N,) or (N, 1), and ``noise_std`` is the observation
-        noise. A callable ``(output, targets) -> Tensor of shape (N,)`` gives the
-        log-likelihood of each point under one draw.
+        noise. The aliases ``"categorical"`` and ``"gaussian"`` are accepted
+        (:func:`~pyro_fa.predictive.normalize_likelihood`). A callable ``(output, targets) -> Tensor
+        of shape (N,)`` gives the log-likelihood of each point under one draw.
     scales : sequence of float, optional
         Candidates (>= 0; 0 is always added); default :data:`DEFAULT_SCALES`,
         :math:`10^{-2}` to :math:`10^4` in half decades.
     num_samples : int, default 30
         Draws per candidate (the same draws for every candidate).
     noise_std : float or Tensor, optional
-        For ``likelihood="gaussian"``.
+        For ``likelihood="regression"``.
     seed : int, default 0
         Seed of the draws. They come from a CPU generator and move to the posterior's device, so one seed
         gives the same draws, the same curve up to round-off and the same choice on every device (a CUDA
@@ -430,7 +432,7 @@ def tune_scale(posterior, inputs, targets, likelihood: Union[str, Callable] = "c
         MLP, ``docs/swag.md``). The fitted temperatures are kept in
         :attr:`ScaleSearch.temperatures`; :attr:`ScaleSearch.temperature` is the chosen one,
         to divide the model average's log probabilities by (e.g. with
-        :class:`~pyro_fa.predictive.TemperatureScaling`). ``likelihood="categorical"`` only.
+        :class:`~pyro_fa.predictive.TemperatureScaling`). ``likelihood="classification"`` only.
 
     Returns
     -------
@@ -469,8 +471,9 @@ def tune_scale(posterior, inputs, targets, likelihood: Union[str, Callable] = "c
         raise ValueError(f"{fn}: widen must be an integer >= 0, got {widen!r}.")
     if not isinstance(temperature, bool):
         raise ValueError(f"{fn}: temperature must be True or False, got {temperature!r}.")
-    if temperature and not (isinstance(likelihood, str) and likelihood == "categorical"):
-        raise ValueError(f"{fn}: temperature=True needs likelihood='categorical' (a temperature on class "
+    likelihood = normalize_likelihood(fn, likelihood, allow_callable=True)
+    if temperature and likelihood != "classification":
+        raise ValueError(f"{fn}: temperature=True needs likelihood='classification' (a temperature on class "
                          f"probabilities), got likelihood={likelihood!r}.")
     scorer = _Scorer(posterior, inputs, targets, likelihood, num_samples, noise_std, seed, pred_type, fn,
                      temperature)

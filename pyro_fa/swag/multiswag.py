@@ -19,14 +19,16 @@ from torch.distributions import Categorical, MixtureSameFamily
 from pyro_fa import _random
 
 from pyro_fa.fa.normal import StableLowRankMultivariateNormal
-from pyro_fa.predictive import bma_log_likelihood, check_pred_type, log_mean_exp, tune_scale
+from pyro_fa.predictive.glm import check_pred_type
+from pyro_fa.predictive.posterior import Posterior
+from pyro_fa.predictive.sampled import SampledPredictive
 from pyro_fa.swag.guide import FactorPosteriorGuide
 from pyro_fa.swag.swag import SWAG
 
 __all__ = ["MultiSWAG"]
 
 
-class MultiSWAG(nn.Module):
+class MultiSWAG(Posterior, nn.Module):
     r"""An equally weighted mixture of :class:`SWAG` posteriors.
 
     Parameters
@@ -45,6 +47,10 @@ class MultiSWAG(nn.Module):
     >>> ms = MultiSWAG.from_training(lambda: torch.nn.Linear(3, 1), train, num_models=3, rank=2, method="swag")
     >>> ms.predict(torch.randn(5, 3), num_samples=6).shape
     torch.Size([5, 1])
+
+    Predictions are :class:`~pyro_fa.predictive.Posterior`'s (``predict``, ``predict_proba``,
+    ``predict_log_proba``, ``log_likelihood``, ``tune_scale``): ``num_samples`` draws in all, split evenly
+    over the members; the closed-form GLM predictive mixes the members' Gaussians with equal weights.
 
     References
     ----------
@@ -124,18 +130,6 @@ class MultiSWAG(nn.Module):
         for m in self.members:
             m.scale = value
 
-    def tune_scale(self, inputs, targets, likelihood="categorical", *, scales=None, num_samples: int = 30,
-                   noise_std=None, seed: int = 0, rule: str = "gated", fraction: float = 0.7, num_se: float = 1.5,
-                   widen: int = 3,
-                   pred_type: str = "nn", temperature: bool = False):
-        """Choose one scale for all members by the validation log-likelihood of the mixture's model average.
-
-        See :func:`pyro_fa.predictive.tune_scale`; the draws are split evenly over the members.
-        """
-        return tune_scale(self, inputs, targets, likelihood, scales=scales, num_samples=num_samples,
-                          noise_std=noise_std, seed=seed, rule=rule, fraction=fraction, num_se=num_se, widen=widen,
-                          pred_type=pred_type, temperature=temperature)
-
     def distribution(self) -> MixtureSameFamily:
         """The mixture over the flattened parameters, a ``MixtureSameFamily`` of LowRankMultivariateNormals
         (:class:`~pyro_fa.fa.normal.StableLowRankMultivariateNormal`: the capacitance in float64)."""
@@ -162,65 +156,34 @@ class MultiSWAG(nn.Module):
                 out[rows] = member.sample_parameters(rows.numel(), generator=generator)
         return out
 
-    @torch.no_grad()
-    def predict(self, *args, num_samples: int = 30, fn=None, loader=None, pred_type: str = "nn", noise_std=None,
-                chunk_size: Optional[int] = None, **kwargs):
-        r"""Average of the members' :meth:`SWAG.predict`, ``num_samples`` draws from each member.
+    def predictive(self, pred_type: str = "nn", *, loader=None) -> SampledPredictive:
+        r"""The mixture's predictive: ``num_samples`` draws split evenly over the members (the first
+        ``num_samples % M`` members one more), each run in its own member's network (or its linearisation).
 
-        With ``pred_type="glm"``: the mixture's mean and marginal variance of the members' linearised
-        Gaussian outputs, :math:`\bar\mu = \frac1M\sum_m \mu_m` and
-        :math:`\frac1M\sum_m (v_m + \mu_m^2) - \bar\mu^2` (``noise_std`` added to each :math:`v_m`);
-        see :meth:`SWAG.predict`.
+        A draw is a pair ``(member index, weight vector)``; ``loc`` and ``deviations`` are ``None`` (the scale
+        search reads the members' own predictives). See :meth:`SWAG.predictive`.
         """
         check_pred_type(type(self).__name__, pred_type)
-        if pred_type == "glm":
-            moments = [m.predict(*args, fn=fn, loader=loader, pred_type="glm", noise_std=noise_std,
-                                 chunk_size=chunk_size, **kwargs) for m in self.members]
-            means = torch.stack([mean for mean, _ in moments])
-            second = torch.stack([var + mean.square() for mean, var in moments]).mean(0)
-            mean = means.mean(0)
-            return mean, (second - mean.square()).clamp_min(0)
-        outs = [m.predict(*args, num_samples=num_samples, fn=fn, loader=loader, **kwargs) for m in self.members]
-        return torch.stack(outs).mean(0)
+        parts = [m.predictive(pred_type, loader=loader) for m in self.members]
+        M = len(parts)
 
-    @torch.no_grad()
-    def predictive_samples(self, *args, num_samples: int = 30, fn=None, pred_type: str = "nn", **kwargs) -> Tensor:
-        """Outputs (``pred_type="glm"``: linearised outputs) under ``num_samples`` draws from each member, stacked:
-        shape (M * S, ...)."""
-        return torch.cat([m.predictive_samples(*args, num_samples=num_samples, fn=fn, pred_type=pred_type, **kwargs)
-                          for m in self.members])
+        def sample(num_samples: int, generator: Optional[torch.Generator] = None):
+            draws = []
+            for m, part in enumerate(parts):
+                S_m = num_samples // M + (1 if m < num_samples % M else 0)
+                if S_m:
+                    draws += [(m, theta) for theta in part.sample(S_m, generator)]
+            return draws
 
-    def predict_proba(self, *args, num_samples: int = 30, pred_type: str = "nn", link_approx: str = "mc",
-                      chunk_size: Optional[int] = None, **kwargs) -> Tensor:
-        """Class probabilities of the mixture's model average for modules that return logits (N, C).
+        def network(draw):
+            m, theta = draw
+            return parts[m].network(theta)
 
-        The members' :meth:`SWAG.predict_proba` (same ``pred_type`` and ``link_approx``), equally weighted:
-        ``num_samples`` draws from each member for ``"mc"``.
-        """
-        check_pred_type(type(self).__name__, pred_type, link_approx)
-        return torch.stack([m.predict_proba(*args, num_samples=num_samples, pred_type=pred_type,
-                                            link_approx=link_approx, chunk_size=chunk_size, **kwargs)
-                            for m in self.members]).mean(0)
+        return SampledPredictive(sample, network, module=parts[0].module)
 
-    def predict_log_proba(self, *args, num_samples: int = 30, pred_type: str = "nn", link_approx: str = "mc",
-                          chunk_size: Optional[int] = None, **kwargs) -> Tensor:
-        """Log class probabilities of the mixture's model average, computed stably (see
-        :meth:`SWAG.predict_log_proba`): ``num_samples`` draws from each member, equally weighted
-        (``"probit"``: the members' log-probabilities, averaged in probability)."""
-        check_pred_type(type(self).__name__, pred_type, link_approx)
-        if link_approx == "probit":
-            return log_mean_exp(torch.stack([m.predict_log_proba(*args, pred_type=pred_type, link_approx=link_approx,
-                                                                 chunk_size=chunk_size, **kwargs)
-                                             for m in self.members]))
-        logp = self.predictive_samples(*args, num_samples=num_samples, fn=lambda z: z.log_softmax(-1),
-                                       pred_type=pred_type, **kwargs)
-        return log_mean_exp(logp)
-
-    def log_likelihood(self, inputs, targets, likelihood="categorical", *, num_samples: int = 30,
-                       noise_std=None, seed: int = 0) -> float:
-        """Test log-likelihood per point of the mixture's model average (draws split evenly over the members)."""
-        return bma_log_likelihood(self, inputs, targets, likelihood, num_samples=num_samples,
-                                  noise_std=noise_std, seed=seed)
+    def _linearized_marginals(self, inputs, chunk_size):
+        """Each member's linearised outputs' means and variances: the mixture's components."""
+        return [part for m in self.members for part in m._linearized_marginals(inputs, chunk_size)]
 
     def to_guide(self, model: Callable) -> FactorPosteriorGuide:
         """A Pyro guide drawing the model's latent sites from the mixture (a member per call)."""

@@ -24,7 +24,6 @@ from torch.distributions import LowRankMultivariateNormal
 
 from pyro_fa.fa._sharded_normal import ShardedLowRankNormal
 from pyro_fa.fa.normal import StableLowRankMultivariateNormal
-from pyro_fa.predictive import tune_scale
 from pyro_fa.swag._classic import ClassicFit
 from pyro_fa.swag._collect import IterateCollector
 from pyro_fa.swag._fits import IterateFit, OnlineFit
@@ -380,25 +379,6 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{type(self).__name__}: scale must be a finite number >= 0, got {value!r}.")
         self._scale = float(value)
-
-    def tune_scale(self, inputs, targets, likelihood="categorical", *, scales=None, num_samples: int = 30,
-                   noise_std=None, seed: int = 0, rule: str = "gated", fraction: float = 0.7, num_se: float = 1.5,
-                   widen: int = 3,
-                   pred_type: str = "nn", temperature: bool = False):
-        """Choose :attr:`scale` on validation data, never worse there than the mean (scale 0).
-
-        See :func:`pyro_fa.predictive.tune_scale` (this calls it with ``self``) for the candidates
-        (scale 0, the mean, among them) and the ``rule``; the chosen scale is set on the posterior.
-        With ``temperature=True`` every candidate is scored after a temperature fitted on the same
-        points (for a user who tempers the predictive; the chosen one is ``search.temperature``).
-
-        Returns
-        -------
-        ScaleSearch
-        """
-        return tune_scale(self, inputs, targets, likelihood, scales=scales, num_samples=num_samples,
-                          noise_std=noise_std, seed=seed, rule=rule, fraction=fraction, num_se=num_se, widen=widen,
-                          pred_type=pred_type, temperature=temperature)
 
     @torch.no_grad()
     def _deviations(self, num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
