@@ -229,7 +229,7 @@ def _ill_conditioned(D=20000, K=6, seed=0):
 def test_stable_normal_matches_a_float64_computation_where_torch_fails():
     from torch.distributions import LowRankMultivariateNormal
 
-    from pyro_fa.fa.normal import StableLowRankMultivariateNormal
+    from pyro_fa.distributions import StableLowRankMultivariateNormal
 
     loc, F, psi = _ill_conditioned()
     with pytest.raises(RuntimeError, match="positive-definite"):

@@ -51,13 +51,13 @@ class ShardedLowRankNormal:
 
     def marginal(self) -> LowRankMultivariateNormal:
         """The marginal distribution of this rank's coordinates (no collective)."""
-        from pyro_fa.fa.normal import StableLowRankMultivariateNormal
+        from pyro_fa.distributions import StableLowRankMultivariateNormal
 
         return StableLowRankMultivariateNormal(self.loc, self.cov_factor, self.cov_diag)
 
     def _sums(self, *extra: Tensor) -> Tuple[Tensor, Tensor, List[Tensor]]:
         F, psi = self.cov_factor, self.cov_diag
-        from pyro_fa.fa.normal import whitened_gram
+        from pyro_fa.distributions.numerics import whitened_gram
 
         # the capacitance as the Gram matrix of Psi^-1/2 F summed in float64 (and carried so): positive
         # definite by construction where float32 sums are not (tiny psi against F)

@@ -21,7 +21,7 @@ from pyro_fa.fa.fitters import fitter_class
 from pyro_fa.fa._sharded_normal import ShardedLowRankNormal
 from pyro_fa.fa._sharding import draw_seed, sharded_orthogonal_init
 from pyro_fa.fa.moments import RunningMoments
-from pyro_fa.fa.normal import StableLowRankMultivariateNormal
+from pyro_fa.distributions import StableLowRankMultivariateNormal
 
 __all__ = ["OnlineFactorAnalysis"]
 
@@ -415,7 +415,7 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
         Returns
         -------
         torch.distributions.LowRankMultivariateNormal
-            A :class:`~pyro_fa.fa.normal.StableLowRankMultivariateNormal`, whose capacitance is
+            A :class:`~pyro_fa.distributions.StableLowRankMultivariateNormal`, whose capacitance is
             formed in float64 (torch's float32 one fails when :math:`\psi` is tiny against :math:`F`).
         """
         self._check_fitted("distribution()")

@@ -12,8 +12,8 @@ the Laplace approximation is
 
 with :math:`\delta` the prior precision (a scalar, or one per parameter tensor) and :math:`\sigma` the
 noise of a Gaussian likelihood (:math:`\sigma = 1` for classification). The posterior is a
-:class:`~pyro_fa.laplace.posterior.LowRankPrecisionNormal` (a
-:class:`~pyro_fa.laplace.posterior.BlockLowRankPrecisionNormal` with a rank per layer): :math:`O(DK)` memory and
+:class:`~pyro_fa.distributions.LowRankPrecisionNormal` (a
+:class:`~pyro_fa.distributions.BlockLowRankPrecisionNormal` with a rank per layer): :math:`O(DK)` memory and
 no :math:`D\times D` tensor. The verbs are laplace-torch's (Daxberger et al., *Laplace Redux — effortless Bayesian deep learning*,
 NeurIPS 2021): ``fit``, ``log_marginal_likelihood``, ``optimize_prior_precision``, ``predict_proba`` /
 ``predict`` (the GLM predictive of Immer, Korzepa & Bauer, *Improving predictions of Bayesian neural nets via
@@ -32,7 +32,7 @@ from pyro_fa.laplace._fitted_state import FittedState
 from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_network, select_parameters
 from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
 from pyro_fa.laplace._prior import PriorPrecisionSelection, positive_int as _positive_int, show as _show
-from pyro_fa.laplace.posterior import BlockLowRankPrecisionNormal, LowRankPrecisionNormal
+from pyro_fa.distributions import BlockLowRankPrecisionNormal, LowRankPrecisionNormal
 from pyro_fa.laplace._sharded import ShardedLowRankPrecisionNormal, make_laplace_sharding, sharded_glm_moments
 from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_moments, probit_proba
 
@@ -72,7 +72,7 @@ class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
         order (``rank=[400, 100, 100]``), or a dict from those modules' names in ``model.named_modules()``
         (``{"linear1": 400, ...}``): each block's curvature fitted on its own (one pass over the data for all),
         block diagonal, each block's :math:`F_b` (D_b, K_b) held on its own (:attr:`block_factors`), the
-        posterior a :class:`~pyro_fa.laplace.posterior.BlockLowRankPrecisionNormal`: memory
+        posterior a :class:`~pyro_fa.distributions.BlockLowRankPrecisionNormal`: memory
         :math:`O(\sum_b D_bK_b)` and :math:`O(\sum_b D_bK_b^2)` time instead of the total rank's; ``"auto"``:
         ``rank_budget`` columns allocated over the blocks by the fitted spectrum (each fitted at ``rank_max``
         first). See :mod:`pyro_fa.laplace._blocks`; attribute ``block_ranks``. Not with a ``process_group``.

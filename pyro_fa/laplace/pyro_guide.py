@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from pyro_fa.laplace.moment import fit_second_moment
-from pyro_fa.laplace.posterior import LowRankPrecisionNormal
+from pyro_fa.distributions import LowRankPrecisionNormal
 from pyro_fa.swag.guide import FactorPosteriorGuide
 
 __all__ = ["PyroFactorLaplace"]

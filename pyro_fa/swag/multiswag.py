@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.distributions import Categorical, MixtureSameFamily
 from pyro_fa import _random
 
-from pyro_fa.fa.normal import StableLowRankMultivariateNormal
+from pyro_fa.distributions import StableLowRankMultivariateNormal
 from pyro_fa.predictive import bma_log_likelihood, check_pred_type, log_mean_exp, tune_scale
 from pyro_fa.swag.guide import FactorPosteriorGuide
 from pyro_fa.swag.swag import SWAG
@@ -138,7 +138,7 @@ class MultiSWAG(nn.Module):
 
     def distribution(self) -> MixtureSameFamily:
         """The mixture over the flattened parameters, a ``MixtureSameFamily`` of LowRankMultivariateNormals
-        (:class:`~pyro_fa.fa.normal.StableLowRankMultivariateNormal`: the capacitance in float64)."""
+        (:class:`~pyro_fa.distributions.StableLowRankMultivariateNormal`: the capacitance in float64)."""
         dists = [m.distribution() for m in self.members]
         comp = StableLowRankMultivariateNormal(
             torch.stack([d.loc for d in dists]),

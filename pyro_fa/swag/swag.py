@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.distributions import LowRankMultivariateNormal
 
 from pyro_fa.fa._sharded_normal import ShardedLowRankNormal
-from pyro_fa.fa.normal import StableLowRankMultivariateNormal
+from pyro_fa.distributions import StableLowRankMultivariateNormal
 from pyro_fa.predictive import tune_scale
 from pyro_fa.swag._classic import ClassicFit
 from pyro_fa.swag._collect import IterateCollector
