@@ -293,12 +293,12 @@ def test_predict_log_proba_is_finite_and_matches_float64_reference(members):
         warnings.simplefilter("error")  # no divide-by-zero warning
         out = post.predict_log_proba(x, num_samples=S, generator=gen())
     assert out.shape == (3, 3) and torch.isfinite(out).all()
-    # the reference: the same draws' logits (S per member), a float64 log-sum-exp written out
+    # the reference: the same draws' logits (S in all, split over the members), a float64 log-sum-exp written out
     logits = post.predictive_samples(x, num_samples=S, generator=gen())
     lp = logits - logits.max(-1, keepdim=True).values
     lp = lp - lp.exp().sum(-1, keepdim=True).log()
     m = lp.max(0).values
-    ref = m + (lp - m).exp().sum(0).log() - math.log(S * members)
+    ref = m + (lp - m).exp().sum(0).log() - math.log(S)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-9)
     assert float(out.min()) < -100  # a class every draw rules out, still finite
     # the log of the averaged probabilities loses it
