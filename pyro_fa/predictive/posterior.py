@@ -51,7 +51,7 @@ def class_log_proba(z: Tensor) -> Tensor:
 
 
 def class_proba(z: Tensor) -> Tensor:
-    """Class probabilities of logits ``z``: ``softmax`` over (..., C); one logit: :math:`(1 - \sigma(z), \sigma(z))`."""
+    r"""Class probabilities of logits ``z``: ``softmax`` over (..., C); one logit: :math:`(1 - \sigma(z), \sigma(z))`."""
     if z.dim() > 1 and z.shape[-1] > 1:
         return z.softmax(-1)
     p = torch.sigmoid(z.squeeze(-1) if z.dim() > 1 else z)
