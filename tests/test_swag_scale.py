@@ -156,7 +156,7 @@ def test_scale_and_tuning_errors():
         swag.tune_scale(X[:0], y[:0])
     with pytest.raises(ValueError, match=r"targets must have shape \(N,\).*got \(300, 1\). Flatten it"):
         swag.tune_scale(X, y[:, None])
-    with pytest.raises(ValueError, match=r"SWAG: likelihood must be one of 'classification', 'regression' or a callable"):
+    with pytest.raises(ValueError, match=r"SWAG: likelihood must be one of 'classification', 'regression', got 'poisson'\. \(A callable"):
         swag.tune_scale(X, y, "poisson")
     with pytest.raises(ValueError, match=r"tune_scale: noise_std must be given for likelihood='regression'"):
         swag.tune_scale(X, y.double(), "gaussian")

@@ -58,9 +58,9 @@ def normalize_likelihood(owner: str, likelihood, *, allow_callable: bool = False
         if name in LIKELIHOODS:
             return name
     accepted = ", ".join(repr(v) for v in LIKELIHOODS)
-    raise ValueError(f"{owner}: likelihood must be one of {accepted}"
-                     + (" or a callable (output, targets) -> per-point log-likelihood" if allow_callable else "")
-                     + f", got {likelihood!r}.")
+    raise ValueError(f"{owner}: likelihood must be one of {accepted}, got {likelihood!r}."
+                     + (" (A callable (output, targets) -> per-point log-likelihood is accepted too.)"
+                        if allow_callable else ""))
 
 
 def _classification(fn: str, noise_std) -> Callable[[Tensor, Tensor], Tensor]:

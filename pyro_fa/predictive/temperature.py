@@ -142,7 +142,8 @@ class TemperatureScaling:
     r"""A predictor of logits (or of a model average's log class probabilities), temperature-scaled.
 
     ``predict`` is any callable returning a Tensor of shape (N, C): a MAP network itself,
-    ``swag.predict_log_proba``, ``multiswag.predict_log_proba``, a
+    ``swag.predict_log_proba``, ``multiswag.predict_log_proba``, ``laplace.predict_log_proba`` (any
+    :class:`~pyro_fa.predictive.Posterior`'s), a
     :class:`~pyro_fa.nn.BayesianNetwork`'s ``predict_log_proba``. For a sampled model average, fix
     its draws (pass a seeded ``generator``, e.g. with :func:`functools.partial`) so that
     validation and test see the same model.
