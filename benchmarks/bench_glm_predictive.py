@@ -43,7 +43,7 @@ def main(samples: int = 30, rank: int = 20) -> None:
     runs = {
         f"nn, {samples} draws": lambda: swag.predict_proba(x_test, num_samples=samples, generator=gen()),
         f"glm-mc, {samples} draws": lambda: swag.predict_proba(x_test, num_samples=samples, generator=gen(),
-                                                               pred_type="glm"),
+                                                               pred_type="glm", link_approx="mc"),
         "glm-probit": lambda: swag.predict_proba(x_test, pred_type="glm", link_approx="probit"),
     }
     best = {name: float("inf") for name in runs}

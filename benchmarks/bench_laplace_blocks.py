@@ -94,7 +94,7 @@ def worker(layout: str, args) -> dict:
     with _Stage(out, "marglik"):
         chosen = la.optimize_prior_precision("marglik", n_steps=args.steps)
     with _Stage(out, "glm"):
-        probs = la.predict_proba(x_test)
+        probs = la.predict_proba(x_test, pred_type="glm")
     out["lml"] = float(la.log_marginal_likelihood())
     out["prior_precision"] = chosen.tolist()
     out["probs"] = probs.reshape(-1).tolist()

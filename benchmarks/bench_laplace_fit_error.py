@@ -96,7 +96,7 @@ def _predictive(net, loader, data, rank: int) -> None:
         seconds = time.perf_counter() - t
         delta = float(la.optimize_prior_precision("marglik"))
         with torch.no_grad():
-            p = la.predict_proba(data.x_test)
+            p = la.predict_proba(data.x_test, pred_type="glm")
         nll = float(-p.gather(-1, data.y_test.reshape(-1, 1)).clamp_min(1e-300).log().mean())
         acc = float((p.argmax(-1) == data.y_test).double().mean())
         print(f"  {fit:<11} {seconds:>7.1f} {delta:>14.4g} {nll:>9.4f} {acc:>9.4f}", flush=True)

@@ -182,7 +182,7 @@ def main() -> None:
 
         def probs_of(la):
             with torch.no_grad():
-                return [la.predict_proba(x).detach() for x in inputs]
+                return [la.predict_proba(x, pred_type="glm").detach() for x in inputs]
         for per_layer in (False, True):
             la.prior_precision = torch.ones(len(sizes) if per_layer else 1)
             la.optimize_prior_precision("marglik")

@@ -38,7 +38,7 @@ def _check_logits(fn: str, logits, targets) -> Tuple[Tensor, Tensor]:
     if bool(torch.isnan(logits).any()) or bool((logits == math.inf).any()):
         raise ValueError(f"{fn}: log_probs_or_logits must not hold NaN or +inf (-inf is a class ruled out), got "
                          f"{int((torch.isnan(logits) | (logits == math.inf)).sum())} such entries.")
-    targets = check_targets(targets, "categorical", fn)
+    targets = check_targets(targets, "classification", fn)
     if targets.shape[0] != logits.shape[0]:
         raise ValueError(f"{fn}: targets must have one label per row of log_probs_or_logits ({logits.shape[0]}), got "
                          f"{targets.shape[0]}.")

@@ -181,7 +181,7 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         swag.attach(opt)
         swa_sched = SWALR(opt, swa_lr=3e-3, anneal_epochs=1)   # from epoch 75 on, step it per batch
         ...                                                     # train
-        swag.tune_scale(x_val, y_val)                           # logits; "gaussian" for regression
+        swag.tune_scale(x_val, y_val)                           # logits; "regression" (noise_std=) for means
         with swag.sampled_weights(swag.loc):                    # SWA: the mean loaded into the model
             swa_logits = net(x_test)
         swag_log_proba = swag.predict_log_proba(x_test)         # SWAG: the model average

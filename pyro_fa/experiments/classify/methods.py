@@ -306,9 +306,8 @@ def _swag_choice(make_net, data, budget, seed, prior_precision, tick, classic: b
 
 def _swag_samples(posterior, inputs, samples: int, seed: int) -> List[Tensor]:
     """Per-draw class probabilities, (S, N, C) per input set (MultiSWAG: the draws split over its members)."""
-    gen = torch.Generator().manual_seed(seed)
-    per = max(1, samples // len(getattr(posterior, "members", [posterior])))
-    return [posterior.predictive_samples(x, num_samples=per, fn=lambda z: z.softmax(-1), generator=gen)
+    gen = torch.Generator().manual_seed(seed)  # num_samples counts the draws in all (a mixture splits them)
+    return [posterior.predictive_samples(x, num_samples=samples, fn=lambda z: z.softmax(-1), generator=gen)
             for x in inputs]
 
 
