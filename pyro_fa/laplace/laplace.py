@@ -544,17 +544,24 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
             raise ValueError(f"{name}: loader must be None (the model is in eval mode, its batch-norm statistics "
                              f"fixed), got {type(loader).__name__}.")
         self._check_fitted("predictive()")
-        if pred_type == "nn":
-            def network(theta):
-                whole = self._whole(theta)
-                return contextlib.nullcontext(lambda *x: self._f(whole, *self._inputs(x)))
-        else:
-            loc = self._whole(self.loc)
-
-            def network(theta):
-                net = linearized_network(self.model, loc, self._whole(theta), self._params)
-                return contextlib.nullcontext(lambda *x: net(*self._inputs(x)))
+        network = {"nn": self._network, "glm": self._linearized_network}[pred_type]()
         return SampledPredictive(self._draws, network, module=self.model, loc=self.loc, deviations=self._deviations)
+
+    def _network(self):
+        """``theta -> context of the network at theta`` (sharded: theta gathered from the ranks' rows)."""
+        def network(theta):
+            whole = self._whole(theta)
+            return contextlib.nullcontext(lambda *x: self._f(whole, *self._inputs(x)))
+        return network
+
+    def _linearized_network(self):
+        """``theta -> context of the network linearised at the MAP, evaluated at theta``."""
+        loc = self._whole(self.loc)
+
+        def network(theta):
+            net = linearized_network(self.model, loc, self._whole(theta), self._params)
+            return contextlib.nullcontext(lambda *x: net(*self._inputs(x)))
+        return network
 
     def _glm_moments(self, x: Tensor):
         if self._sharding is not None:  # refused before any collective, as linearized_moments refuses it

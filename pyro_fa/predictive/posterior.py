@@ -19,14 +19,18 @@ Every prediction verb is then the same on every posterior, with the same signatu
 with :math:`g` the identity (:meth:`~Posterior.predict`), the class probabilities
 (:meth:`~Posterior.predict_proba`) or, averaged in probability, their logarithm
 (:meth:`~Posterior.predict_log_proba`). A mixture (MultiSWAG) answers with its components' closed forms
-mixed with equal weights. The Pyro guide (:class:`~pyro_fa.infer.AutoLowRankFactorGuide`) predicts through
-``pyro.infer.Predictive(model, guide=guide, num_samples=S)``; a network trained with it,
-:class:`~pyro_fa.nn.BayesianNetwork`, hands out the same :class:`SampledPredictive` (``bnn.predictive()``).
+mixed with equal weights. ``link_approx`` is dispatched once, through :data:`ROUTES`.
+
+Posteriors of a Pyro model have no network to run: the guide (:class:`~pyro_fa.infer.AutoLowRankFactorGuide`),
+``PyroFactorLaplace(...).to_guide()`` and ``SWAG.from_param_store(...).to_guide(model)`` predict through Pyro's own
+``pyro.infer.Predictive(model, guide=guide, num_samples=S)`` (their ``get_posterior()`` and ``sample()`` are the
+protocol's); a network trained with the guide, :class:`~pyro_fa.nn.BayesianNetwork`, hands out the same
+:class:`SampledPredictive` (``bnn.predictive()``).
 """
 from __future__ import annotations
 
 import abc
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -35,7 +39,7 @@ from pyro_fa.predictive.glm import probit_proba, resolve_link_approx
 from pyro_fa.predictive.likelihood import LIKELIHOODS, normalize_likelihood
 from pyro_fa.predictive.sampled import SampledPredictive, log_mean_exp
 
-__all__ = ["Posterior", "class_proba", "class_log_proba", "mixture_moments"]
+__all__ = ["Posterior", "ROUTES", "class_proba", "class_log_proba", "mixture_moments"]
 
 Inputs = Union[Tensor, Tuple[Tensor, ...]]
 
@@ -80,6 +84,66 @@ def _positive_int(owner: str, name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}: {name} must be an integer >= 1, got {value!r}.")
     return value
+
+
+class _Request(NamedTuple):
+    """A verb's arguments, as a route reads them."""
+    pred_type: str
+    num_samples: int
+    generator: Optional[torch.Generator]
+    loader: object
+    chunk_size: Optional[int]
+
+
+class _Route:
+    """How the prediction verbs compute for one ``link_approx``: (mean, variance), probabilities, log-probabilities."""
+
+    def moments(self, posterior, x, request: _Request, with_var: bool):
+        raise NotImplementedError
+
+    def proba(self, posterior, x, request: _Request) -> Tensor:
+        raise NotImplementedError
+
+    def log_proba(self, posterior, x, request: _Request) -> Tensor:
+        raise NotImplementedError
+
+
+class _ByDraws(_Route):
+    """``"mc"``: the average over the predictive's draws (sampled networks, or linearised ones for ``"glm"``)."""
+
+    def moments(self, posterior, x, r, with_var):
+        predictive, draws, inputs = posterior._sampled(x, r.pred_type, r.num_samples, r.generator, r.loader)
+        if not with_var:
+            return predictive.average(draws, *inputs), None
+        moments = predictive.average(draws, *inputs, fn=lambda z: torch.stack([z, z * z]))
+        return moments[0], (moments[1] - moments[0].square()).clamp_min(0)
+
+    def proba(self, posterior, x, r):
+        predictive, draws, inputs = posterior._sampled(x, r.pred_type, r.num_samples, r.generator, r.loader)
+        return predictive.average(draws, *inputs, fn=class_proba)
+
+    def log_proba(self, posterior, x, r):
+        predictive, draws, inputs = posterior._sampled(x, r.pred_type, r.num_samples, r.generator, r.loader)
+        return log_mean_exp(predictive.outputs(draws, *inputs, fn=class_log_proba))
+
+
+class _ClosedForm(_Route):
+    """``"probit"``: the linearised outputs' Gaussian moments (a mixture's components mixed with equal weights),
+    and the probit approximation of their class probabilities."""
+
+    def moments(self, posterior, x, r, with_var):
+        return mixture_moments(posterior._closed_form(x, r.loader, r.chunk_size))
+
+    def proba(self, posterior, x, r):
+        return self.log_proba(posterior, x, r).exp()
+
+    def log_proba(self, posterior, x, r):
+        logs = [_probit_log_proba(mean, var) for mean, var in posterior._closed_form(x, r.loader, r.chunk_size)]
+        return logs[0] if len(logs) == 1 else log_mean_exp(torch.stack(logs))
+
+
+#: link_approx -> how the verbs compute (``link_approx=None``: :data:`~pyro_fa.predictive.DEFAULT_LINK_APPROX`)
+ROUTES = {"mc": _ByDraws(), "probit": _ClosedForm()}
 
 
 class Posterior(abc.ABC):
@@ -187,16 +251,9 @@ class Posterior(abc.ABC):
             An unknown ``pred_type`` or ``link_approx``, ``"probit"`` with ``"nn"``, ``num_samples`` < 1,
             ``noise_std`` not positive and finite, a ``loader`` with the closed form.
         """
-        link = resolve_link_approx(type(self).__name__, pred_type, link_approx)
+        route = self._route(pred_type, link_approx)
         noise = self._noise_variance(noise_std)
-        if link == "probit":
-            mean, var = mixture_moments(self._closed_form(x, loader, chunk_size))
-        else:
-            predictive, draws, inputs = self._sampled(x, pred_type, num_samples, generator, loader)
-            if not return_var:
-                return predictive.average(draws, *inputs)
-            moments = predictive.average(draws, *inputs, fn=lambda z: torch.stack([z, z * z]))
-            mean, var = moments[0], (moments[1] - moments[0].square()).clamp_min(0)
+        mean, var = route.moments(self, x, _Request(pred_type, num_samples, generator, loader, chunk_size), return_var)
         if not return_var:
             return mean
         if noise is not None:
@@ -228,11 +285,8 @@ class Posterior(abc.ABC):
         Tensor of shape (N, C)
             (N, 2) for one logit (column 1: :math:`P(y = 1)`).
         """
-        link = resolve_link_approx(type(self).__name__, pred_type, link_approx)
-        if link == "probit":
-            return self._probit(x, loader, chunk_size).exp()
-        predictive, draws, inputs = self._sampled(x, pred_type, num_samples, generator, loader)
-        return predictive.average(draws, *inputs, fn=class_proba)
+        route = self._route(pred_type, link_approx)
+        return route.proba(self, x, _Request(pred_type, num_samples, generator, loader, chunk_size))
 
     @torch.no_grad()
     def predict_log_proba(self, x: Inputs, *, pred_type: str = "nn", link_approx: Optional[str] = None,
@@ -252,16 +306,12 @@ class Posterior(abc.ABC):
         -------
         Tensor of shape (N, C)
         """
-        link = resolve_link_approx(type(self).__name__, pred_type, link_approx)
-        if link == "probit":
-            return self._probit(x, loader, chunk_size)
-        predictive, draws, inputs = self._sampled(x, pred_type, num_samples, generator, loader)
-        return log_mean_exp(predictive.outputs(draws, *inputs, fn=class_log_proba))
+        route = self._route(pred_type, link_approx)
+        return route.log_proba(self, x, _Request(pred_type, num_samples, generator, loader, chunk_size))
 
-    def _probit(self, x, loader, chunk_size) -> Tensor:
-        """Log probabilities of the closed form: each component's probit, mixed in probability."""
-        logs = [_probit_log_proba(mean, var) for mean, var in self._closed_form(x, loader, chunk_size)]
-        return logs[0] if len(logs) == 1 else log_mean_exp(torch.stack(logs))
+    def _route(self, pred_type, link_approx) -> "_Route":
+        """How the verbs compute, chosen once from ``link_approx`` (None: ``pred_type``'s default)."""
+        return ROUTES[resolve_link_approx(type(self).__name__, pred_type, link_approx)]
 
     @torch.no_grad()
     def predictive_samples(self, x: Inputs, *, pred_type: str = "nn", num_samples: int = 30,

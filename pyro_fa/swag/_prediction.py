@@ -54,10 +54,9 @@ class SWAGPrediction(Posterior):
         check_pred_type(type(self).__name__, pred_type)
         if self._n == 0:
             self._check_ready("predictive()")
-        module = self._source.module
-        if pred_type == "glm":
-            return self._glm_predictive(module, loader)
+        return {"nn": self._nn_predictive, "glm": self._glm_predictive}[pred_type](self._source.module, loader)
 
+    def _nn_predictive(self, module, loader) -> SampledPredictive:
         @contextlib.contextmanager
         def network(theta):
             with self.sampled_weights(theta, loader=loader):
