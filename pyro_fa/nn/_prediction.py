@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import pyro
 import pyro.distributions as dist
@@ -23,6 +23,95 @@ from pyro_fa import metrics
 from pyro_fa.predictive import SampledPredictive, log_mean_exp
 
 __all__ = []
+
+
+class _Outputs:
+    """What a network likelihood does with the stacked outputs (S, N, ...) of the sampled networks; one instance
+    per likelihood in :data:`_LIKELIHOODS`, chosen once from ``BayesianNetwork.likelihood``."""
+
+    name = ""
+    #: the class probabilities of one draw's output, None for a likelihood without classes
+    probs: Optional[Callable[[Tensor], Tensor]] = None
+
+    def placeholder(self, x: Tensor) -> Tensor:
+        """Observed values for the guide's first trace of the model: only their shape matters."""
+        dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
+        return torch.zeros(x.shape[0], dtype=dtype, device=x.device)
+
+    def outputs(self, out: Tensor, fn: str) -> Tensor:
+        """The outputs as the likelihood reads them: (S, N) means or logits."""
+        if out.dim() == 3 and out.shape[-1] == 1:
+            return out.squeeze(-1)
+        if out.dim() != 2:
+            raise ValueError(f"{fn}: the network's output must have shape (N, 1) or (N,) for likelihood="
+                             f"{self.name!r}, got {tuple(out.shape[1:])}.")
+        return out
+
+    def targets(self, y: Tensor, pred: Tensor, name: str, fn: str) -> Tensor:
+        y = y.to(pred.dtype)
+        if not bool(torch.isfinite(y).all()):
+            raise ValueError(f"{fn}: {name} must be finite, got NaN or inf in {int((~torch.isfinite(y)).sum())} "
+                             "entries.")
+        return y
+
+
+class _GaussianOutputs(_Outputs):
+    name = "gaussian"
+
+    def log_prob(self, out: Tensor, y: Tensor, noise: float) -> Tensor:
+        return dist.Normal(out, out.new_tensor(noise)).log_prob(y)
+
+
+class _BernoulliOutputs(_Outputs):
+    name = "bernoulli"
+
+    @staticmethod
+    def probs(out: Tensor) -> Tensor:
+        p = out.sigmoid()
+        return torch.stack([1 - p, p], -1)
+
+    def targets(self, y, pred, name, fn):
+        if not bool(((y == 0) | (y == 1)).all()):
+            raise ValueError(f"{fn}: {name} must hold 0/1 labels for likelihood='bernoulli', got other values.")
+        return y.to(pred.dtype)
+
+    def log_prob(self, out, y, noise):
+        return dist.Bernoulli(logits=out).log_prob(y)
+
+
+class _CategoricalOutputs(_Outputs):
+    name = "categorical"
+
+    @staticmethod
+    def probs(out: Tensor) -> Tensor:
+        return out.softmax(-1)
+
+    def placeholder(self, x):
+        return torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+
+    def outputs(self, out, fn):
+        if out.dim() != 3 or out.shape[-1] < 2:
+            raise ValueError(f"{fn}: the network's output must be logits of shape (N, C) with C >= 2 for "
+                             f"likelihood='categorical', got {tuple(out.shape[1:])}.")
+        return out
+
+    def targets(self, y, pred, name, fn):
+        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+            raise TypeError(f"{fn}: {name} must hold integer class labels for likelihood='categorical', got "
+                            f"dtype {y.dtype}.")
+        c, n = pred.shape[-1], pred.shape[1]
+        if n and (int(y.min()) < 0 or int(y.max()) >= c):
+            raise ValueError(f"{fn}: {name} must be class labels in [0, {c}), got values from {int(y.min())} "
+                             f"to {int(y.max())}.")
+        return y
+
+    def log_prob(self, out, y, noise):
+        return out.log_softmax(-1).gather(-1, y.expand(out.shape[0], -1).unsqueeze(-1)).squeeze(-1)
+
+
+#: BayesianNetwork's likelihood -> what its predictions do with the outputs (dispatched once, here)
+_LIKELIHOODS: Dict[str, _Outputs] = {o.name: o for o in (_GaussianOutputs(), _BernoulliOutputs(),
+                                                         _CategoricalOutputs())}
 
 
 class _Prediction:
@@ -54,12 +143,12 @@ class _Prediction:
                                  lambda draw: contextlib.nullcontext(poutine.condition(module, data=draw)),
                                  module=module)
 
+    @property
+    def _likelihood_ops(self) -> _Outputs:
+        return _LIKELIHOODS[self.likelihood]
+
     def _placeholder_targets(self, x: Tensor) -> Tensor:
-        # observed values for the guide's first trace of the model: only their shape matters
-        if self.likelihood == "categorical":
-            return torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
-        dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
-        return torch.zeros(x.shape[0], dtype=dtype, device=x.device)
+        return self._likelihood_ops.placeholder(x)
 
     def _built(self) -> bool:
         # a guide of the user's own (not an autoguide) keeps its parameters where it likes
@@ -114,17 +203,7 @@ class _Prediction:
 
     def _likelihood_outputs(self, out: Tensor, fn: str) -> Tensor:
         """Stacked outputs (S, N, ...) as the likelihood reads them: (S, N) means / logits, or (S, N, C) logits."""
-        if self.likelihood == "categorical":
-            if out.dim() != 3 or out.shape[-1] < 2:
-                raise ValueError(f"{fn}: the network's output must be logits of shape (N, C) with C >= 2 for "
-                                 f"likelihood='categorical', got {tuple(out.shape[1:])}.")
-            return out
-        if out.dim() == 3 and out.shape[-1] == 1:
-            return out.squeeze(-1)
-        if out.dim() != 2:
-            raise ValueError(f"{fn}: the network's output must have shape (N, 1) or (N,) for likelihood="
-                             f"{self.likelihood!r}, got {tuple(out.shape[1:])}.")
-        return out
+        return self._likelihood_ops.outputs(out, fn)
 
     def _check_targets(self, y, pred: Tensor, name: str, fn: str) -> Tensor:
         """Targets of shape (N,) for predictions (S, N) or (S, N, C), checked for the likelihood."""
@@ -139,25 +218,7 @@ class _Prediction:
                 f"{tuple(pred.shape[1:])}, got {tuple(y.shape)}."
                 + (" Flatten it (y.reshape(-1))." if y.numel() == n else "")
             )
-        y = y.to(pred.device)
-        if self.likelihood == "categorical":
-            if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-                raise TypeError(f"{fn}: {name} must hold integer class labels for likelihood='categorical', got "
-                                f"dtype {y.dtype}.")
-            c = pred.shape[-1]
-            if n and (int(y.min()) < 0 or int(y.max()) >= c):
-                raise ValueError(f"{fn}: {name} must be class labels in [0, {c}), got values from {int(y.min())} "
-                                 f"to {int(y.max())}.")
-            return y
-        if self.likelihood == "bernoulli":
-            if not bool(((y == 0) | (y == 1)).all()):
-                raise ValueError(f"{fn}: {name} must hold 0/1 labels for likelihood='bernoulli', got other values.")
-            return y.to(pred.dtype)
-        y = y.to(pred.dtype)
-        if not bool(torch.isfinite(y).all()):
-            raise ValueError(f"{fn}: {name} must be finite, got NaN or inf in {int((~torch.isfinite(y)).sum())} "
-                             "entries.")
-        return y
+        return self._likelihood_ops.targets(y.to(pred.device), pred, name, fn)
 
     def _outputs(self, data, num_samples: int, fn: str, y=None, targets: bool = False):
         """Raw network outputs (S, N, ...) under ``num_samples`` weight draws, the same draws for every batch.
@@ -236,12 +297,8 @@ class _Prediction:
 
     def _predictive_samples(self, data, num_samples: int, fn: str) -> Tensor:
         out = self._likelihood_outputs(self._outputs(data, num_samples, fn)[0], fn)
-        if self.likelihood == "categorical":
-            return out.softmax(-1)
-        if self.likelihood == "bernoulli":
-            p = out.sigmoid()
-            return torch.stack([1 - p, p], -1)
-        return out
+        probs = self._likelihood_ops.probs
+        return out if probs is None else probs(out)
 
     @torch.no_grad()
     def predict_proba(self, data, num_samples: int = 100) -> Tensor:
@@ -263,7 +320,7 @@ class _Prediction:
         ValueError
             For ``likelihood="gaussian"`` (use :meth:`predictive_samples`).
         """
-        if self.likelihood == "gaussian":
+        if self._likelihood_ops.probs is None:
             raise ValueError("BayesianNetwork.predict_proba: likelihood must be 'categorical' or 'bernoulli', got "
                              "'gaussian'. Use predictive_samples() for the sampled means.")
         return self._predictive_samples(data, num_samples, "BayesianNetwork.predict_proba").mean(0)
@@ -317,20 +374,12 @@ class _Prediction:
         fn = "BayesianNetwork.evaluate"
         raw, y = self._outputs(data, num_samples, fn, y=y, targets=True)
         out = self._likelihood_outputs(raw, fn)
-        S = out.shape[0]
-        if self.likelihood == "gaussian":
-            lp = dist.Normal(out, out.new_tensor(self._noise_value(fn))).log_prob(y)
+        ops = self._likelihood_ops
+        lp = ops.log_prob(out, y, self._noise_value(fn) if ops.probs is None else None)
+        if ops.probs is None:  # regression
             metric = {"rmse": float((out.mean(0) - y).pow(2).mean().sqrt())}
-            probs = None
-        elif self.likelihood == "bernoulli":
-            lp = dist.Bernoulli(logits=out).log_prob(y)
-            p = out.sigmoid()
-            probs, y = torch.stack([1 - p, p], -1), y.long()
         else:
-            lp = out.log_softmax(-1).gather(-1, y.expand(S, -1).unsqueeze(-1)).squeeze(-1)
-            probs = out.softmax(-1)
-        if probs is not None:
-            bma = probs.mean(0)
+            bma, y = ops.probs(out).mean(0), y.long()
             metric = {"accuracy": float(metrics.accuracy(bma, y)), "brier": float(metrics.brier_score(bma, y)),
                       "ece": float(metrics.expected_calibration_error(bma, y))}
         metric["log_likelihood"] = float(log_mean_exp(lp).mean())
