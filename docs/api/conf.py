@@ -30,7 +30,7 @@ autodoc_default_options = {
     "show-inheritance": True,
 }
 autodoc_typehints = "none"  # signatures carry them; numpydoc's Parameters section says what they mean
-autodoc_inherit_docstrings = True
+autodoc_inherit_docstrings = False  # torch's docstrings are not numpydoc: an override without one shows none
 
 # numpydoc: one entry per documented method, no autosummary table of class members (Pyro's layout).
 numpydoc_show_class_members = False
