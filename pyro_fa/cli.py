@@ -17,7 +17,7 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-from pyro_fa.experiments._io import output_dir_arg
+from pyro_fa.experiments import output_dir_arg
 
 #: subcommand name -> experiment module (imported only when the subcommand runs)
 EXPERIMENTS = {

@@ -21,7 +21,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from pyro_fa.laplace._sharded import all_reduce_sum, replicated
+from pyro_fa.distributed import all_reduce_sum, replicated
 from pyro_fa.predictive.glm import check_pred_type
 
 __all__ = ["PriorPrecisionSelection", "PRIOR_METHODS", "EVIDENCE_MODES"]

@@ -33,7 +33,8 @@ from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_networ
 from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
 from pyro_fa.laplace._prior import PriorPrecisionSelection, positive_int as _positive_int, show as _show
 from pyro_fa.distributions import BlockLowRankPrecisionNormal, LowRankPrecisionNormal
-from pyro_fa.laplace._sharded import ShardedLowRankPrecisionNormal, make_laplace_sharding, sharded_glm_moments
+from pyro_fa.distributed import ShardedLowRankPrecisionNormal, make_laplace_sharding
+from pyro_fa.laplace._sharded_glm import sharded_glm_moments
 from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_moments, probit_proba
 
 __all__ = ["FactorLaplace", "LIKELIHOODS"]
@@ -108,10 +109,10 @@ class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
         ranks' vectors (``"scatter"``: the D x D sums all-reduced, equal to one process on all the data;
         ``"online"``: sharded by coordinates over the ranks, as ``OnlineFactorAnalysis(process_group=...)``;
         ``"randomized"``: its D x 3K matrices held by rows, sums of 3K numbers per vector all-reduced).
-        Rank r of W then holds only its rows ``[lo, hi)`` (:func:`~pyro_fa.fa._sharding.shard_bounds`, about
+        Rank r of W then holds only its rows ``[lo, hi)`` (:func:`~pyro_fa.distributed.shard_bounds`, about
         D/W) of :attr:`loc`, :attr:`cov_factor` and :attr:`cov_diag`, and its own :meth:`state_dict`; the
-        posterior is a :class:`~pyro_fa.laplace._sharded.ShardedLowRankPrecisionNormal` and every method
-        below is collective (all ranks call it with the same arguments): see :mod:`pyro_fa.laplace._sharded`.
+        posterior is a :class:`~pyro_fa.distributed.ShardedLowRankPrecisionNormal` and every method
+        below is collective (all ranks call it with the same arguments): see :mod:`pyro_fa.distributed.laplace`.
 
     Attributes
     ----------

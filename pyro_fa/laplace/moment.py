@@ -178,7 +178,7 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
         slices per block) and feeds them to
         :class:`~pyro_fa.fa.online.OnlineFactorAnalysis` ``(process_group=...)``, sharded by coordinates
         (the fitter's state is :math:`O(DK/W)` per rank). Either way each rank returns only its rows
-        :math:`[lo, hi)` of :math:`F` and :math:`\psi` (:func:`~pyro_fa.fa._sharding.shard_bounds`), never
+        :math:`[lo, hi)` of :math:`F` and :math:`\psi` (:func:`~pyro_fa.distributed.shard_bounds`), never
         the whole factor.
 
     Returns
@@ -433,6 +433,6 @@ def _rows(dim: int, group, rank: Optional[int] = None) -> Tuple[int, int]:
         return 0, dim
     import torch.distributed as dist
 
-    from pyro_fa.fa._sharding import shard_bounds
+    from pyro_fa.distributed import shard_bounds
 
     return shard_bounds(dim, dist.get_world_size(group), dist.get_rank(group) if rank is None else rank)
