@@ -38,7 +38,7 @@ class FactorNormal(Distribution):
 
     Every member answers
 
-    * :attr:`mean`, :attr:`variance`, :attr:`stddev` — shape (..., D);
+    * :attr:`loc` = :attr:`mean` = :attr:`mode`, :attr:`variance`, :attr:`stddev` — shape (..., D);
     * :meth:`log_prob`, :meth:`entropy`;
     * :meth:`rsample` / :meth:`sample` ``(sample_shape=(), generator=None)`` — draws of shape
       ``sample_shape + batch_shape + (D,)``; ``generator`` a :class:`torch.Generator` on any device
@@ -63,6 +63,16 @@ class FactorNormal(Distribution):
     has_rsample = True
     #: :math:`\sigma` in :math:`\Sigma = \mathrm{diag}(d) + \sigma BB^\top`: +1 (covariance form), -1 (precision forms)
     factor_sign: float = 1.0
+
+    @property
+    def mean(self) -> Tensor:
+        """``loc``, shape (..., D)."""
+        return self.loc
+
+    @property
+    def mode(self) -> Tensor:
+        """``loc``, shape (..., D)."""
+        return self.loc
 
     def rsample(self, sample_shape=torch.Size(), generator: Optional[torch.Generator] = None) -> Tensor:
         raise NotImplementedError

@@ -63,14 +63,6 @@ class PointMassNormal(FactorNormal):
         return new
 
     @property
-    def mean(self) -> Tensor:
-        return self.loc
-
-    @property
-    def mode(self) -> Tensor:
-        return self.loc
-
-    @property
     def variance(self) -> Tensor:
         return torch.zeros_like(self.loc)
 

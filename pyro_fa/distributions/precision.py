@@ -34,14 +34,6 @@ class _PrecisionNormal(FactorNormal):
 
     factor_sign = -1.0
 
-    @property
-    def mean(self) -> Tensor:
-        return self.loc
-
-    @property
-    def mode(self) -> Tensor:
-        return self.loc
-
     def log_prob(self, value: Tensor) -> Tensor:
         r""":math:`\log N(x; \mu, P^{-1}) = \tfrac12(\log\det P - D\log 2\pi - (x-\mu)^\top P (x-\mu))`, shape ``value.shape[:-1]``."""
         if self._validate_args:

@@ -74,7 +74,7 @@ class BatchFactorAnalysis(nn.Module):
     :math:`(F, \psi)` to the sample covariance (by EM, or by the EM variant
     with an exact F-step, Barber Alg. 21.1), starting from
     :func:`initial_factors`; :math:`c` is the sample mean. The interface
-    (``loc``, ``cov_factor``, ``cov_diag``, ``distribution()``,
+    (``loc``, ``cov_factor``, ``cov_diag``, ``get_posterior()``,
     ``log_prob``, ``sample``) is that of
     :class:`~pyro_fa.fa.online.OnlineFactorAnalysis`.
 

@@ -352,6 +352,31 @@ class AutoLowRankFactorGuide(_GuideStateMixin, AutoContinuous):
         scale = self._scale_vector()
         return FactorLowRankMultivariateNormal(self.loc, self.factor * scale.unsqueeze(-1), scale * scale)
 
+    def sample(self, num_samples: Optional[int] = None, *, generator: Optional[torch.Generator] = None) -> Tensor:
+        """Draws of the packed unconstrained latent vector from :meth:`get_posterior`, without gradients.
+
+        Parameters
+        ----------
+        num_samples : int, optional
+            ``None``: one vector of shape (D,); else shape (num_samples, D).
+        generator : torch.Generator, optional
+            On any device; ``None``: the global generator.
+
+        Raises
+        ------
+        ValueError
+            If ``num_samples`` is not an integer >= 1 or None.
+        RuntimeError
+            If the guide has not run yet.
+        """
+        if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
+                                        or num_samples < 1):
+            raise ValueError(f"{type(self).__name__}: num_samples must be an integer >= 1 or None, got "
+                             f"{num_samples!r}.")
+        shape = () if num_samples is None else (num_samples,)
+        with torch.no_grad():
+            return self.get_posterior().sample(shape, generator=generator)
+
     def get_base_dist(self) -> dist.Distribution:
         """The standard normal :math:`N(0, I_D)` that :meth:`get_transform` maps onto :math:`q`.
 
