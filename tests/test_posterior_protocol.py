@@ -347,3 +347,13 @@ def test_swag_at_scale_0_answers_every_verb_with_its_mean():
     y = torch.randint(2, (6,))
     want = float(torch.log_softmax(at_mean, -1).gather(1, y[:, None]).mean())
     assert swag.log_likelihood(x, y, num_samples=4) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("module", ["numerics", "covariance", "precision", "point_mass", "mixture"])
+def test_the_familys_doctests(module):
+    import doctest
+    import importlib
+
+    mod = importlib.import_module(f"pyro_fa.distributions.{module}")
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS, extraglobs={"torch": torch})
+    assert result.failed == 0 and result.attempted > 0
