@@ -67,7 +67,7 @@ from pyro_fa.distributed.normal import ShardedLowRankNormal
 from pyro_fa.distributed.laplace import (ShardedLowRankPrecisionNormal, all_reduce_sum, make_laplace_sharding,
                                          replicated)
 from pyro_fa.distributed.online import ShardedOnlineFactorAnalysis
-from pyro_fa.distributed.swag import ShardedSWAG, unwrap_ddp
+from pyro_fa.distributed.swag import unwrap_ddp
 from pyro_fa.distributed.data_parallel import AllReduceOptim, ShardedParameters, check_agreement, local_indices
 
 __all__ = [
@@ -81,7 +81,6 @@ __all__ = [
     "AllReduceOptim",
     "check_agreement",
     "unwrap_ddp",
-    "ShardedSWAG",
     "all_reduce_sum",
     "replicated",
     "make_laplace_sharding",
