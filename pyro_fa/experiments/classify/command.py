@@ -190,7 +190,7 @@ def prior_precisions_from(folder, budget: Budget, combos: Sequence[tuple], seeds
         When ``folder`` holds no results, ran under another budget (beyond the grids of
         :data:`~pyro_fa.experiments.classify.methods.ROW_ONLY_FIELDS`), or lacks MAP's row for one of ``seeds``.
     """
-    ((result, _),) = _read_runs([folder])
+    ((result, _),) = _read_runs([folder], "--prior-precision-from")
     _row_only_diff(result, Path(folder), json.loads(json.dumps(asdict(budget))), "--prior-precision-from",
                    "this one")
     out: Dict[str, dict] = {}
@@ -268,11 +268,12 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
                 r = results[name]
                 scores = rep.evaluate(r["probs"], data.y_test, record["ood"])
                 m = record["methods"].setdefault(name, {"per_seed": {k: [] for k in scores}, "seconds": [],
-                                                        "extra": []})
+                                                        "extra": [], "seeds": []})
                 for k, v in scores.items():
                     m["per_seed"][k].append(v)
                 m["seconds"].append(r["seconds"])
                 m["extra"].append(r["extra"])
+                m["seeds"].append(seed)
             if i == 0:
                 probs0[key] = {name: [(p.mean(0) if p.dim() == 3 else p).float() for p in results[name]["probs"]]
                                for name in results}
@@ -371,15 +372,52 @@ def _missing_packages(datasets: Sequence[str], methods: Sequence[str], explicit:
     return missing
 
 
-def _read_runs(dirs: Sequence) -> list:
-    runs = []
-    for d in dirs:
-        path = Path(d) / "results.json"
-        if not path.is_file():
-            raise SystemExit(f"pyro-fa classify: --merge needs folders written by pyro-fa classify, got {str(d)!r} "
-                             "without results.json.")
-        runs.append((json.loads(path.read_text()), Path(d)))
-    return runs
+def _read_runs(dirs: Sequence, flag: str = "--merge") -> list:
+    """``[(results, folder)]`` of the runs in ``dirs``, each refused in one line naming ``flag``, the folder and
+    the file when it is not a results.json written by ``pyro-fa classify``."""
+    return [(_read_results(Path(d), flag), Path(d)) for d in dirs]
+
+
+#: what a results.json of ``pyro-fa classify`` holds (checked before a merge reads it)
+_RESULT_FIELDS = {"budget": dict, "seeds": list, "combos": dict}
+
+
+def _read_results(folder: Path, flag: str) -> dict:
+    path = folder / "results.json"
+    if not path.is_file():
+        raise SystemExit(f"pyro-fa classify: {flag} needs folders written by pyro-fa classify, got {str(folder)!r} "
+                         "without results.json.")
+    try:
+        result = json.loads(path.read_bytes().decode("utf-8"))
+        if not isinstance(result, dict):
+            raise ValueError(f"a JSON {type(result).__name__}, not an object")
+        missing = [k for k, t in _RESULT_FIELDS.items() if not isinstance(result.get(k), t)]
+        if missing:
+            raise ValueError(f"no valid {', '.join(missing)}")
+        for key, combo in result["combos"].items():
+            if not isinstance(combo, dict) or not isinstance(combo.get("methods"), dict):
+                raise ValueError(f"no valid methods of {key}")
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise SystemExit(f"pyro-fa classify: {flag} {str(folder)!r}: {path} is not a results.json written by "
+                         f"pyro-fa classify ({str(err).splitlines()[0] if str(err) else type(err).__name__}).") from None
+    return result
+
+
+def _read_predictions(folder: Path, flag: str) -> Optional[dict]:
+    """The ``predictions.pt`` of a run (None where it kept none), refused in one line when unreadable."""
+    path = folder / "predictions.pt"
+    if not path.is_file():
+        return None
+    try:
+        saved = torch.load(path)
+        if not isinstance(saved, dict) or not isinstance(saved.get("probs"), dict) \
+                or not isinstance(saved.get("targets"), dict):
+            raise ValueError("not a dict of probs and targets")
+    except Exception as err:  # torch.load raises pickle's, zipfile's and its own errors alike
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SystemExit(f"pyro-fa classify: {flag} {str(folder)!r}: {path} is not a predictions.pt written by "
+                         f"pyro-fa classify ({first}); remove it to merge without its figures.") from None
+    return saved
 
 
 def _row_only_diff(result: dict, folder: Path, base: dict, flag: str = "--rows-from",
@@ -393,20 +431,45 @@ def _row_only_diff(result: dict, folder: Path, base: dict, flag: str = "--rows-f
                          f"the grids of single rows ({', '.join(ROW_ONLY_FIELDS)}) may differ.")
 
 
-def _row_only_values(combos: dict, seeds_of: dict, origin: dict, base: dict) -> dict:
+def _combo_seeds(result: dict, key: str) -> List[int]:
+    """The seeds a run holds of ``key`` (``seeds_per_combo``, else the run's seeds)."""
+    return list(result.get("seeds_per_combo", {}).get(key, result["seeds"]))
+
+
+def _row_entries(result: dict, key: str, folder: Path, flag: str) -> Dict[str, Dict[int, dict]]:
+    """``row -> {seed: {"scores", "seconds", "extra"}}`` of one dataset × network of one run: each value lined up
+    with the seed it ran on (a row's ``seeds``; the run's seeds of ``key`` for rows written without them)."""
+    out: Dict[str, Dict[int, dict]] = {}
+    try:
+        run_seeds = _combo_seeds(result, key)
+        for name, m in result["combos"][key]["methods"].items():
+            seeds, n = list(m.get("seeds", run_seeds)), len(m["seconds"])
+            extra = m.get("extra") or [{}] * n
+            if len(seeds) != n or len(extra) != n or any(len(v) != n for v in m["per_seed"].values()):
+                raise ValueError(f"the row {name!r} of {key} holds {n} value(s) for seed(s) {seeds}")
+            out[name] = {int(sd): {"scores": {k: v[i] for k, v in m["per_seed"].items()}, "seconds": m["seconds"][i],
+                                   "extra": extra[i]} for i, sd in enumerate(seeds)}
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise SystemExit(f"pyro-fa classify: {flag} {str(folder)!r}: {folder / 'results.json'} is not a results.json "
+                         f"written by pyro-fa classify ({type(err).__name__}: {err}).") from None
+    return out
+
+
+def _row_only_values(rows: dict, origin: dict, base: dict) -> dict:
     """The merged value of each field of :data:`ROW_ONLY_FIELDS`: the one every row it governs ran under.
 
-    ``origin[(key, row, field)]`` lists, per merged seed, the value (as JSON) the row of that seed ran under
-    (the merged runs' own where absent). Refuses rows of one field left under two values.
+    ``origin[(key, row, field)]`` maps a seed to the value (as JSON) the row of that seed ran under (the merged
+    runs' own where absent). Refuses rows of one field left under two values.
     """
     out = {}
-    for f, rows in ROW_ONLY_FIELDS.items():
+    for f, governed in ROW_ONLY_FIELDS.items():
         values: Dict[str, List[str]] = {}
-        for key, combo in combos.items():
-            for name in combo["methods"]:
-                if (name[:-2] if name.endswith("+T") else name) in rows:
-                    for v in origin.get((key, name, f), [json.dumps(base.get(f))] * len(seeds_of[key])):
-                        values.setdefault(v, []).append(f"{name!r} of {key}")
+        for key, combo in rows.items():
+            for name, by_seed in combo.items():
+                if (name[:-2] if name.endswith("+T") else name) in governed:
+                    ran = origin.get((key, name, f), {})
+                    for s in by_seed:
+                        values.setdefault(ran.get(s, json.dumps(base.get(f))), []).append(f"{name!r} of {key}")
         if len(values) > 1:
             where = "; ".join(f"{f}={v}: {', '.join(sorted(set(w)))}" for v, w in values.items())
             raise SystemExit(f"pyro-fa classify: --rows-from leaves rows of one grid under two values ({where}); "
@@ -416,53 +479,22 @@ def _row_only_values(combos: dict, seeds_of: dict, origin: dict, base: dict) -> 
     return out
 
 
-def _replace_rows(result: dict, folder: Path, combos: dict, seeds_of: dict, probs0: dict, targets0: dict,
-                  origin: Optional[dict] = None, base: Optional[dict] = None) -> None:
-    """Put the rows of one ``rows_from`` run into the merged seeds (see :func:`merge_runs`); note in ``origin``
-    the value of each field of :data:`ROW_ONLY_FIELDS` the replaced rows ran under."""
-    saved = torch.load(folder / "predictions.pt") if (folder / "predictions.pt").is_file() else None
-    for key, combo in result["combos"].items():
-        merged = seeds_of.get(key, [])
-        missing = sorted(set(result["seeds"]) - set(merged))
-        if missing:
-            raise SystemExit(f"pyro-fa classify: --rows-from {folder} holds seed(s) {missing} of {key}, which the "
-                             f"merged runs do not (they hold {sorted(merged)}).")
-        at = [merged.index(s) for s in result["seeds"]]
-        for name, m in combo["methods"].items():
-            into = combos[key]["methods"].get(name)
-            if into is None:  # a new row: the other seeds must come from other rows_from runs
-                into = combos[key]["methods"][name] = {"per_seed": {k: [None] * len(merged) for k in m["per_seed"]},
-                                                       "seconds": [None] * len(merged),
-                                                       "extra": [None] * len(merged)}
-            for j, i in enumerate(at):
-                for k, v in m["per_seed"].items():
-                    into["per_seed"].setdefault(k, [None] * len(merged))[i] = v[j]
-                into["seconds"][i] = m["seconds"][j]
-                into["extra"][i] = m["extra"][j]
-            if origin is not None:
-                for f in ROW_ONLY_FIELDS:
-                    ran = origin.setdefault((key, name, f), [json.dumps(base.get(f))] * len(merged))
-                    for i in at:
-                        ran[i] = json.dumps(result["budget"].get(f))
-        if saved is not None and key in saved["probs"] and merged and merged[0] in result["seeds"] \
-                and min(result["seeds"]) == merged[0]:
-            probs0.setdefault(key, {}).update(saved["probs"][key])
-            targets0.setdefault(key, saved["targets"][key])  # where the merged runs kept no predictions
-
-
 def merge_runs(dirs: Sequence, output_dir, rows_from: Sequence = ()) -> dict:
     """Merge the ``results.json`` / ``predictions.pt`` of earlier runs into one report in ``output_dir``.
 
-    The runs may hold different seeds of a dataset × network (their per-seed values are concatenated, in
-    order of seed) or different datasets; the bars and figures are recomputed over the merged seeds. The
-    figures of the first seed come from the run holding the smallest seed. All runs must share one budget.
+    The runs may hold different seeds of a dataset × network or different datasets, and different rows: every
+    value is lined up with the seed it ran on, so a row one run lacks holds only the seeds of the runs that
+    made it (the table names its seeds; comparisons pair two rows over the seeds both hold). The bars and
+    figures are recomputed over the merged seeds. The figures of the first seed come from the run holding the
+    smallest seed. All runs must share one budget.
 
     ``rows_from``: runs whose rows go into the same seeds of the merged runs, replacing rows of the same name
     (a few rows rerun after a change, e.g. ``--methods swa swag-em``, without rerunning the rest). Every seed
-    they hold must be among the merged runs', and a row they add must cover every merged seed of its dataset
-    × network (from one or several of them). Their budget is the merged runs' but for the grids of single
-    rows (:data:`~pyro_fa.experiments.classify.methods.ROW_ONLY_FIELDS`, e.g. IVON's): a row rerun on a wider
-    grid replaces the row for every merged seed, and the merged budget records the grid it ran on.
+    they hold must be among the merged runs', no two of them may bring the same seed of a row, and a row they
+    add must cover every merged seed of its dataset × network (from one or several of them). Their budget is
+    the merged runs' but for the grids of single rows
+    (:data:`~pyro_fa.experiments.classify.methods.ROW_ONLY_FIELDS`, e.g. IVON's): a row rerun on a wider grid
+    replaces the row for every merged seed, and the merged budget records the grid it ran on.
 
     Returns
     -------
@@ -472,65 +504,93 @@ def merge_runs(dirs: Sequence, output_dir, rows_from: Sequence = ()) -> dict:
     Raises
     ------
     SystemExit
-        When a folder holds no results, the budgets differ (beyond a row's grid, for ``rows_from``), a seed of a
-        dataset × network appears twice, a run of ``rows_from`` holds a seed not merged or adds a row for only
-        some seeds, or the rows of one grid are left under two of its values.
+        When a folder holds no readable results, the budgets differ (beyond a row's grid, for ``rows_from``), a
+        seed of a dataset × network appears twice, a run of ``rows_from`` holds a seed not merged, two of them
+        bring the same seed of a row, one adds a row for only some seeds, or the rows of one grid are left
+        under two of its values.
     """
     from pyro_fa.experiments.classify import report as rep
 
     runs = _read_runs(dirs)
-    extra_runs = _read_runs(rows_from)
-    runs.sort(key=lambda r: min(r[0]["seeds"]))
+    extra_runs = _read_runs(rows_from, "--rows-from")
+    runs.sort(key=lambda r: min(r[0]["seeds"], default=0))
     budgets = {json.dumps(r["budget"], sort_keys=True) for r, _ in runs}
     if len(budgets) > 1:
         raise SystemExit(f"pyro-fa classify: --merge needs runs of one budget, got {len(budgets)} different ones.")
     base = runs[0][0]["budget"]
     for result, folder in extra_runs:
         _row_only_diff(result, folder, base)
-    combos: Dict[str, dict] = {}
-    seeds_of: Dict[str, List[int]] = {}
+    rows: Dict[str, Dict[str, Dict[int, dict]]] = {}  # key -> row -> seed -> values
+    meta: Dict[str, dict] = {}
+    held: Dict[str, Dict[int, Path]] = {}  # key -> seed -> the run holding it
     probs0, targets0 = {}, {}
     for result, folder in runs:
-        saved = torch.load(folder / "predictions.pt") if (folder / "predictions.pt").is_file() else None
+        saved = _read_predictions(folder, "--merge")
         for key, combo in result["combos"].items():
-            if set(result["seeds"]) & set(seeds_of.get(key, [])):
-                raise SystemExit(f"pyro-fa classify: --merge got seed(s) {sorted(set(result['seeds']))} of {key} "
-                                 "twice.")
-            seeds_of.setdefault(key, []).extend(result["seeds"])
-            if key not in combos:
-                combos[key] = combo
-                if saved is not None and key in saved["probs"]:
-                    probs0[key], targets0[key] = saved["probs"][key], saved["targets"][key]
-                continue
-            for name, m in combo["methods"].items():
-                into = combos[key]["methods"].setdefault(name, {"per_seed": {k: [] for k in m["per_seed"]},
-                                                               "seconds": [], "extra": []})
-                for k, v in m["per_seed"].items():
-                    into["per_seed"].setdefault(k, []).extend(v)
-                into["seconds"].extend(m["seconds"])
-                into["extra"].extend(m["extra"])
-    origin: dict = {}
+            run_seeds = _combo_seeds(result, key)
+            twice = sorted(set(run_seeds) & set(held.get(key, {})))
+            if twice:
+                raise SystemExit(f"pyro-fa classify: --merge got seed(s) {twice} of {key} twice (in {str(folder)!r} "
+                                 f"and {str(held[key][twice[0]])!r}).")
+            held.setdefault(key, {}).update({sd: folder for sd in run_seeds})
+            meta.setdefault(key, {k: v for k, v in combo.items() if k != "methods"})
+            for name, entries in _row_entries(result, key, folder, "--merge").items():
+                rows.setdefault(key, {}).setdefault(name, {}).update(entries)
+            if key not in probs0 and saved is not None and key in saved["probs"]:
+                probs0[key], targets0[key] = saved["probs"][key], saved["targets"][key]
+    merged_rows = {key: set(r) for key, r in rows.items()}
+    origin: Dict[tuple, Dict[int, str]] = {}
+    brought: Dict[tuple, Path] = {}
     for result, folder in extra_runs:
-        _replace_rows(result, folder, combos, seeds_of, probs0, targets0, origin=origin, base=base)
-    for key, combo in combos.items():
-        for name, m in combo["methods"].items():
-            lack = [seeds_of[key][i] for i, v in enumerate(m["seconds"]) if v is None]
-            if lack:
+        saved = _read_predictions(folder, "--rows-from")
+        for key in result["combos"]:
+            run_seeds = _combo_seeds(result, key)
+            missing = sorted(set(run_seeds) - set(held.get(key, {})))
+            if missing:
+                raise SystemExit(f"pyro-fa classify: --rows-from {folder} holds seed(s) {missing} of {key}, which "
+                                 f"the merged runs do not (they hold {sorted(held.get(key, {}))}).")
+            for name, entries in _row_entries(result, key, folder, "--rows-from").items():
+                for sd, values in entries.items():
+                    if (key, name, sd) in brought:
+                        raise SystemExit(f"pyro-fa classify: --rows-from {str(brought[key, name, sd])!r} and "
+                                         f"{str(folder)!r} both hold seed {sd} of the row {name!r} of {key}; "
+                                         "give one of them.")
+                    brought[key, name, sd] = folder
+                    rows[key].setdefault(name, {})[sd] = values
+                    for f in ROW_ONLY_FIELDS:
+                        origin.setdefault((key, name, f), {})[sd] = json.dumps(result["budget"].get(f))
+            if saved is not None and key in saved["probs"] and run_seeds and min(run_seeds) == min(held[key]):
+                probs0.setdefault(key, {}).update(saved["probs"][key])
+                targets0.setdefault(key, saved["targets"][key])  # where the merged runs kept no predictions
+    for key, combo in rows.items():
+        for name, by_seed in combo.items():
+            lack = sorted(set(held[key]) - set(by_seed))
+            if lack and name not in merged_rows[key]:
                 raise SystemExit(f"pyro-fa classify: the row {name!r} of {key} added by --rows-from lacks seed(s) "
-                                 f"{lack}; a new row needs every merged seed, {sorted(seeds_of[key])}.")
-    for combo in combos.values():
-        for m in combo["methods"].values():
-            m["mean"] = {k: mean_se(v)[0] for k, v in m["per_seed"].items()}
-            m["se"] = {k: mean_se(v)[1] for k, v in m["per_seed"].items()}
-    b = {**base, **_row_only_values(combos, seeds_of, origin, base)}
+                                 f"{lack}; a new row needs every merged seed, {sorted(held[key])}.")
+    b = {**base, **_row_only_values(rows, origin, base)}
     b = {k: tuple(v) if isinstance(v, list) else v for k, v in b.items()}
     b.setdefault("map_select", "nll")  # runs from before the tempered choice of MAP's prior precision
+    combos = {key: {**meta[key], "methods": {name: _row(by_seed) for name, by_seed in combo.items()}}
+              for key, combo in rows.items()}
+    seeds_of = {key: sorted(held[key]) for key in combos}
     seeds = sorted({s for v in seeds_of.values() for s in v})
     checks = rep.bar_checks(combos)
     devices = sorted({d for r, _ in runs + extra_runs for d in r.get("devices", ["cpu"])})
     write_report(Path(output_dir), combos, checks, Budget(**b), seeds, probs0, targets0, seeds_of=seeds_of,
                  devices=devices)
     return {"combos": combos, "bar": checks}
+
+
+def _row(by_seed: Dict[int, dict]) -> dict:
+    """A row of results.json from its values per seed: lists in order of seed, with the seeds, means and s.e."""
+    seeds = sorted(by_seed)
+    entries = [by_seed[s] for s in seeds]
+    names = [k for k in entries[0]["scores"] if all(k in e["scores"] for e in entries)]
+    per_seed = {k: [e["scores"][k] for e in entries] for k in names}
+    return {"per_seed": per_seed, "seconds": [e["seconds"] for e in entries], "extra": [e["extra"] for e in entries],
+            "seeds": seeds, "mean": {k: mean_se(v)[0] for k, v in per_seed.items()},
+            "se": {k: mean_se(v)[1] for k, v in per_seed.items()}}
 
 
 def run(args) -> int:
