@@ -49,6 +49,8 @@ import torch
 from pyro_fa.experiments.classify.data import DATASETS, load_classify, median_norms
 from pyro_fa.experiments.classify.methods import GRIDS, MAP_SCORES, METHODS, NETWORKS, PEERS, ROW_ONLY_FIELDS, \
     Budget, epochs_of, peers_available, run_methods
+from pyro_fa.experiments.classify.results import path_of, read_done, refuse_to_replace, run_key, unit_key, \
+    write_unit
 from pyro_fa.experiments._io import OutputFolder, atomic_write_json, atomic_write_text, mean_se, positive_int, \
     progress_bar
 
@@ -221,7 +223,9 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
     output_dir : path
         Receives ``results.json``, ``table.md``, ``front_<dataset>-<network>.png``, ``reliability.png``,
         ``entropy.png`` and ``predictions.pt`` (the first seed's predictive probabilities per method,
-        ``[test, *OOD sets]``, each (N, C), and the test targets).
+        ``[test, *OOD sets]``, each (N, C), and the test targets), and ``units/``: a file per dataset ×
+        network × seed, written as soon as it is done and reused by a rerun of the same run
+        (:mod:`~pyro_fa.experiments.classify.results`). A folder holding another run's results is refused.
     progress : bool, default True
     subset : (n_train, n_test), optional
         Use only the first points of each part (smoke tests).
@@ -248,36 +252,35 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
     combos_out: Dict[str, dict] = {}
     probs0: Dict[str, Dict[str, List[torch.Tensor]]] = {}
     targets0: Dict[str, torch.Tensor] = {}
+    run = run_key(json.loads(json.dumps(asdict(budget))), combos, methods, seeds,
+                  None if subset is None else list(subset), device, prior_precisions)
+    refuse_to_replace(out, run)
+    per_seed_epochs = epochs_of(methods, budget, reuse_prior=prior_precisions is not None)
     for dataset, network in combos:
         key = f"{dataset}-{network}"
         record = None
         for i, seed in enumerate(seeds):
-            data = load_classify(dataset, seed)
-            if subset is not None:
-                data = data.subset(*subset)
+            ukey = unit_key(run, dataset, network, seed)
+            unit = read_done(out, ukey, with_probs=i == 0)
+            if unit is not None:
+                bar.update(per_seed_epochs)
+                tqdm.write(f"{key} seed {seed}: done before ({path_of(out, ukey)})")
+            else:
+                bar.set_description(f"classify {key} seed {seed}")
+                unit = _run_unit(ukey, methods, budget, prior_precisions, device, subset, first=i == 0,
+                                 tick=bar.update, out=out)
             if record is None:
-                record = {"dataset": dataset, "network": network, "ood": list(data.ood),
-                          "n": {"train": len(data.y_train), "val": len(data.y_val), "test": len(data.y_test)},
-                          "norms": median_norms(data),
-                          "paper_accuracy": rep.PAPER_ACCURACY.get((dataset, network)), "methods": {}}
-            bar.set_description(f"classify {key} seed {seed}")
-            reuse = None if prior_precisions is None else prior_precisions[key][seed]
-            results = run_methods(methods, network, data.to(device), budget, seed, tick=bar.update,
-                                  prior_precision=reuse)
-            for name in results:
-                r = results[name]
-                scores = rep.evaluate(r["probs"], data.y_test, record["ood"])
-                m = record["methods"].setdefault(name, {"per_seed": {k: [] for k in scores}, "seconds": [],
+                record = {**unit["record"], "methods": {}}
+            for name, r in unit["rows"].items():
+                m = record["methods"].setdefault(name, {"per_seed": {k: [] for k in r["scores"]}, "seconds": [],
                                                         "extra": [], "seeds": []})
-                for k, v in scores.items():
+                for k, v in r["scores"].items():
                     m["per_seed"][k].append(v)
                 m["seconds"].append(r["seconds"])
                 m["extra"].append(r["extra"])
                 m["seeds"].append(seed)
             if i == 0:
-                probs0[key] = {name: [(p.mean(0) if p.dim() == 3 else p).float() for p in results[name]["probs"]]
-                               for name in results}
-                targets0[key] = data.y_test
+                probs0[key], targets0[key] = unit["probs"]["probs"], unit["probs"]["targets"]
         for m in record["methods"].values():
             m["mean"] = {k: mean_se(v)[0] for k, v in m["per_seed"].items()}
             m["se"] = {k: mean_se(v)[1] for k, v in m["per_seed"].items()}
@@ -286,8 +289,34 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
                    + _paper_line(record))
     bar.close()
     checks = rep.bar_checks(combos_out)
-    write_report(out, combos_out, checks, budget, seeds, probs0, targets0, devices=[str(device)])
+    write_report(out, combos_out, checks, budget, seeds, probs0, targets0, devices=[str(device)], run=run)
     return {"combos": combos_out, "bar": checks, "probs": probs0, "targets": targets0}
+
+
+def _run_unit(ukey: dict, methods, budget: Budget, prior_precisions, device, subset, first: bool, tick, out) -> dict:
+    """Train and score every method on one dataset × network × seed; write its unit file (and, for the first
+    seed, its probabilities) at once, so that an interrupted run keeps it (:mod:`.results`)."""
+    from pyro_fa.experiments.classify import report as rep
+
+    dataset, network, seed = ukey["dataset"], ukey["network"], ukey["seed"]
+    data = load_classify(dataset, seed)
+    if subset is not None:
+        data = data.subset(*subset)
+    record = {"dataset": dataset, "network": network, "ood": list(data.ood),
+              "n": {"train": len(data.y_train), "val": len(data.y_val), "test": len(data.y_test)},
+              "norms": median_norms(data), "paper_accuracy": rep.PAPER_ACCURACY.get((dataset, network))}
+    reuse = None if prior_precisions is None else prior_precisions[f"{dataset}-{network}"][seed]
+    results = run_methods(methods, network, data.to(device), budget, seed, tick=tick, prior_precision=reuse)
+    rows = {name: {"scores": rep.evaluate(r["probs"], data.y_test, record["ood"]), "seconds": r["seconds"],
+                   "extra": r["extra"]} for name, r in results.items()}
+    rows = json.loads(json.dumps(rows))  # as a resumed run reads them back
+    probs = None
+    if first:
+        probs = {"probs": {name: [(p.mean(0) if p.dim() == 3 else p).float() for p in r["probs"]]
+                           for name, r in results.items()}, "targets": data.y_test}
+    record = json.loads(json.dumps(record))
+    write_unit(out, ukey, record, rows, probs)
+    return {"record": record, "rows": rows, "probs": probs}
 
 
 def _paper_line(combo: dict) -> str:
@@ -300,8 +329,10 @@ def _paper_line(combo: dict) -> str:
 
 
 def write_report(out: Path, combos: dict, checks: list, budget: Budget, seeds, probs0, targets0,
-                 seeds_of: Optional[Dict[str, List[int]]] = None, devices: Sequence[str] = ("cpu",)) -> None:
-    """results.json, table.md, reliability.png, entropy.png and predictions.pt, each written atomically."""
+                 seeds_of: Optional[Dict[str, List[int]]] = None, devices: Sequence[str] = ("cpu",),
+                 run: Optional[dict] = None) -> None:
+    """results.json, table.md, reliability.png, entropy.png and predictions.pt, each written atomically;
+    results.json records ``run``, what made it (:func:`.results.refuse_to_replace`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -329,7 +360,8 @@ def write_report(out: Path, combos: dict, checks: list, budget: Budget, seeds, p
     atomic_write_text(out / "table.md", "\n".join(text))
     atomic_write_json(out / "results.json", {"budget": asdict(budget), "seeds": list(seeds), "devices": list(devices),
                                              "seeds_per_combo": seeds_of or {k: list(seeds) for k in combos},
-                                             "peers_available": peers_available(), "combos": combos, "bar": checks})
+                                             "peers_available": peers_available(), "combos": combos, "bar": checks,
+                                             "run": run})
     buffer = io.BytesIO()
     torch.save({"probs": probs0, "targets": targets0, "seed": seeds[0]}, buffer)
     atomic_write_bytes(out / "predictions.pt", buffer.getvalue())
@@ -511,6 +543,8 @@ def merge_runs(dirs: Sequence, output_dir, rows_from: Sequence = ()) -> dict:
     """
     from pyro_fa.experiments.classify import report as rep
 
+    run = {"merge": [str(Path(d).resolve()) for d in dirs], "rows_from": [str(Path(d).resolve()) for d in rows_from]}
+    refuse_to_replace(output_dir, run)
     runs = _read_runs(dirs)
     extra_runs = _read_runs(rows_from, "--rows-from")
     runs.sort(key=lambda r: min(r[0]["seeds"], default=0))
@@ -578,7 +612,7 @@ def merge_runs(dirs: Sequence, output_dir, rows_from: Sequence = ()) -> dict:
     checks = rep.bar_checks(combos)
     devices = sorted({d for r, _ in runs + extra_runs for d in r.get("devices", ["cpu"])})
     write_report(Path(output_dir), combos, checks, Budget(**b), seeds, probs0, targets0, seeds_of=seeds_of,
-                 devices=devices)
+                 devices=devices, run=run)
     return {"combos": combos, "bar": checks}
 
 

@@ -176,7 +176,8 @@ def versus(a: float, b: float, digits: int = 3, most: int = 6) -> str:
 def row_seeds(combo, method) -> List[int]:
     """The seeds of a row's values, in order (its ``seeds``; for rows written without them, 0, 1, ...)."""
     m = combo["methods"][method]
-    return list(m.get("seeds", range(len(m["seconds"]))))
+    n = len(m["seconds"]) if "seconds" in m else len(next(iter(m["per_seed"].values()), []))
+    return list(m.get("seeds", range(n)))
 
 
 def _aligned(combo, a: str, b: str, metric: str) -> Tuple[List[float], List[float], List[int]]:

@@ -1,0 +1,87 @@
+"""``pyro-fa classify`` keeps every finished seed: a unit file per dataset × network × seed, written when it is
+done and reused by a rerun; a folder holding another run's results is refused, not overwritten."""
+import json
+
+import pytest
+import torch
+
+from pyro_fa import cli
+from pyro_fa.experiments.classify import command as classify
+
+pytest.importorskip("mnist1d")
+
+ARGS = ["classify", "--datasets", "digits", "--networks", "mlp", "--methods", "map", "swag-em", "--seeds", "3",
+        "--epochs", "4", "--no-progress"]
+
+
+class FakeMethods:
+    """``run_methods`` without training: fixed probabilities per seed; counts its calls, and raises
+    ``interrupt_at``'s exception on that seed (Ctrl-C in the middle of a run)."""
+
+    def __init__(self, interrupt_at=None):
+        self.calls, self.interrupt_at = [], interrupt_at
+
+    def __call__(self, methods, network, data, budget, seed, tick=lambda k: None, prior_precision=None):
+        if seed == self.interrupt_at:
+            raise KeyboardInterrupt
+        self.calls.append(seed)
+        g = torch.Generator().manual_seed(seed)
+        inputs = [data.x_test, *data.ood.values()]
+        rows = {}
+        for name in methods:
+            probs = [torch.randn(len(x), 10, generator=g, dtype=torch.float64).softmax(-1) for x in inputs]
+            rows[name] = {"probs": probs, "seconds": 0.5 + seed, "extra": {"prior_precision": 1.0, "val_nll": {1.0: 0.3}}}
+        return rows
+
+
+def test_an_interrupted_run_keeps_its_finished_seeds_and_a_rerun_reuses_them(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    monkeypatch.setattr(classify, "run_methods", FakeMethods(interrupt_at=1))
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(ARGS + ["--output-dir", str(out)])
+    units = sorted(p.name for p in (out / "units").iterdir())
+    assert len(units) == 2 and units[0].startswith("digits-mlp__seed0__")  # seed 0's unit and its probabilities
+    assert {p.rsplit(".", 1)[1] for p in units} == {"json", "pt"}
+    assert not (out / "results.json").exists()
+    rerun = FakeMethods()
+    monkeypatch.setattr(classify, "run_methods", rerun)
+    assert cli.main(ARGS + ["--output-dir", str(out)]) == 0
+    assert rerun.calls == [1, 2]  # seed 0 is not computed again
+    assert "digits-mlp seed 0: done before" in capsys.readouterr().out
+    fresh = FakeMethods()
+    monkeypatch.setattr(classify, "run_methods", fresh)
+    assert cli.main(ARGS + ["--output-dir", str(tmp_path / "fresh")]) == 0
+    assert fresh.calls == [0, 1, 2]
+    resumed, whole = (json.loads((d / "results.json").read_text()) for d in (out, tmp_path / "fresh"))
+    assert resumed["combos"] == whole["combos"] and resumed["bar"] == whole["bar"]
+    assert resumed["combos"]["digits-mlp"]["methods"]["swag-em"]["seeds"] == [0, 1, 2]
+    a, b = (torch.load(d / "predictions.pt") for d in (out, tmp_path / "fresh"))
+    for x, y in zip(a["probs"]["digits-mlp"]["map"], b["probs"]["digits-mlp"]["map"]):
+        assert torch.equal(x, y)
+    # the same run again rewrites its files from its units alone
+    again = FakeMethods()
+    monkeypatch.setattr(classify, "run_methods", again)
+    assert cli.main(ARGS + ["--output-dir", str(out)]) == 0
+    assert again.calls == []
+    assert json.loads((out / "results.json").read_text())["combos"] == whole["combos"]
+
+
+def test_a_folder_holding_another_runs_results_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(classify, "run_methods", FakeMethods())
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert cli.main(ARGS + ["--output-dir", str(a)]) == 0
+    assert cli.main(ARGS + ["--seed", "3", "--output-dir", str(b)]) == 0
+    before = {p.name: p.read_bytes() for p in a.iterdir() if p.is_file()}
+    with pytest.raises(SystemExit, match=r"--output-dir '.*a' already holds the results of another run \(.*"
+                                         r"results.json\), which this run would replace; choose another --output-dir"):
+        cli.main(["classify", "--merge", str(a), str(b), "--output-dir", str(a)])
+    with pytest.raises(SystemExit, match="already holds the results of another run"):
+        cli.main(ARGS + ["--seeds", "2", "--output-dir", str(a)])  # other seeds: refused too
+    assert {p.name: p.read_bytes() for p in a.iterdir() if p.is_file()} == before
+    # a merge goes into a folder of its own, and the same merge again may rewrite it
+    assert cli.main(["classify", "--merge", str(a), str(b), "--output-dir", str(tmp_path / "m")]) == 0
+    assert cli.main(["classify", "--merge", str(a), str(b), "--output-dir", str(tmp_path / "m")]) == 0
+    with pytest.raises(SystemExit, match="already holds the results of another run"):
+        cli.main(["classify", "--merge", str(a), "--output-dir", str(tmp_path / "m")])
+    merged = json.loads((tmp_path / "m" / "results.json").read_text())
+    assert merged["seeds_per_combo"] == {"digits-mlp": [0, 1, 2, 3, 4, 5]}
