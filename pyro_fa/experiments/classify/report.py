@@ -157,6 +157,11 @@ SMALL_RUN_NOTE = ("(The bars are set for the full run, `pyro-fa classify`: 150 e
                   "nothing about the bar.)")
 
 
+#: printed by ``--quick`` instead of the bars (they are in its table.md, under :data:`SMALL_RUN_NOTE`)
+QUICK_BARS_NOTE = ("Bars: not judged on a quick run (12 epochs, one seed, no grids); they are set for the full run, "
+                   "`pyro-fa classify` (150 epochs, 5 seeds, every grid). This run's {n} checks are in {table}.")
+
+
 def versus(a: float, b: float, digits: int = 3, most: int = 6) -> str:
     """``"a vs b"`` with enough decimals to tell ``a`` from ``b`` (from ``digits`` up to ``most``).
 

@@ -1,5 +1,6 @@
-"""``pyro-fa classify`` keeps every finished seed: a unit file per dataset × network × seed, written when it is
-done and reused by a rerun; a folder holding another run's results is refused, not overwritten."""
+"""What a ``pyro-fa classify`` run keeps and prints: every finished seed (a unit file per dataset × network × seed,
+written when it is done and reused by a rerun), another run's results (refused, not overwritten), and a quick run's
+screenful (methods stood in by a fake that trains nothing)."""
 import json
 
 import pytest
@@ -31,6 +32,8 @@ class FakeMethods:
         for name in methods:
             probs = [torch.randn(len(x), 10, generator=g, dtype=torch.float64).softmax(-1) for x in inputs]
             rows[name] = {"probs": probs, "seconds": 0.5 + seed, "extra": {"prior_precision": 1.0, "val_nll": {1.0: 0.3}}}
+        if budget.temperature:  # as run_methods adds them: a "+T" row per row
+            rows.update({f"{name}+T": dict(row) for name, row in rows.items()})
         return rows
 
 
@@ -85,3 +88,32 @@ def test_a_folder_holding_another_runs_results_is_refused(tmp_path, monkeypatch)
         cli.main(["classify", "--merge", str(a), "--output-dir", str(tmp_path / "m")])
     merged = json.loads((tmp_path / "m" / "results.json").read_text())
     assert merged["seeds_per_combo"] == {"digits-mlp": [0, 1, 2, 3, 4, 5]}
+
+
+def test_a_quick_run_prints_every_way_to_a_posterior_on_one_screen(tmp_path, monkeypatch, capsys):
+    """--quick: one table (MNIST-1D's reference MLP) with SWAG-EM, MultiSWAG, VIFA and FactorLaplace beside MAP and
+    the peers, and one line about the bars instead of their rows; a full run's output keeps its bar rows."""
+    from pyro_fa.experiments.classify import report as rep
+
+    fake = FakeMethods()
+    seen = []
+    monkeypatch.setattr(classify, "run_methods", lambda methods, *a, **k: seen.append(list(methods)) or fake(methods, *a, **k))
+    monkeypatch.setattr(classify, "peers_available", lambda: {"laplace": True, "ivon": True})
+    assert cli.main(["classify", "--quick", "--no-progress", "--output-dir", str(tmp_path / "q")]) == 0
+    printed = capsys.readouterr().out
+    assert seen == [list(classify.QUICK_METHODS)] and fake.calls == [0]
+    assert {"swag-em", "multiswag", "vifa", "factor-laplace"} <= set(seen[0])
+    lines = printed.splitlines()
+    assert len(lines) <= 60, printed
+    assert "NOT met" not in printed and "Bars: not judged on a quick run" in printed
+    assert "| FactorLaplace (ours, marglik) |" in printed and "| VIFA (ours) |" in printed
+    assert "mnist1d-mlp (1 seed(s))" in printed and "digits" not in printed.split("wrote")[0]
+    # the bars are still checked, and written to table.md
+    table = (tmp_path / "q" / "table.md").read_text()
+    assert "## The bars" in table and rep.SMALL_RUN_NOTE in table
+    # a run that is not --quick prints its bar rows as before
+    assert cli.main(["classify", "--datasets", "digits", "--methods", "map", "swag-em", "--seeds", "1", "--epochs", "4",
+                     "--no-progress", "--output-dir", str(tmp_path / "small")]) == 0
+    printed = capsys.readouterr().out
+    assert "| dataset × network | check (over seeds; paired where two rows)" in printed
+    assert rep.SMALL_RUN_NOTE in printed and "Bars: not judged" not in printed
