@@ -46,6 +46,9 @@ def test_an_interrupted_run_keeps_its_finished_seeds_and_a_rerun_reuses_them(tmp
     assert len(units) == 2 and units[0].startswith("digits-mlp__seed0__")  # seed 0's unit and its probabilities
     assert {p.rsplit(".", 1)[1] for p in units} == {"json", "pt"}
     assert not (out / "results.json").exists()
+    with pytest.raises(SystemExit, match=r"without results.json; it holds the seeds of an unfinished run: run its "
+                                         r"command again to finish it\.$"):
+        cli.main(["classify", "--merge", str(out), "--output-dir", str(tmp_path / "m")])
     rerun = FakeMethods()
     monkeypatch.setattr(classify, "run_methods", rerun)
     assert cli.main(ARGS + ["--output-dir", str(out)]) == 0

@@ -420,8 +420,10 @@ _RESULT_FIELDS = {"budget": dict, "seeds": list, "combos": dict}
 def _read_results(folder: Path, flag: str) -> dict:
     path = folder / "results.json"
     if not path.is_file():
+        unfinished = (folder / "units").is_dir() and any((folder / "units").glob("*.json"))
         raise SystemExit(f"pyro-fa classify: {flag} needs folders written by pyro-fa classify, got {str(folder)!r} "
-                         "without results.json.")
+                         "without results.json" + ("; it holds the seeds of an unfinished run: run its command "
+                                                   "again to finish it." if unfinished else "."))
     try:
         result = json.loads(path.read_bytes().decode("utf-8"))
         if not isinstance(result, dict):
