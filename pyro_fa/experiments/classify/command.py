@@ -32,7 +32,8 @@ and entropy histograms for the first seed.
 
 ``pyro-fa classify --quick`` runs the reference MLP on MNIST-1D with every way to a
 posterior (SWAG-EM, MultiSWAG, VIFA, FactorLaplace) beside MAP, the deep ensemble, MC
-dropout and the peers (where installed), with 12 epochs, no grids and one seed, and
+dropout and the peers (where installed), with 12 epochs, no grids, one seed and
+FactorLaplace at rank 20, and
 prints one table (its bars, which judge the full run only, go to ``table.md``); the
 default runs every method on every dataset × network, 150 epochs, every grid and 5 seeds.
 """
