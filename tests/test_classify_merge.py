@@ -25,7 +25,7 @@ def fake_run(folder, seeds, rows, budget=None, predictions=True):
     for name, nlls in rows.items():
         per = [_scores(v) for v in nlls]
         methods[name] = {"per_seed": {k: [p[k] for p in per] for k in per[0]}, "seconds": [1.0] * len(nlls),
-                         "extra": [{"prior_precision": 1.0}] * len(nlls)}
+                         "extra": [{"prior_precision": 10 * v} for v in nlls]}
     combo = {"dataset": "digits", "network": "mlp", "ood": OOD, "n": {"train": 10, "val": 5, "test": 6},
              "norms": {"test": 1.0, "rotated": 1.0}, "paper_accuracy": None, "methods": methods}
     result = {"budget": json.loads(json.dumps(asdict(budget or Budget()))), "seeds": list(seeds), "devices": ["cpu"],
@@ -116,3 +116,13 @@ def test_prior_precision_from_a_folder_without_results_names_its_flag(tmp_path):
     with pytest.raises(SystemExit, match=r"--rows-from needs folders written by pyro-fa classify"):
         classify.merge_runs([fake_run(tmp_path / "a", [0], {"map": [0.5]})], tmp_path / "m",
                             rows_from=[tmp_path / "nope"])
+
+
+def test_prior_precision_from_a_merged_folder_reads_maps_own_seeds(tmp_path):
+    """MAP ran only with seed 1 in a merged folder: its value is seed 1's, and seed 0 is refused by name."""
+    fake_run(tmp_path / "a", [0], {"swa": [0.4]})
+    fake_run(tmp_path / "b", [1], {"map": [0.5], "swa": [0.6]})
+    classify.merge_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "m")
+    assert classify.prior_precisions_from(tmp_path / "m", Budget(), [("digits", "mlp")], [1]) == {"digits-mlp": {1: 5.0}}
+    with pytest.raises(SystemExit, match=r"holds no MAP row of digits-mlp for seed\(s\) \[0\] \(it holds \[1\]\)"):
+        classify.prior_precisions_from(tmp_path / "m", Budget(), [("digits", "mlp")], [0, 1])

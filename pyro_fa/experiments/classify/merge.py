@@ -34,13 +34,17 @@ def prior_precisions_from(folder, budget: Budget, combos: Sequence[tuple], seeds
     out: Dict[str, dict] = {}
     for dataset, network in combos:
         key = f"{dataset}-{network}"
-        combo = result["combos"].get(key, {}).get("methods", {})
-        held = result.get("seeds_per_combo", {}).get(key, result["seeds"])
-        lack = [s for s in seeds if s not in held or "map" not in combo]
+        rows = _row_entries(result, key, Path(folder), "--prior-precision-from") if key in result["combos"] else {}
+        held = rows.get("map", {})  # seed -> MAP's values, lined up by seed
+        lack = [s for s in seeds if s not in held]
         if lack:
             raise SystemExit(f"pyro-fa classify: --prior-precision-from {folder} holds no MAP row of {key} for "
-                             f"seed(s) {lack} (it holds {sorted(held) if 'map' in combo else 'none'}).")
-        out[key] = {s: float(combo["map"]["extra"][held.index(s)]["prior_precision"]) for s in seeds}
+                             f"seed(s) {lack} (it holds {sorted(held) if held else 'none'}).")
+        try:
+            out[key] = {s: float(held[s]["extra"]["prior_precision"]) for s in seeds}
+        except (KeyError, TypeError, ValueError) as err:
+            raise SystemExit(f"pyro-fa classify: --prior-precision-from {str(folder)!r}: {Path(folder) / 'results.json'} "
+                             f"holds no prior precision of MAP's row of {key} ({type(err).__name__}: {err}).") from None
     return out
 
 
