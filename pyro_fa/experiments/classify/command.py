@@ -463,5 +463,6 @@ def _run_locked(args, budget: Budget, combos, methods, n_seeds: int, missing: Li
             print(f"\n{rep.SMALL_RUN_NOTE}")
     out = Path(args.output_dir)
     print(f"\n{time.perf_counter() - t0:.0f} s; wrote {out / 'table.md'}, {out / 'results.json'}, "
-          f"{out / 'front_*.png'}, {out / 'reliability.png'}, {out / 'entropy.png'}, {out / 'predictions.pt'}")
+          f"{out / 'front_*.png'}, {out / 'reliability.png'}, {out / 'entropy.png'}, {out / 'predictions.pt'}; "
+          f"each seed in {out / 'units'} (a rerun of this command reuses them)")
     return 0
