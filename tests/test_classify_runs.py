@@ -73,6 +73,8 @@ def test_an_interrupted_run_keeps_its_finished_seeds_and_a_rerun_reuses_them(tmp
 
 
 def test_a_folder_holding_another_runs_results_is_refused(tmp_path, monkeypatch):
+    """--merge A B --output-dir A, or a run of other methods or fewer seeds into A, would replace A's results: refused,
+    A untouched. The same merge again, or the same run over more seeds, goes on."""
     monkeypatch.setattr(classify, "run_methods", FakeMethods())
     a, b = tmp_path / "a", tmp_path / "b"
     assert cli.main(ARGS + ["--output-dir", str(a)]) == 0
@@ -83,6 +85,8 @@ def test_a_folder_holding_another_runs_results_is_refused(tmp_path, monkeypatch)
         cli.main(["classify", "--merge", str(a), str(b), "--output-dir", str(a)])
     with pytest.raises(SystemExit, match="already holds the results of another run"):
         cli.main(ARGS + ["--seeds", "2", "--output-dir", str(a)])  # other seeds: refused too
+    with pytest.raises(SystemExit, match="already holds the results of another run"):
+        cli.main(ARGS + ["--methods", "map", "--output-dir", str(a)])  # other methods
     assert {p.name: p.read_bytes() for p in a.iterdir() if p.is_file()} == before
     # a merge goes into a folder of its own, and the same merge again may rewrite it
     assert cli.main(["classify", "--merge", str(a), str(b), "--output-dir", str(tmp_path / "m")]) == 0
@@ -91,6 +95,14 @@ def test_a_folder_holding_another_runs_results_is_refused(tmp_path, monkeypatch)
         cli.main(["classify", "--merge", str(a), "--output-dir", str(tmp_path / "m")])
     merged = json.loads((tmp_path / "m" / "results.json").read_text())
     assert merged["seeds_per_combo"] == {"digits-mlp": [0, 1, 2, 3, 4, 5]}
+    # more seeds of the same run go on from its units, and its report holds them all
+    more = FakeMethods()
+    monkeypatch.setattr(classify, "run_methods", more)
+    assert cli.main(ARGS + ["--seeds", "4", "--output-dir", str(a)]) == 0
+    assert more.calls == [3]
+    assert json.loads((a / "results.json").read_text())["seeds"] == [0, 1, 2, 3]
+    with pytest.raises(SystemExit, match=r"--merge got seed\(s\) \[3\] of digits-mlp twice"):  # b's seed 3 too
+        cli.main(["classify", "--merge", str(a), str(b), "--output-dir", str(tmp_path / "m2")])
 
 
 def test_a_quick_run_prints_every_way_to_a_posterior_on_one_screen(tmp_path, monkeypatch, capsys):

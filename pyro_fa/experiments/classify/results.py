@@ -10,8 +10,9 @@ precision). A run that finds the file of a unit it needs, with its key, reuses i
 a crash) loses only the seed in progress. The first seed's predictive probabilities (for the figures and
 ``predictions.pt``) go beside its unit, in ``<unit>.pt``.
 
-A run refuses a folder whose ``results.json`` another run wrote (another budget, methods, seeds, or merged
-folders): its files would be replaced. ``results.json`` records what made it (``run``).
+A run refuses a folder whose ``results.json`` another run wrote (another budget or methods, fewer seeds, or
+merged folders): its files would be replaced. The same run again, or one over more seeds or datasets, goes on
+(reusing the units). ``results.json`` records what made it (``run``).
 """
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ def unit_key(run: dict, dataset: str, network: str, seed: int) -> dict:
 
 
 def run_key(budget: dict, combos, methods, seeds, subset, device, prior_precisions) -> dict:
-    """What a training run is (JSON-normalised): recorded in its ``results.json`` as ``run``."""
-    return json.loads(json.dumps({"budget": budget, "combos": [list(c) for c in combos], "methods": list(methods),
+    """What a training run is (JSON-normalised; its methods in any order run alike): recorded in its
+    ``results.json`` as ``run``."""
+    return json.loads(json.dumps({"budget": budget, "combos": [list(c) for c in combos], "methods": sorted(methods),
                                   "seeds": list(seeds), "subset": subset, "device": str(device),
                                   "prior_precisions": prior_precisions}))
 
@@ -81,6 +83,25 @@ def write_unit(out_dir, key: dict, record: dict, rows: dict, probs=None) -> Path
     return path
 
 
+def _extends(old, new) -> bool:
+    """Whether the run ``new`` reports everything ``old`` did: the same run, or a training run of the same
+    budget, methods, subset and device over more seeds or datasets (whose units it reuses)."""
+    if old == new:
+        return True
+    if not (isinstance(old, dict) and isinstance(new, dict) and "budget" in old and "budget" in new):
+        return False
+    same = ("budget", "methods", "subset", "device")
+    if any(old.get(k) != new.get(k) for k in same) or not set(old["seeds"]) <= set(new["seeds"]):
+        return False
+    if not all(c in new["combos"] for c in old["combos"]):
+        return False
+    old_prior, new_prior = old.get("prior_precisions"), new.get("prior_precisions")
+    if (old_prior is None) != (new_prior is None):
+        return False
+    return old_prior is None or all(new_prior.get(k, {}).get(s) == v for k, by_seed in old_prior.items()
+                                    for s, v in by_seed.items())
+
+
 def refuse_to_replace(out_dir, run: dict, flag: str = "--output-dir") -> None:
     """Refuse ``out_dir`` when it holds the ``results.json`` of another run than ``run`` (which would replace it).
 
@@ -96,8 +117,8 @@ def refuse_to_replace(out_dir, run: dict, flag: str = "--output-dir") -> None:
         held = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         held = None
-    if isinstance(held, dict) and held.get("run") == json.loads(json.dumps(run)):
-        return  # the same run again: its files are written again, alike
+    if isinstance(held, dict) and _extends(held.get("run"), json.loads(json.dumps(run))):
+        return  # the same run again, or with more seeds or datasets: its results are kept in the new ones
     raise SystemExit(f"pyro-fa classify: {flag} {str(out_dir)!r} already holds the results of another run ({path}), "
                      "which this run would replace; choose another --output-dir, or remove its results.json to "
                      "replace them.")
