@@ -265,19 +265,15 @@ def test_laplace_torch_names_that_mean_the_same_are_accepted():
     torch.testing.assert_close(la2.cov_factor, ref.cov_factor)
     la3 = FactorLaplace(net, "classification", subset_of_weights="all", rank=3, prior_structure="layerwise")
     assert la3.prior_precision.shape == (4,)
-    # the whole network with "all", laplace-torch's value
-    assert FactorLaplace(net, "classification", "all").dim == 33
+    # the whole network with "all", laplace-torch's value; our default stays every weight (laplace-torch's is the
+    # last layer)
+    assert FactorLaplace(net, "classification", "all").dim == FactorLaplace(net, "classification").dim == 33
     # grid_size for gridsearch: laplace-torch's log-spaced grid of 1e-4 ... 1e4
     ref.optimize_prior_precision("gridsearch", val_loader=[(X, y)], grid_size=5)
     assert ref.grid_scores_[0] == pytest.approx([1e-4, 1e-2, 1.0, 1e2, 1e4])
     # link_approx="bridge" is laplace-torch's too, but not ours
     with pytest.raises(ValueError, match=r"FactorLaplace: link_approx must be one of \('mc', 'probit'\), got 'bridge'"):
         ref.predict_proba(X[:3], link_approx="bridge")
-
-
-def test_laplace_torch_default_subset_is_the_last_layer_when_named_as_laplace_torch():
-    net = _net()
-    assert FactorLaplace(net, "classification").dim == 33  # ours: every weight
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -312,3 +308,72 @@ def test_posterior_precision_refuses_a_large_d():
         with pytest.raises(ValueError, match=rf"FactorLaplace: {what} is a dense \(D, D\) matrix, here "
                                              r"D=20301 > 20000; use get_posterior\(\)"):
             getattr(la, what)
+
+
+# --------------------------------------------------------------------------- the refusals of the above, one by one
+def test_malformed_or_foreign_parameter_layouts_are_refused():
+    _, la = _fitted()
+    state = la.state_dict()
+    fresh = FactorLaplace(_net(), "classification", rank=3)
+    with pytest.raises(ValueError, match=r"state_dict\['parameter_layout'\] must be an int64 Tensor of shape"):
+        fresh.load_state_dict({**state, "parameter_layout": state["parameter_layout"].double()})
+    bad = state["parameter_layout"].clone()
+    bad[0, 1] = 9
+    with pytest.raises(ValueError, match=r"state_dict\['parameter_layout'\] holds a row .* ndim out of range"):
+        fresh.load_state_dict({**state, "parameter_layout": bad})
+    renamed = state["parameter_layout"].clone()
+    renamed[2, 0] += 1
+    with pytest.raises(ValueError, match=r"at position 2: '2.weight' of shape \(3, 5\)\), got shape \(3, 5\) and "
+                                         r"another name"):
+        fresh.load_state_dict({**state, "parameter_layout": renamed})
+    assert int(fresh.n_data) == 0
+    # a state saved before the layout was kept still loads
+    old = {k: v for k, v in state.items() if k != "parameter_layout"}
+    fresh.load_state_dict(old)
+    torch.testing.assert_close(fresh.cov_factor, la.cov_factor)
+
+
+def test_laplace_torch_argument_clashes_and_unknown_keywords_are_refused():
+    net = _net()
+    with pytest.raises(ValueError, match=r"subset and subset_of_weights \(laplace-torch's name\) must agree"):
+        FactorLaplace(net, "classification", subset="last_layer", subset_of_weights="all")
+    with pytest.raises(ValueError, match=r"hessian_structure='full' keeps the curvature exactly \(rank=D\); pass it "
+                                         r"or rank, got rank=3 too"):
+        FactorLaplace(net, "classification", rank=3, hessian_structure="full")
+    assert FactorLaplace(net, "classification", hessian_structure="full").rank == 33
+    with pytest.raises(ValueError, match=r"prior_precision must have shape \(1,\) for prior_structure='scalar', got "
+                                         r"shape \(4,\)"):
+        FactorLaplace(net, "classification", prior_precision=torch.ones(4), prior_structure="scalar")
+    with pytest.raises(TypeError, match=r"FactorLaplace: __init__\(\) got an unexpected keyword argument 'ranks'"):
+        FactorLaplace(net, "classification", ranks=3)
+    with pytest.raises(TypeError):  # laplace-torch's fourth positional (hessian_structure) is keyword-only here
+        FactorLaplace(net, "classification", "all", "kron")
+
+
+def test_optimize_prior_precision_refuses_laplace_torch_only_arguments():
+    _, la = _fitted()
+    X, y = _data(1)
+    with pytest.raises(ValueError, match=r"FactorLaplace: init_prior_prec is laplace-torch's argument of "
+                                         r"optimize_prior_precision, not available here: the search starts from"):
+        la.optimize_prior_precision("marglik", init_prior_prec=1.0)
+    with pytest.raises(ValueError, match=r"method must be one of \('marglik', 'gridsearch'\), got 'glm' "
+                                         r"\(laplace-torch's first argument is pred_type"):
+        la.optimize_prior_precision("glm")
+    with pytest.raises(ValueError, match=r"grid and grid_size are two ways of giving the grid; pass one, got both"):
+        la.optimize_prior_precision("gridsearch", val_loader=[(X, y)], grid=[1.0], grid_size=3)
+    with pytest.raises(ValueError, match=r"log_prior_prec_min must be <= log_prior_prec_max, both finite, got 2 and 1"):
+        la.optimize_prior_precision("gridsearch", val_loader=[(X, y)], grid_size=3, log_prior_prec_min=2,
+                                    log_prior_prec_max=1)
+
+
+def test_malformed_inputs_and_loaders_are_refused():
+    net, la = _fitted()
+    X, y = _data()
+    with pytest.raises(ValueError, match=r"the inputs of a tuple must share their first \(batch\) dimension, got "
+                                         r"shapes \[\(40, 2\), \(39, 1\)\]"):
+        la.predict_proba((X, X[1:, :1]))
+    with pytest.raises(TypeError, match=r"FactorLaplace: train_loader must be an iterable of batches \(a list or a "
+                                        r"DataLoader\), got int"):
+        FactorLaplace(net, "classification", rank=3).fit(3)
+    with pytest.raises(TypeError, match=r"FactorLaplace: val_loader must be an iterable of batches"):
+        la.optimize_prior_precision("gridsearch", val_loader=3)
