@@ -246,8 +246,9 @@ class PriorPrecisionSelection:
         Parameters
         ----------
         method : {"marglik", "gridsearch"}, default "marglik"
-            ``"marglik"``: BFGS on :math:`u = \log\delta` maximising :meth:`log_marginal_likelihood` (its
-            ``mode``) from the stored :math:`\delta`, until the gradient in :math:`u` is zero to
+            ``"marglik"``: MacKay's fixed point then BFGS on :math:`u = \log\delta` maximising
+            :meth:`log_marginal_likelihood` (its ``mode``), from the stored :math:`\delta` or, where the evidence
+            is higher there, the common value :math:`10^{-8}, 10^{-7}, \dots, 10^{8}` of most evidence, until the gradient in :math:`u` is zero to
             :math:`\sqrt{\epsilon}\,(1 + D_l/2)` per group of :math:`D_l` weights (each of the gradient's two terms
             is at most :math:`D_l/2`), with a ``ConvergenceWarning`` naming the gradient where it stops short
             (:func:`ascend_log_evidence`); from :math:`\delta = 10^{\pm 12}` it reaches the optimum in about 20
@@ -288,11 +289,19 @@ class PriorPrecisionSelection:
         Raises
         ------
         ValueError
-            An unknown ``method``; bad ``n_steps``, ``lr``, ``grid`` or a missing ``val_loader``; a non-finite
-            prior precision, log marginal likelihood or gradient during ``"marglik"``, or a non-finite
-            validation NLL in ``"gridsearch"``; ``temperature`` not a bool, or True with ``"marglik"`` or a
+            An unknown ``method``; bad ``n_steps``, ``lr``, ``grid`` (``grid_size``) or a missing or empty
+            ``val_loader``; a log marginal likelihood or gradient that is not finite where ``"marglik"`` starts
+            (trial points where it is not finite are stepped back from), or a non-finite validation NLL in
+            ``"gridsearch"``; laplace-torch's arguments with no counterpart here (``init_prior_prec``, ``loss``,
+            ...); ``temperature`` not a bool, or True with ``"marglik"`` or a
             regression; an unknown ``mode``, or ``"linearized"`` with ``"gridsearch"``. Nothing is stored
             then: :attr:`prior_precision` and :attr:`temperature` stay as they were.
+
+        Warns
+        -----
+        ConvergenceWarning
+            ``"marglik"`` stopped (``n_steps``, or no step raised the evidence) with its gradient in
+            :math:`\log\delta` above the tolerance: the message names the gradient and its ratio to it.
 
         Examples
         --------
