@@ -263,7 +263,7 @@ def test_batch_errors():
     fa = BatchFactorAnalysis(3, 1)
     with pytest.raises(RuntimeError, match="no data seen yet"):
         fa.fit()
-    for call in (fa.distribution, lambda: fa.latent_posterior(torch.zeros(3))):
+    for call in (fa.get_posterior, lambda: fa.latent_posterior(torch.zeros(3))):
         with pytest.raises(RuntimeError, match="BatchFactorAnalysis: not fitted yet"):
             call()
 
