@@ -264,8 +264,9 @@ def _fit_exact(passes, dim, rank, *, method, num_passes, tol, max_iter, seed, dt
     :math:`G = U\Lambda U^\top` (one ``eigh``), :math:`E = U_W\Lambda_W^{1/2}` for the :math:`W = \min(D, 3K)`
     largest eigenvalues and the exact :math:`\mathrm{diag}(G)`: the input ``"randomized"`` builds from its
     range finder, here without the range's error. Batch FA from two starts (``"randomized"``'s and
-    ``"scatter"``'s), the one of larger likelihood kept (``n_iter`` counts both). With a ``process_group`` the :math:`D\times D` sums are
-    all-reduced (as ``"scatter"``) and every rank fits the same whole factor, returning its rows.
+    ``"scatter"``'s), the one of larger likelihood kept (``n_iter`` counts both). With a ``process_group`` the
+    :math:`D\times D` sums are all-reduced (as ``"scatter"``) and every rank fits the same whole factor,
+    returning its rows.
     """
     check_dense_dim(owner, "fit(curvature_fit='exact')", dim, torch.float64,
                     "Use curvature_fit='randomized' (O(DK) memory).")
