@@ -90,7 +90,7 @@ def test_exact_fit_is_the_batch_fa_of_the_dense_ggn_top_3k_eigenpairs():
     torch.testing.assert_close(_cov(la).diagonal(), s, rtol=1e-9, atol=1e-12)
 
 
-def test_auto_picks_the_exact_fit_for_small_networks_and_randomized_above_2048():
+def test_auto_picks_the_exact_fit_for_small_networks_and_randomized_above_1024():
     X, y, net = _mlp_data()
     la = FactorLaplace(net, "classification", rank=3).fit([(X, y)])
     assert la.fit_info["method"] == "exact" and la.curvature_fit == "auto"
@@ -100,8 +100,8 @@ def test_auto_picks_the_exact_fit_for_small_networks_and_randomized_above_2048()
     def passes(D):
         return lambda: iter([torch.randn(5, D, dtype=torch.float64)])
 
-    assert fit_second_moment(passes(2048), 2048, 2, dtype=torch.float64)[2]["method"] == "exact"
-    assert fit_second_moment(passes(2049), 2049, 2, dtype=torch.float64)[2]["method"] == "randomized"
+    assert fit_second_moment(passes(1024), 1024, 2, dtype=torch.float64)[2]["method"] == "exact"
+    assert fit_second_moment(passes(1025), 1025, 2, dtype=torch.float64)[2]["method"] == "randomized"
 
 
 def test_exact_fit_is_the_limit_of_the_randomized_fit():

@@ -67,7 +67,7 @@ from pyro_fa.laplace.moment import DENSE_FITS, fit_second_moment, resolve_fit
 __all__ = ["BlockRanks", "block_ranks", "check_layout", "module_blocks", "fit_blocks", "allocate", "assemble"]
 
 #: ``fit_second_moment``'s ``dense_max_dim``: ``"auto"`` fits a block of at most this many weights by ``"exact"``
-_DENSE_MAX_DIM = 2048
+_DENSE_MAX_DIM = 1024
 
 
 def module_blocks(named) -> Tuple[List[str], List[Tuple[int, int]]]:

@@ -95,7 +95,7 @@ class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
         online EM (``num_passes``, shardable), the core's scatter sketch refitted by batch FA (one pass), or
         a randomized range finder and Nyström approximation of the uncentred moment refitted by batch FA
         (``"randomized"``, ``num_passes`` passes, shardable; see :mod:`pyro_fa.laplace.moment`).
-        ``"auto"``: ``"exact"`` for D <= 2048, else ``"randomized"``.
+        ``"auto"``: ``"exact"`` for D <= 1024, else ``"randomized"``.
     rank_budget, rank_max : int, optional
         Only with ``rank="auto"``: the total rank, and the rank each block is fitted at before the allocation
         (default ``rank_budget``: any block may take it all; smaller costs less, warned where it binds).

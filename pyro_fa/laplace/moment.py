@@ -9,7 +9,7 @@ around a mean; two routes give it the uncentred moment:
   run to convergence: the fit of the curvature converges, not one pass of it). With ``rank >= D`` the
   curvature is kept exactly, :math:`F = U\Lambda^{1/2}` from the eigendecomposition of :math:`S` and
   :math:`\psi = 0`.
-* ``"exact"`` (the default up to :math:`D = 2048`): the same :math:`D\times D` :math:`G` in one pass, then
+* ``"exact"`` (the default up to :math:`D = 1024`): the same :math:`D\times D` :math:`G` in one pass, then
   its exact top :math:`3K` eigenpairs and exact diagonal refitted by the batch FA of ``"randomized"``: the
   estimand of ``"randomized"`` without its range finder's error (its limit as the power iteration
   converges), at one pass of the data, one symmetric eigendecomposition (:math:`O(D^3)`) and
@@ -156,7 +156,7 @@ def _exchanged_blocks(passes: Callable[[], Iterator[Tensor]], D: int, owner: str
 
 
 def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: int, *,
-                      method: str = "auto", num_passes: Optional[int] = None, dense_max_dim: int = 2048,
+                      method: str = "auto", num_passes: Optional[int] = None, dense_max_dim: int = 1024,
                       tol: float = 1e-3, max_iter: int = 2000, seed: int = 0, dtype=None, device=None,
                       owner: str = "fit_second_moment", process_group=None) -> Tuple[Tensor, Tensor, dict]:
     r"""Fit :math:`FF^\top + \Psi \approx \frac1V\sum_v vv^\top` to the :math:`V` curvature vectors.
@@ -177,7 +177,9 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
     num_passes : int, optional
         Passes over the data for ``"online"`` (default 4), ``"sketch"`` (default 1) and ``"randomized"``
         (default 2: the range, then the projection).
-    dense_max_dim : int, default 2048
+    dense_max_dim : int, default 1024
+        Above it the eigendecomposition (:math:`O(D^3)`) of ``"exact"`` costs more than ``"randomized"``'s
+        passes several times over (``benchmarks/bench_laplace_cost.py``: at D = 2015, 6.8 s against 0.27 s).
     tol, max_iter : float, int
         Convergence of the batch fit (on the total log-likelihood of the FA model).
     seed : int, default 0
@@ -223,7 +225,7 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
                dtype=dtype, device=device, owner=owner, process_group=process_group)
 
 
-def resolve_fit(method: str, dim: int, dense_max_dim: int = 2048) -> str:
+def resolve_fit(method: str, dim: int, dense_max_dim: int = 1024) -> str:
     """The fit ``"auto"`` stands for at ``dim`` weights (``"exact"`` up to ``dense_max_dim``, else
     ``"randomized"``); any other name as it is."""
     if method == "auto":
