@@ -9,6 +9,22 @@ with the default ``curvature_fit="auto"`` (``"exact"`` up to D = 1024, ``"random
 are both times and their ratio, measured in the same run. ``--fits`` adds other curvature fits for comparison
 (``scatter`` is skipped above D = 2048, where it would form a D x D matrix).
 
+Measured 2026-11-28 (a loaded, shared 2-core machine; ``--fits auto scatter``, all six widths, about 7 minutes)::
+
+           D        fit     method    MAP s    fit s fit / MAP
+         101       auto      exact     1.02     0.21      0.21
+         101    scatter    scatter     1.02     1.55      1.52
+         992       auto      exact     0.93     1.00      1.08
+         992    scatter    scatter     0.93    20.21     21.76
+        2015       auto randomized     0.89     0.33      0.37
+        2015    scatter    scatter     0.89    50.58     57.08
+       10001       auto randomized     1.23     1.11      0.90
+       99992       auto randomized     4.32    11.02      2.55
+      999902       auto randomized    32.29   239.80      7.43
+
+At D = 10^5 about half of the fit is the batch FA's iterations (33 of them, O(DK^2) each at 3K columns), the
+rest the two passes. ``--widths 3 30 61 303`` (D up to 10^4) takes about a minute.
+
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_laplace_cost.py
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_laplace_cost.py --widths 3 30 61 --fits auto scatter
 """

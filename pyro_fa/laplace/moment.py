@@ -14,11 +14,12 @@ around a mean; two routes give it the uncentred moment:
   estimand of ``"randomized"`` without its range finder's error (its limit as the power iteration
   converges), at one pass of the data, one symmetric eigendecomposition (:math:`O(D^3)`) and
   :math:`O(DK^2)` per FA iteration, instead of ``"scatter"``'s :math:`O(D^2K)` per iteration, which needs
-  hundreds of them (a 530-weight MLP of the breast-cancer data, one thread, rank 20: ``"exact"`` 0.19 s in
-  45 iterations, ``"scatter"`` 10.7 s in 803; rank 50: 0.40 s against 7.7 s; their relative errors
-  against the exact GGN 0.046 and 0.048 at rank 20: ``benchmarks/bench_laplace_cost.py``). Where the
+  hundreds of them (a 530-weight MLP of the breast-cancer data, one thread, float64, rank 20: ``"exact"``
+  0.23 s in 77 iterations over its two starts, ``"scatter"`` 7.3 s in 803; rank 50: 1.2 s against 5.8 s;
+  relative errors against the exact GGN 0.046 and 0.048 at rank 20, 0.0053 and 0.0055 at rank 50). Where the
   curvature beyond its top :math:`3K` eigenvalues is small next to the :math:`K`-th, it agrees with
-  ``"scatter"`` (1.9e-2 at rank 20, 2.3e-3 at rank 50 there).
+  ``"scatter"`` (1.9e-2 at rank 20, 9.0e-4 at rank 50 there). Its :math:`O(D^3)` eigendecomposition makes it
+  the default only up to :math:`D = 1024` (``benchmarks/bench_laplace_cost.py``).
 * ``"online"`` / ``"sketch"`` (:math:`O(DK)` memory, any :math:`D`): the stream :math:`\pm v` (each vector
   and its negative, so the mean is exactly zero and the centred covariance *is* the uncentred moment) is
   fed to :class:`pyro_fa.fa.online.OnlineFactorAnalysis`, by online EM (``"online"``, ``num_passes``
