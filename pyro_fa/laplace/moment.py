@@ -276,19 +276,20 @@ def _fit_exact(passes, dim, rank, *, method, num_passes, tol, max_iter, seed, dt
     G, n_vec = _scatter(passes, dim, dtype, device, owner, process_group)
     _check_count(n_vec, owner)
     lo, hi = _rows(dim, process_group)
+    diag = G.diagonal().clone()
     lam, U = torch.linalg.eigh(G)  # ascending
+    del G  # at most two D x D matrices at a time: G and U, then U, then M below
     lam = lam.clamp_min(0)
     if rank >= dim:  # the curvature itself: F F^T = G / V, psi = 0
         F = U * (lam / n_vec).sqrt()
         return F[lo:hi].to(dtype), torch.zeros(hi - lo, dtype=dtype, device=device), {
-            "method": "exact", "n_vectors": n_vec, "n_iter": 0, "converged": True, "rows": (lo, hi)}
+            "method": "exact", "n_vectors": n_vec, "passes": 1, "n_iter": 0, "converged": True, "rows": (lo, hi)}
     width = min(dim, _WIDTH_PER_RANK * rank)
     E = U[:, -width:] * lam[-width:].sqrt()
     del U
     # the floor of psi as "scatter"'s (sqrt(eps) of the largest second moment), not the sketches' relative one:
     # a curvature of rank <= K is then kept (psi ~ 0 off its range) as "scatter" and "exact" at rank >= D keep it
-    diag = G.diagonal().clone()
-    floor = float(diag.max()) / n_vec * torch.finfo(G.dtype).eps ** 0.5
+    floor = float(diag.max()) / n_vec * torch.finfo(diag.dtype).eps ** 0.5
     # the likelihood has local optima: started from psi = diag (as "randomized") and from probabilistic PCA's
     # isotropic noise (the tail's mean eigenvalue, Tipping & Bishop 1999, as "scatter" starts), the fit of the
     # larger likelihood of M = E E^T + diag(G - E E^T) kept (at a rank near D the first stops far from the optimum)
