@@ -149,3 +149,6 @@ def test_exact_fit_refuses_what_it_cannot_hold():
         fit_second_moment(passes, 5, 2, method="exact", dtype=torch.float64)
     with pytest.raises(ValueError, match="train_loader must yield at least one example, got none"):
         fit_second_moment(lambda: iter([]), 5, 2, method="exact", dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"fit\(curvature_fit='exact'\) forms a dense D x D matrix .* needs D <= "
+                       r"20000, got 30000\. Use curvature_fit='randomized'"):
+        fit_second_moment(lambda: iter([]), 30000, 2, method="exact", dtype=torch.float64)
