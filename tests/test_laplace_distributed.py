@@ -74,7 +74,7 @@ def _entry(rank, world_size, init_file, out_dir):
         X, y = _data()
         mine = _batches(X[rank * 40:(rank + 1) * 40], y[rank * 40:(rank + 1) * 40])
         out = {}
-        for fit in ("scatter", "online"):
+        for fit in ("scatter", "online", "exact"):
             la = FactorLaplace(_net(), "classification", rank=3, curvature_fit=fit, chunk_size=1000,
                                process_group=dist.group.WORLD).fit(mine)
             lo, hi = la._rows
@@ -181,7 +181,7 @@ def _single(fit):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fit", ["scatter", "online"])
+@pytest.mark.parametrize("fit", ["scatter", "online", "exact"])
 def test_two_ranks_equal_one_process_on_all_the_data(results, fit):
     single = _single(fit)
     D, K = single.dim, single.cov_factor.shape[1]
@@ -207,7 +207,7 @@ def test_two_ranks_equal_one_process_on_all_the_data(results, fit):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fit", ["scatter", "online"])
+@pytest.mark.parametrize("fit", ["scatter", "online", "exact"])
 def test_sharded_posterior_equals_one_process(results, fit):
     single = _single(fit)
     D = single.dim

@@ -166,9 +166,9 @@ def test_an_unknown_curvature_fit_names_the_valid_ones():
         yield torch.randn(4, 3, dtype=torch.float64)
 
     with pytest.raises(ValueError, match=r"curvature_fit must be one of \('auto', 'scatter', 'online', 'sketch', "
-                       r"'randomized'\), got 'svd'"):
+                       r"'randomized', 'exact'\), got 'svd'"):
         fit_second_moment(passes, 3, 1, method="svd", dtype=torch.float64, device="cpu")
     for method in MOMENT_FITS:  # every name listed is served
         F, psi, info = fit_second_moment(passes, 3, 1, method=method, dtype=torch.float64, device="cpu")
         assert F.shape == (3, 1) and psi.shape == (3,) and info["n_vectors"] == 4
-        assert info["method"] == ("scatter" if method == "auto" else method)
+        assert info["method"] == ("exact" if method == "auto" else method)

@@ -105,16 +105,21 @@ def flat_network(model: nn.Module, named: Sequence[Tuple[str, Tensor]]) -> Calla
         ``model(*x)``); the outputs as the model returns them.
         It reads the model's other parameters and buffers at call time (by ``torch.func.functional_call``).
     """
-    names = [n for n, _ in named]
-    shapes = [p.shape for _, p in named]
-    sizes = [s.numel() for s in shapes]
+    return _FlatNetwork(model, [n for n, _ in named], [p.shape for _, p in named])
 
-    def f(theta: Tensor, x: Tensor) -> Tensor:
-        pieces = torch.split(theta, sizes)
-        return functional_call(model, {n: t.view(s) for n, t, s in zip(names, pieces, shapes)},
+
+class _FlatNetwork:
+    """What :func:`flat_network` returns: a module-level callable (not a closure), so that what holds it pickles
+    (``pickle``, ``torch.save``) with the model, and a deep copy calls the copied model."""
+
+    def __init__(self, model: nn.Module, names: List[str], shapes: List[torch.Size]):
+        self.model, self.names, self.shapes = model, names, shapes
+        self.sizes = [s.numel() for s in shapes]
+
+    def __call__(self, theta: Tensor, x: Tensor) -> Tensor:
+        pieces = torch.split(theta, self.sizes)
+        return functional_call(self.model, {n: t.view(s) for n, t, s in zip(self.names, pieces, self.shapes)},
                                x if isinstance(x, tuple) else (x,))
-
-    return f
 
 
 def _one(xi):

@@ -94,13 +94,17 @@ class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
         :math:`\sigma` of the Gaussian likelihood; must be 1 for classification.
     curvature : {"ggn", "mc"}, default "ggn"
         Exact GGN factors (C vectors per example) or the Monte Carlo Fisher (``mc_samples`` per example).
-    curvature_fit : {"auto", "scatter", "online", "sketch", "randomized"}, default "auto"
+    curvature_fit : {"auto", "exact", "scatter", "online", "sketch", "randomized"}, default "auto"
         How the factor-analysis core fits the curvature (:func:`~pyro_fa.laplace.moment.fit_second_moment`):
-        the exact scatter and batch FA to convergence (:math:`O(D^2)` memory), or in :math:`O(DK)` memory
+        ``"exact"``, the exact :math:`D\times D` curvature in one pass, then batch FA of its exact top
+        :math:`3K` eigenpairs and diagonal (``"randomized"``'s estimand without its sketching error;
+        :math:`O(D^2)` memory, one :math:`O(D^3)` eigendecomposition, :math:`O(DK^2)` per FA iteration), the
+        exact scatter and batch FA of all of it to convergence (``"scatter"``, :math:`O(D^2K)` per
+        iteration, tens of times slower), or in :math:`O(DK)` memory
         online EM (``num_passes``, shardable), the core's scatter sketch refitted by batch FA (one pass), or
         a randomized range finder and Nyström approximation of the uncentred moment refitted by batch FA
         (``"randomized"``, ``num_passes`` passes, shardable; see :mod:`pyro_fa.laplace.moment`).
-        ``"auto"``: ``"scatter"`` for D <= 2048, else ``"randomized"``. ``"sketch"`` is not shardable (refused
+        ``"auto"``: ``"exact"`` for D <= 1024, else ``"randomized"``. ``"sketch"`` is not shardable (refused
         with a ``process_group``).
     rank_budget, rank_max : int, optional
         Only with ``rank="auto"``: the total rank, and the rank each block is fitted at before the allocation
@@ -167,7 +171,8 @@ class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
     Notes
     -----
     :meth:`fit` costs :math:`C` reverse-mode products per example (``"ggn"``) or ``mc_samples`` gradients
-    (``"mc"``), then :math:`O(D^2)` memory and :math:`O(D^2K)` per batch-FA iteration (``"scatter"``) or
+    (``"mc"``), then :math:`O(D^2)` memory, :math:`O(D^3)` once and :math:`O(DK^2)` per batch-FA iteration
+    (``"exact"``; :math:`O(D^2K)` for ``"scatter"``) or
     :math:`O(DK)` memory and :math:`O(DK)` per vector (``"online"``). The posterior costs :math:`O(DK^2)`.
 
     References
