@@ -98,7 +98,7 @@ def worker(layout: str, args) -> dict:
     out["lml"] = float(la.log_marginal_likelihood())
     out["prior_precision"] = chosen.tolist()
     out["probs"] = probs.reshape(-1).tolist()
-    out["posterior"] = type(la.posterior).__name__
+    out["posterior"] = type(la.get_posterior()).__name__
     return out
 
 

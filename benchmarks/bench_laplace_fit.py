@@ -84,7 +84,7 @@ def worker(method: str, n: int, rank: int) -> dict:
     t = time.perf_counter()
     la.fit(loader)
     if method.startswith("factor"):
-        la.posterior.variance  # the posterior is usable: the capacitance and the variances are formed
+        la.get_posterior().variance  # the posterior is usable: the capacitance and the variances are formed
         split = {"curvature_s": spent[0]}
     elif method == "kron-ll":
         la.posterior_precision

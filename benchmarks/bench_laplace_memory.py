@@ -103,7 +103,7 @@ def worker(method: str, dim: int, rank: int, n: int) -> dict:
     t = time.perf_counter()
     la.fit(batches if method.startswith("factor") else loader)
     if method.startswith("factor"):
-        la.posterior.variance  # the posterior is usable: the capacitance and the variances are formed
+        la.get_posterior().variance  # the posterior is usable: the capacitance and the variances are formed
     else:
         {"diag": lambda: la.posterior_variance, "kron": lambda: la.posterior_precision,
          "full": lambda: la.posterior_covariance}[method]()

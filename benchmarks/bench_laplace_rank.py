@@ -61,7 +61,7 @@ def main() -> None:
     for K in (1, 2, 5, 10, 20, 40, D - 1):
         t = time.perf_counter()
         la = FactorLaplace(net, "classification", rank=K, prior_precision=delta, chunk_size=600).fit([(X, y)])
-        cov = la.posterior.covariance_matrix
+        cov = la.get_posterior().covariance_matrix
         report(f"FactorLaplace K={K}", cov, time.perf_counter() - t)
     from laplace import Laplace
 

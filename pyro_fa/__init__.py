@@ -2,6 +2,7 @@
 
 q(theta) = N(c, F F^T + Psi), got two ways on one core:
 
+* :mod:`pyro_fa.distributions` — the one family of posteriors over the flattened weights (torch only);
 * :mod:`pyro_fa.fa` — the core: the FA model's linear algebra, online (EM, SGA) and batch fitting;
 * :mod:`pyro_fa.infer` — variational inference in Pyro SVI: :class:`AutoLowRankFactorGuide`,
   :class:`FactorELBO` (:class:`JitFactorELBO` compiled), :class:`GaussianPrior`, :class:`LaplacePrior`
@@ -10,7 +11,7 @@ q(theta) = N(c, F F^T + Psi), got two ways on one core:
 * adapters: :mod:`pyro_fa.nn` (Bayesian torch networks), :mod:`pyro_fa.sklearn` (estimators);
 * :mod:`pyro_fa.metrics`, :mod:`pyro_fa.datasets`; the ``pyro-fa`` command (:mod:`pyro_fa.experiments`).
 """
-from pyro_fa import datasets, fa, infer, metrics, swag
+from pyro_fa import datasets, distributions, fa, infer, metrics, swag
 from pyro_fa.fa import BatchFactorAnalysis, OnlineFactorAnalysis
 from pyro_fa.infer import AutoLowRankFactorGuide, FactorELBO, FactorisedPrior, GaussianPrior, LaplacePrior
 from pyro_fa.infer import JitFactorELBO
@@ -19,6 +20,7 @@ from pyro_fa.swag import MultiSWAG, SWAG
 __version__ = "0.1.0"
 
 __all__ = [
+    "distributions",
     "fa",
     "infer",
     "swag",

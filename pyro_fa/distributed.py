@@ -13,7 +13,7 @@ Three patterns, one process per device (launched by ``torchrun`` or
   concatenated vector to rounding. Memory per rank: :math:`O(DK/W)`.
 * **DDP.** ``SWAG(ddp_model, rank=K)`` detects ``DistributedDataParallel`` (and uses its
   process group): the weights are replicated, so each rank collects only its rows of
-  :math:`\theta`, once per step; :meth:`SWAG.sample_parameters`, :meth:`SWAG.predict`
+  :math:`\theta`, once per step; :meth:`SWAG.sample`, :meth:`SWAG.predict`
   and :meth:`SWAG.sampled_weights` assemble whole sampled vectors by an all-gather and
   agree on every rank.
 * **Data-parallel SVI.** :class:`AllReduceOptim` wraps a ``pyro.optim`` optimizer (as

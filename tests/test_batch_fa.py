@@ -187,7 +187,7 @@ def test_batch_fit_reset_by_new_data_and_refuse_nan():
 def test_batch_distribution_and_latents():
     x, _, _ = fa_data(n=500)
     fa = BatchFactorAnalysis(12, 3).fit(x)
-    d = fa.distribution()
+    d = fa.get_posterior()
     assert isinstance(d, torch.distributions.LowRankMultivariateNormal)
     torch.testing.assert_close(fa.log_prob(x).sum(), fa.loglike[-1])
     assert fa.sample(4).shape == (4, 12)

@@ -65,7 +65,7 @@ def test_swag_moved_to_cuda_predicts_the_same_with_a_cpu_generator():
         torch.testing.assert_close(gpu_p.cpu(), cpu_p, rtol=1e-4, atol=1e-5)
     # a generator on the model's device is taken as well
     g = torch.Generator(device="cuda").manual_seed(1)
-    assert gpu.sample_parameters(3, generator=g).is_cuda
+    assert gpu.sample(3, generator=g).is_cuda
 
 
 @CUDA
@@ -73,8 +73,8 @@ def test_multiswag_on_cuda_draws_members_and_weights_with_a_cpu_generator():
     members = [_swag(s) for s in (0, 1)]
     cpu = MultiSWAG([m for m, _, _ in members])
     gpu = MultiSWAG([_to_cuda(m, net) for m, net, _ in members])
-    a = cpu.sample_parameters(8, generator=torch.Generator().manual_seed(2))
-    b = gpu.sample_parameters(8, generator=torch.Generator().manual_seed(2))
+    a = cpu.sample(8, generator=torch.Generator().manual_seed(2))
+    b = gpu.sample(8, generator=torch.Generator().manual_seed(2))
     assert b.is_cuda
     torch.testing.assert_close(b.cpu(), a, rtol=1e-5, atol=1e-6)
 

@@ -166,7 +166,7 @@ def test_swag_with_a_warmup_schedule_at_rate_zero_collects_everything(method):
     ratio = float(fitted.sum() / var.sum())
     assert 0.5 < ratio < 1.5, ratio
     assert float(swag.cov_factor.abs().max()) > 0
-    assert math.isfinite(float(swag.distribution().log_prob(swag.loc)))
+    assert math.isfinite(float(swag.get_posterior().log_prob(swag.loc)))
 
 
 # ------------------------------------------------------------------ reproducibility (issue 25 item 9)
@@ -187,7 +187,7 @@ def _seeded_script(seed, method="em"):
         nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
         opt.step()
     search = swag.tune_scale(x[64:], y[64:], num_samples=8)
-    return swag, search.scale, swag.sample_parameters(2, generator=None)
+    return swag, search.scale, swag.sample(2, generator=None)
 
 
 @pytest.mark.parametrize("method", ["em", "sga"])
@@ -229,7 +229,7 @@ def _ill_conditioned(D=20000, K=6, seed=0):
 def test_stable_normal_matches_a_float64_computation_where_torch_fails():
     from torch.distributions import LowRankMultivariateNormal
 
-    from pyro_fa.fa.normal import StableLowRankMultivariateNormal
+    from pyro_fa.distributions import StableLowRankMultivariateNormal
 
     loc, F, psi = _ill_conditioned()
     with pytest.raises(RuntimeError, match="positive-definite"):
@@ -269,9 +269,9 @@ def test_swag_of_a_large_linear_layer_gives_a_usable_distribution():
         opt.zero_grad()
         nn.functional.mse_loss(net(x), y).backward()
         opt.step()
-    q = swag.distribution()
+    q = swag.get_posterior()
     F, psi = swag.cov_factor.double(), swag.cov_diag.double()
     ref = LowRankMultivariateNormal(swag.loc.double(), F, psi)
-    theta = swag.sample_parameters(2, generator=torch.Generator().manual_seed(1))
+    theta = swag.sample(2, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(q.log_prob(theta).double(), ref.log_prob(theta.double()), rtol=1e-5, atol=0)
     torch.testing.assert_close(q.entropy().double(), ref.entropy(), rtol=1e-6, atol=0)

@@ -238,8 +238,8 @@ def test_swag_state_round_trip_gives_identical_draws(method, dtype):
     assert dst.n_collected == src.n_collected == 60
     for name in ("loc", "cov_factor", "cov_diag"):
         assert torch.equal(getattr(dst, name), getattr(src, name)), name
-    a = src.sample_parameters(5, generator=torch.Generator().manual_seed(0))
-    b = dst.sample_parameters(5, generator=torch.Generator().manual_seed(0))
+    a = src.sample(5, generator=torch.Generator().manual_seed(0))
+    b = dst.sample(5, generator=torch.Generator().manual_seed(0))
     assert torch.equal(a, b)
     for swag in (src, dst):
         p = swag._source.named[0][1]
@@ -255,10 +255,10 @@ def test_swag_state_round_trip_gives_identical_draws(method, dtype):
 def test_swag_factors_and_draws_have_the_weights_dtype(method, dtype):
     X, _ = _stream(T=40, dtype=dtype)
     swag, _ = _swag(method, X)
-    d = swag.distribution()
-    for t in (swag.loc, swag.cov_factor, swag.cov_diag, swag.sample_parameters(3), d.log_prob(X[:2])):
+    d = swag.get_posterior()
+    for t in (swag.loc, swag.cov_factor, swag.cov_diag, swag.sample(3), d.log_prob(X[:2])):
         assert t.dtype == dtype
-    assert swag.cov_factor.shape == (8, 2) and swag.cov_diag.shape == (8,) and swag.sample_parameters(3).shape == (3, 8)
+    assert swag.cov_factor.shape == (8, 2) and swag.cov_diag.shape == (8,) and swag.sample(3).shape == (3, 8)
 
 
 @pytest.mark.parametrize("method", SWAG_METHODS)
@@ -293,9 +293,9 @@ def test_swag_distribution_is_the_dense_gaussian_of_its_factors(method):
     F, psi = swag.cov_factor, swag.cov_diag
     dense = torch.distributions.MultivariateNormal(X.mean(0), F @ F.T + torch.diag(psi))
     assert torch.allclose(swag.loc, X.mean(0), rtol=0, atol=1e-12)  # the running mean is exact
-    assert torch.allclose(swag.distribution().log_prob(X[:5]), dense.log_prob(X[:5]), rtol=1e-10, atol=1e-10)
+    assert torch.allclose(swag.get_posterior().log_prob(X[:5]), dense.log_prob(X[:5]), rtol=1e-10, atol=1e-10)
     # draws: mean and covariance of many agree with the dense ones
-    draws = swag.sample_parameters(40000, generator=torch.Generator().manual_seed(0))
+    draws = swag.sample(40000, generator=torch.Generator().manual_seed(0))
     cov = dense.covariance_matrix
     assert float(torch.linalg.norm(torch.cov(draws.T) - cov) / torch.linalg.norm(cov)) < 0.05
 

@@ -117,7 +117,7 @@ def test_linear_network_glm_equals_sampled_predictive():
     y = torch.randint(0, 3, (30,))
     swag = _swag(net, x, y)
     swag.scale = 3.0
-    thetas = swag.sample_parameters(8, generator=torch.Generator().manual_seed(2))
+    thetas = swag.sample(8, generator=torch.Generator().manual_seed(2))
     nn_out = swag.predictive().outputs(thetas, x)
     glm_out = swag.predictive(pred_type="glm").outputs(thetas, x)
     torch.testing.assert_close(glm_out, nn_out, rtol=1e-12, atol=1e-12)
@@ -218,7 +218,7 @@ def test_dtype_and_device_follow_the_module(dtype, device):
     mean, cov = swag.linearized_moments(x)
     for out in (mean, cov, swag.predict_proba(x, pred_type="glm", link_approx="probit"),
                 swag.predict_proba(x, pred_type="glm", num_samples=3),
-                linearized_network(net, swag.loc, swag.sample_parameters())(x)):
+                linearized_network(net, swag.loc, swag.sample())(x)):
         assert out.dtype == dtype and out.device.type == torch.device(device).type
     net64 = _mlp()  # the reference in float64 on the CPU
     net64.load_state_dict({k: v.double().cpu() for k, v in net.state_dict().items()})

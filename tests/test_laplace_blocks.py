@@ -56,10 +56,10 @@ def test_full_rank_blocks_give_the_exact_block_diagonal_ggn_precision():
     assert la.block_ranks.tolist() == [16, 15] and la.cov_factor.shape == (31, 31)
     G = _dense_ggn(net, X)
     P = 0.7 * torch.eye(31, dtype=torch.float64) + torch.where(_mask([(0, 16), (16, 31)], 31), G, 0.0)
-    got = la.posterior.precision_matrix
+    got = la.get_posterior().precision_matrix
     assert float((got - P).norm() / P.norm()) < 1e-6
     # and the covariance is its inverse, not the full GGN's: the blocks are uncorrelated
-    cov = la.posterior.covariance_matrix
+    cov = la.get_posterior().covariance_matrix
     assert float(cov[:16, 16:].abs().max()) < 1e-12
     assert float((cov - torch.linalg.inv(P)).norm() / cov.norm()) < 1e-6
 
@@ -275,14 +275,14 @@ def test_blocks_on_cuda_give_the_cpus_precision_and_predictions():
     gpu_net = copy.deepcopy(net).cuda()
     gpu = FactorLaplace(gpu_net, "classification", rank=[16, 40], **kw).fit([(a.cuda(), b.cuda()) for a, b in data])
     assert gpu.cov_factor.is_cuda and gpu.block_ranks.tolist() == cpu.block_ranks.tolist()
-    torch.testing.assert_close(gpu.posterior.precision_matrix.cpu(), cpu.posterior.precision_matrix,
+    torch.testing.assert_close(gpu.get_posterior().precision_matrix.cpu(), cpu.get_posterior().precision_matrix,
                                rtol=1e-6, atol=1e-9)
     torch.testing.assert_close(gpu.predict_proba(X.cuda()).cpu(), cpu.predict_proba(X), rtol=1e-6, atol=1e-9)
     # each block held on the device, and every verb there: the evidence, its gradient, the variances, draws
     assert all(F.is_cuda and F.dtype == torch.float64 for _, _, F in gpu.block_factors)
-    post = gpu.posterior
+    post = gpu.get_posterior()
     assert type(post).__name__ == "BlockLowRankPrecisionNormal" and all(L.is_cuda for L in post._capacitance_trils)
-    torch.testing.assert_close(post.variance.cpu(), cpu.posterior.variance, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(post.variance.cpu(), cpu.get_posterior().variance, rtol=1e-6, atol=1e-9)
     pp = {}
     for name, obj in (("cpu", cpu), ("gpu", gpu)):
         t = torch.tensor([0.7], dtype=torch.float64, device=obj.loc.device, requires_grad=True)
@@ -330,7 +330,7 @@ EXACT = dict(rtol=1e-10, atol=1e-12)
 
 def test_the_block_posterior_equals_the_dense_construction():
     net, X, la, dense = _block_and_dense("classification", prior_precision=0.8)
-    q, p = la.posterior, dense.posterior
+    q, p = la.get_posterior(), dense.get_posterior()
     assert type(q).__name__ == "BlockLowRankPrecisionNormal" and type(p).__name__ == "LowRankPrecisionNormal"
     assert [U.shape for _, _, U in q.prec_factors] == [(30, 3), (35, 2), (18, 4)]
     torch.testing.assert_close(q.prec_factor, p.prec_factor, rtol=0, atol=0)  # the dense U, formed on request
@@ -359,10 +359,10 @@ def test_the_block_posterior_equals_the_dense_construction():
 
 def test_block_draws_have_the_dense_covariance():
     _, _, la, dense = _block_and_dense("classification", prior_precision=0.8)
-    cov = dense.posterior.covariance_matrix
+    cov = dense.get_posterior().covariance_matrix
     torch.manual_seed(0)
     S = 100_000
-    x = la.posterior.rsample((S,))
+    x = la.get_posterior().rsample((S,))
     emp = torch.cov(x.T)
     # each entry of the empirical covariance has standard error sqrt((s_ii s_jj + s_ij^2) / S)
     se = ((cov.diagonal()[:, None] * cov.diagonal()[None, :] + cov ** 2) / S).sqrt()
@@ -493,13 +493,14 @@ def test_block_posterior_follows_the_dtype_and_device(dtype, device):
 
 
 def test_the_fit_holds_only_the_blocks_numbers_and_never_forms_the_dense_factor(monkeypatch):
-    from pyro_fa.laplace import _blocks, posterior
+    from pyro_fa.distributions import precision
+    from pyro_fa.laplace import _blocks
 
     def refuse(*args, **kwargs):
         raise AssertionError("the dense D x sum(K_b) factor was formed")
 
     monkeypatch.setattr(_blocks.BlockRanks, "dense", refuse)
-    monkeypatch.setattr(posterior, "_dense", refuse)
+    monkeypatch.setattr(precision, "_dense", refuse)
     net = _mlp()
     X, data = _mlp_data("classification")
     sizes = [30, 35, 18]
@@ -519,7 +520,7 @@ def test_the_fit_holds_only_the_blocks_numbers_and_never_forms_the_dense_factor(
         assert "cov_factor" not in la.state_dict()
         assert [tuple(la.state_dict()[f"block_factor_{b}"].shape) for b in range(3)] == list(zip(sizes, ranks))
         # every verb runs without the dense factor
-        la.posterior.variance
+        la.get_posterior().variance
         la.log_marginal_likelihood(mode="linearized")
         la.optimize_prior_precision("marglik", n_steps=3)
         la.predict_proba(X[:5])

@@ -85,8 +85,8 @@ def _entry(rank, world_size, init_file, out_dir):
             lin = la.log_marginal_likelihood(pp, mode="linearized")
             res["lin_layers"], res["lin_grad"] = lin.detach(), torch.autograd.grad(lin, pp)[0]
             res["variance"] = la.posterior_variance.clone()
-            res["log_prob"] = la.posterior.log_prob(_probe(la.dim)[lo:hi]).detach()
-            res["entropy"] = la.posterior.entropy().detach()
+            res["log_prob"] = la.get_posterior().log_prob(_probe(la.dim)[lo:hi]).detach()
+            res["entropy"] = la.get_posterior().entropy().detach()
             res["glm"] = la.predict_proba(_test_inputs())
             res["glm_mc"] = la.predict_proba(_test_inputs(), link_approx="mc", n_samples=50)
             res["nn"] = la.predict_proba(_test_inputs(), pred_type="nn", n_samples=5)
@@ -208,7 +208,7 @@ def test_two_ranks_equal_one_process_on_all_the_data(results, fit):
 def test_sharded_posterior_equals_one_process(results, fit):
     single = _single(fit)
     D = single.dim
-    post = single.posterior
+    post = single.get_posterior()
     tol = dict(rtol=1e-5, atol=1e-9)
     for r, res in enumerate(r[fit] for r in results):
         lo, hi = shard_bounds(D, WORLD_SIZE, r)

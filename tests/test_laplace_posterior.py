@@ -84,7 +84,7 @@ def test_bad_shapes_named():
         LowRankPrecisionNormal(torch.zeros(3), torch.zeros(3, 1), torch.ones(2))
 
 
-@pytest.mark.parametrize("name", ["posterior", "laplace", "curvature", "moment"])
+@pytest.mark.parametrize("name", ["laplace", "curvature", "moment"])
 def test_doctests(name):
     import doctest
     import importlib

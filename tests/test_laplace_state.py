@@ -105,7 +105,7 @@ def test_load_state_dict_refuses_non_positive_hyperparameters_and_loads_nothing(
 # --------------------------------------------------------------------------- snapshots
 def test_a_kept_posterior_is_unchanged_by_a_later_fit_and_prior_precision():
     net, la = _fitted()
-    post = la.posterior
+    post = la.get_posterior()
     kept = {"loc": post.loc.clone(), "prec_factor": post.prec_factor.clone(), "prec_diag": post.prec_diag.clone(),
             "variance": post.variance.clone()}
     # retrain (other weights) and refit on other data, then choose another prior precision
@@ -120,7 +120,7 @@ def test_a_kept_posterior_is_unchanged_by_a_later_fit_and_prior_precision():
         assert torch.equal(getattr(post, k), v), k
     # and the other way round: changing a posterior in place does not reach the approximation
     loc = la.loc.clone()
-    la.posterior.loc.add_(1.0)
+    la.get_posterior().loc.add_(1.0)
     assert torch.equal(la.loc, loc)
 
 

@@ -208,7 +208,7 @@ def test_distribution_sample_and_covariance():
     _, _, _, X = _fa_data(T=400)
     fa = OnlineFactorAnalysis(12, 3, warmup=20, seed=0)
     fa.update(X)
-    dist = fa.distribution()
+    dist = fa.get_posterior()
     assert isinstance(dist, LowRankMultivariateNormal)
     dense = torch.distributions.MultivariateNormal(fa.loc, fa.covariance())
     assert torch.allclose(fa.log_prob(X[:5]), dense.log_prob(X[:5]))
@@ -264,7 +264,7 @@ def test_float32_large_dim_stays_finite(method):
         fa.update(x)
     assert torch.isfinite(fa.cov_factor).all()
     assert (fa.cov_diag > 0).all() and torch.isfinite(fa.cov_diag).all()
-    assert torch.isfinite(fa.distribution().log_prob(x))
+    assert torch.isfinite(fa.get_posterior().log_prob(x))
 
 
 @pytest.mark.parametrize("tiny", [1e-22, 3e-22, 1e-21])
@@ -321,7 +321,7 @@ def test_constructor_errors():
 def test_update_and_use_errors():
     fa = OnlineFactorAnalysis(5, 2, seed=0)
     with pytest.raises(RuntimeError, match="needs at least one update"):
-        fa.distribution()
+        fa.get_posterior()
     with pytest.raises(RuntimeError, match="needs at least one update"):
         fa.sample(3)
     with pytest.raises(RuntimeError, match="needs at least one update"):
@@ -339,7 +339,7 @@ def test_update_and_use_errors():
         fa.sample(0)
     big = OnlineFactorAnalysis(20_001, 1, seed=0, dtype=torch.float32)
     big.update(torch.randn(20_001, dtype=torch.float32))
-    with pytest.raises(ValueError, match=r"Use distribution\(\)"):
+    with pytest.raises(ValueError, match=r"Use get_posterior\(\)"):
         big.covariance()
 
 
@@ -348,7 +348,7 @@ def test_cuda_state_and_device_error():
     _, _, _, X = _fa_data(T=200)
     fa = OnlineFactorAnalysis(12, 3, warmup=20, seed=0, device="cuda")
     fa.update(X.cuda())
-    assert fa.cov_factor.is_cuda and fa.distribution().loc.is_cuda
+    assert fa.cov_factor.is_cuda and fa.get_posterior().loc.is_cuda
     with pytest.raises(ValueError, match="x must be on device"):
         fa.update(X[0])
 

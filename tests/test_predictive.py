@@ -125,7 +125,7 @@ def test_model_average_equals_a_loop_over_the_draws_by_hand(case, dtype):
 def test_swag_predict_is_the_predictives_average_of_its_draws(method):
     net, swag = _trained_swag(method)
     x = torch.randn(9, 3)
-    thetas = swag.sample_parameters(6, generator=torch.Generator().manual_seed(3))
+    thetas = swag.sample(6, generator=torch.Generator().manual_seed(3))
     predictive = swag.predictive()
     assert torch.equal(swag.predict_proba(x, num_samples=6, generator=torch.Generator().manual_seed(3)),
                        predictive.average(thetas, x, fn=lambda z: z.softmax(-1)))

@@ -77,6 +77,31 @@ def test_readme_swag_snippet_prints_its_scale_and_error(capsys):
     assert rmse < float(namespace["y_val"].std())  # the model average explains part of the signal
 
 
+def test_readme_swag_snippet_runs_when_tune_scale_keeps_the_mean(capsys, monkeypatch):
+    """tune_scale may choose scale 0 (the mean): the quick start's get_posterior() and predict still run, and the
+    prediction is the mean network's."""
+    from pyro_fa import SWAG
+
+    tune = SWAG.tune_scale
+
+    def tune_to_zero(self, *args, **kwargs):
+        search = tune(self, *args, **kwargs)
+        self.scale = 0.0
+        return search._replace(scale=0.0)
+
+    monkeypatch.setattr(SWAG, "tune_scale", tune_to_zero)
+    namespace, printed = _run_snippet(1, capsys)  # the posterior of the mean, get_posterior(), predict
+    from pyro_fa.distributions import PointMassNormal
+
+    assert printed.startswith("scale 0, validation RMSE "), printed
+    swag, net = namespace["swag"], namespace["net"]
+    assert isinstance(namespace["posterior"], PointMassNormal)
+    assert torch.equal(namespace["posterior"].mean, swag.loc)
+    with swag.sampled_weights(swag.loc):
+        at_mean = net(namespace["X_val"])
+    torch.testing.assert_close(namespace["prediction"], at_mean, rtol=1e-6, atol=1e-6)  # the mean of 30 equal outputs
+
+
 # ----------------------------------------------------------------------------- commands a reader copies
 #: ```bash blocks of the README and the documentation pages
 SHELL_BLOCK = re.compile(r"```(?:bash|sh|shell|console)\n(.*?)```", flags=re.S)

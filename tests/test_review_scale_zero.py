@@ -29,7 +29,7 @@ def test_a_posterior_at_scale_0_round_trips_through_its_state_dict():
     other = SWAG(other_net, rank=1, method="em", warmup=10, max_deviation=None)
     other.load_state_dict(state)
     assert other.scale == 0.0
-    torch.testing.assert_close(other.sample_parameters(2), swag.loc.expand(2, -1), rtol=0, atol=0)
+    torch.testing.assert_close(other.sample(2), swag.loc.expand(2, -1), rtol=0, atol=0)
     state["_extra_state"] = dict(state["_extra_state"], scale=-1.0)
     with pytest.raises(ValueError, match=r"'scale' must be a finite number >= 0, got -1.0"):
         other.load_state_dict(state)
@@ -100,7 +100,7 @@ def test_laplace_gridsearch_scores_the_sampled_predictive_with_the_default_link_
     nll = []
     for v in grid:  # the sampled predictive's NLL, by drawing weights from the dense posterior covariance
         la.prior_precision.fill_(v)
-        thetas = la.posterior.rsample((20,))
+        thetas = la.get_posterior().rsample((20,))
         p = torch.stack([torch.func.functional_call(net, dict(zip(["weight", "bias"], (t[:4].view(2, 2), t[4:]))),
                                                     (X[40:],)).softmax(-1) for t in thetas]).mean(0)
         nll.append(float(-p.gather(1, y[40:, None]).log().mean()))
@@ -156,25 +156,25 @@ def test_pyro_laplace_keeps_its_fit_after_a_refused_refit_and_its_draws_follow_t
     la = PyroFactorLaplace(_cauchy_model, rank=1, num_samples=20).fit(X2, torch.zeros(10, dtype=torch.float64))
     # prior curvature of -log Cauchy at 0: 2; posterior precision 2 + the (positive) Fisher
     torch.testing.assert_close(la.prior_curvature, torch.full((2,), 2.0, dtype=torch.float64))
-    state = (la.site_names(), list(la._shapes), la.fit_info, la.posterior, la.loc)
+    state = (la.site_names(), list(la._shapes), la.fit_info, la.get_posterior(), la.loc)
     # at w = 10 the Cauchy prior's curvature is 2 (1 - 100) / 101^2 < 0 and a noise of 100 leaves the Fisher tiny
     X3 = torch.randn(2, 3, generator=g, dtype=torch.float64)
     pyro.clear_param_store()
     pyro.param("AutoDelta.w", torch.full((3,), 10.0, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"prior's curvature plus the Fisher's diagonal must be positive"):
         la.fit(X3, torch.zeros(2, dtype=torch.float64), sigma=100.0)
-    assert (la.site_names(), list(la._shapes), la.fit_info, la.posterior, la.loc) == state
-    assert la.sample_parameters(4).shape == (4, 2)
+    assert (la.site_names(), list(la._shapes), la.fit_info, la.get_posterior(), la.loc) == state
+    assert la.sample(4).shape == (4, 2)
     # draws follow the generator, and leave the global generator alone
     torch.manual_seed(123)
-    a = la.sample_parameters(3, generator=torch.Generator().manual_seed(7))
+    a = la.sample(3, generator=torch.Generator().manual_seed(7))
     after = torch.rand(())
     torch.manual_seed(123)
-    b = la.sample_parameters(3, generator=torch.Generator().manual_seed(7))
+    b = la.sample(3, generator=torch.Generator().manual_seed(7))
     assert torch.equal(a, b) and torch.equal(torch.rand(()), after)
-    assert not torch.equal(a, la.sample_parameters(3, generator=torch.Generator().manual_seed(8)))
+    assert not torch.equal(a, la.sample(3, generator=torch.Generator().manual_seed(8)))
     with pytest.raises(ValueError, match=r"num_samples must be an integer >= 1 or None, got 0"):
-        la.sample_parameters(0)
+        la.sample(0)
     pyro.clear_param_store()
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pyro_fa import SWAG, MultiSWAG
+from pyro_fa.distributions import PointMassNormal
 from pyro_fa.predictive import ScaleSelectionWarning, bma_log_likelihood, select_scale, tune_scale
 
 
@@ -129,7 +130,7 @@ def _gaussian_swag(v=0.01, T=300, seed=0):
 
 
 def _data(swag, tau2_over_v=100.0, N=2000, seed=5):
-    v_fit = float(swag.distribution().covariance_matrix[0, 0])
+    v_fit = float(swag.get_posterior().covariance_matrix[0, 0])
     g = torch.Generator().manual_seed(seed)
     x = 1.0 + torch.rand(N, 1, generator=g, dtype=torch.float64)
     w = 1.0 + math.sqrt(tau2_over_v * v_fit) * torch.randn(N, 1, generator=g, dtype=torch.float64)
@@ -156,12 +157,13 @@ def test_scale_zero_is_the_mean_and_costs_one_forward_pass():
     np.testing.assert_allclose(search.standard_errors, L.std(1, ddof=1) / np.sqrt(L.shape[1]), rtol=1e-10)
     np.testing.assert_allclose(search.gain_standard_errors, (L - L[0]).std(1, ddof=1) / np.sqrt(L.shape[1]),
                                rtol=1e-10, atol=1e-15)
-    # the posterior at scale 0: draws are the mean, and distribution() refuses a point mass
+    # the posterior at scale 0: draws are the mean, and get_posterior() the point mass there
     swag.scale = 0
     assert swag.scale == 0.0
-    torch.testing.assert_close(swag.sample_parameters(3), swag.loc.expand(3, -1), rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match=r"SWAG: distribution\(\) at scale 0 is a point mass at loc"):
-        swag.distribution()
+    torch.testing.assert_close(swag.sample(3), swag.loc.expand(3, -1), rtol=0, atol=0)
+    q = swag.get_posterior()
+    assert isinstance(q, PointMassNormal)
+    assert torch.equal(q.mean, swag.loc) and torch.equal(q.variance, torch.zeros_like(swag.loc))
 
 
 def test_multiswag_scale_zero_is_the_ensemble_of_the_members_means():

@@ -92,7 +92,7 @@ def test_multiswag_nan_in_second_member_leaves_every_member_unchanged():
         parent.load_state_dict({"ms." + k: v for k, v in sd.items()})
     _assert_unchanged(dst, before)
     dst.load_state_dict(src.state_dict())
-    draws = dst.sample_parameters(5, generator=torch.Generator().manual_seed(0))
+    draws = dst.sample(5, generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(draws).all()
     assert torch.equal(dst.members[1].cov_factor, src.members[1].cov_factor)
 
@@ -139,7 +139,7 @@ def test_swag_direct_load_refuses_nonpositive_psi(bad):
     with pytest.raises(ValueError, match=r"SWAG: state_dict\['fa._psi'\] must be positive"):
         dst.load_state_dict(sd)
     _assert_unchanged(dst, before)
-    dst.distribution()  # still usable
+    dst.get_posterior()  # still usable
 
 
 @pytest.mark.parametrize("key, value, match", [
@@ -232,7 +232,7 @@ def test_log_prob_of_another_dtype_names_both():
     with pytest.raises(TypeError, match=r"x must have dtype torch.float32 like the model state, got torch.float64"):
         fa.log_prob(torch.randn(5, dtype=torch.float64))
     x = torch.randn(3, 5, dtype=torch.float32)
-    torch.testing.assert_close(fa.log_prob(x), fa.distribution().log_prob(x))
+    torch.testing.assert_close(fa.log_prob(x), fa.get_posterior().log_prob(x))
 
 
 def test_meta_device_refused():

@@ -164,7 +164,7 @@ def test_diverging_run_keeps_the_posterior_collected_before(method):
         if torch.is_tensor(before[k]):
             assert torch.equal(before[k], after[k]), k
     torch.testing.assert_close(swag.cov_diag, cov_diag, rtol=0, atol=0)
-    assert torch.isfinite(swag.sample_parameters(8)).all()
+    assert torch.isfinite(swag.sample(8)).all()
 
 
 def test_diverging_run_raise_mode_guard_warns_then_nonfinite_raises():
@@ -305,7 +305,7 @@ def test_once_per_epoch_run_shorter_than_the_warmup_ends_it():
         record.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone())
     assert swag.n_collected == 40
     with pytest.warns(UserWarning, match=r"SWAG: 40 vectors collected, not more than warmup=100: the warm-up ends"):
-        q = swag.distribution()
+        q = swag.get_posterior()
     # the same as a fit whose warm-up was planned to end there
     ref = OnlineFactorAnalysis(4, 2, warmup=39, seed=0, step_scale=1.0)
     for v in record:
@@ -313,11 +313,11 @@ def test_once_per_epoch_run_shorter_than_the_warmup_ends_it():
     torch.testing.assert_close(q.cov_factor, ref.cov_factor)
     torch.testing.assert_close(q.cov_diag, ref.cov_diag)
     assert swag.warmup == 39
-    swag.sample_parameters(3)  # no second warning: the warm-up is over
+    swag.sample(3)  # no second warning: the warm-up is over
     state = swag.state_dict()
     again = SWAG(net, rank=2, method="em", collect_every=8, warmup=100, seed=0)
     again.load_state_dict(state)
-    again.sample_parameters(2)
+    again.sample(2)
     assert again.warmup == 39
     short = SWAG(net, rank=2, method="em", warmup=100, seed=0)
     short.collect()
@@ -326,7 +326,7 @@ def test_once_per_epoch_run_shorter_than_the_warmup_ends_it():
     short.collect()
     with pytest.raises(RuntimeError, match=r"needs more than warmup=100 collected vectors for method='em', got 2 "
                                            r"\(more than rank=2 to end the warm-up early\)"):
-        short.distribution()
+        short.get_posterior()
 
 
 def test_divergence_guard_lets_a_run_that_changed_regime_back_in():

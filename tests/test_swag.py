@@ -44,12 +44,12 @@ def test_classic_swag_moments_match_dense(T, device):
     devs = (thetas - running)[-K:]
     k = devs.shape[0]
     cov = 0.5 * (torch.diag(var) + devs.T @ devs / max(k - 1, 1))
-    q = swag.distribution()
+    q = swag.get_posterior()
     assert torch.allclose(q.loc, mean)
     assert torch.allclose(q.covariance_matrix, cov, atol=1e-12)
     # samples: moments within Monte-Carlo error, no D x D matrix needed
     S = 40000
-    draws = swag.sample_parameters(S)
+    draws = swag.sample(S)
     assert draws.shape == (S, 7)
     se = (cov.diagonal() / S).sqrt()
     assert ((draws.mean(0) - mean).abs() < 5 * se).all()
@@ -65,7 +65,7 @@ def test_em_and_sga_match_online_factor_analysis():
         _feed(swag, params, thetas)
         for theta in thetas:
             fa.update(theta)
-        q = swag.distribution()
+        q = swag.get_posterior()
         assert torch.allclose(q.loc, fa.loc) and torch.allclose(q.loc, thetas.mean(0))
         assert torch.allclose(q.cov_factor, fa.cov_factor)
         assert torch.allclose(q.cov_diag, fa.cov_diag)
@@ -129,7 +129,7 @@ def test_sampled_weights_restore_and_predict_and_update_bn():
     pred = swag.predict(X, num_samples=5)
     assert pred.shape == (64, 1)
     g = torch.Generator().manual_seed(1)
-    thetas = swag.sample_parameters(5, generator=torch.Generator().manual_seed(1))
+    thetas = swag.sample(5, generator=torch.Generator().manual_seed(1))
     manual = torch.stack([torch.func.functional_call(net, dict(zip([n for n, _ in net.named_parameters()],
                                                                      swag._split(t))), (X,)) for t in thetas]).mean(0)
     assert torch.allclose(swag.predict(X, num_samples=5, generator=g), manual)
@@ -166,7 +166,7 @@ def test_predictive_through_to_guide_bayesianized_module():
     # Predictive's own layout: (S, 1 per plate dim, *site shape)
     assert pred["weight"].shape == (S, 1, 1, 2) and pred["bias"].shape == (S, 1, 1) and pred["obs"].shape == (S, 50)
     draws = torch.cat([pred["weight"].reshape(S, 2), pred["bias"].reshape(S, 1)], -1)
-    q = swag.distribution()
+    q = swag.get_posterior()
     cov = q.covariance_matrix
     assert ((draws.mean(0) - q.loc).abs() < 5 * (cov.diagonal() / S).sqrt()).all()
     assert torch.allclose(torch.cov(draws.T), cov, atol=6 * cov.diagonal().max().item() * math.sqrt(2 / S))
@@ -192,7 +192,7 @@ def test_pyro_autodelta_one_line_and_constrained_site():
     pred = Predictive(model, guide=swag.to_guide(model), num_samples=200)(X)
     assert pred["w"].shape == (200, 1, 2) and pred["s"].shape == (200, 1) and (pred["s"] > 0).all()
     assert pred["obs"].shape == (200, 50)
-    q = swag.distribution()
+    q = swag.get_posterior()
     se = (q.variance[:2] / 200).sqrt()
     assert ((pred["w"].mean(0).squeeze() - q.loc[:2]).abs() < 5 * se).all()
     assert torch.allclose(q.loc[:2], torch.tensor([1.0, -2.0]), atol=0.2)
@@ -237,9 +237,9 @@ def test_multiswag_mixture_predict_and_predictive():
     assert len(ms) == 3
     locs = torch.stack([m.loc for m in ms.members])
     assert not torch.allclose(locs[0], locs[1])
-    mix = ms.distribution()
+    mix = ms.get_posterior()
     assert torch.allclose(mix.mean, locs.mean(0))
-    draws = ms.sample_parameters(6000)
+    draws = ms.sample(6000)
     assert ((draws.mean(0) - locs.mean(0)).abs() < 5 * (mix.variance / 6000).sqrt()).all()
     pred = ms.predict(X, num_samples=4)
     assert pred.shape == (50, 1)
@@ -277,11 +277,11 @@ def test_errors():
     with pytest.raises(TypeError, match=r"SWAG: optimizer must be a torch.optim.Optimizer"):
         SWAG(net, rank=2).attach(pyro.optim.Adam({"lr": 0.1}))
     swag = SWAG(net, rank=2, method="em", warmup=3)
-    with pytest.raises(RuntimeError, match=r"SWAG: sample_parameters\(\) needs at least one collected"):
-        swag.sample_parameters()
+    with pytest.raises(RuntimeError, match=r"SWAG: sample\(\) needs at least one collected"):
+        swag.sample()
     swag.collect()
-    with pytest.raises(RuntimeError, match=r"SWAG: distribution\(\) needs more than warmup=3 collected"):
-        swag.distribution()
+    with pytest.raises(RuntimeError, match=r"SWAG: get_posterior\(\) needs more than warmup=3 collected"):
+        swag.get_posterior()
     with pytest.raises(RuntimeError, match=r"Pyro's param store must hold parameters named 'AutoDelta.\*'"):
         SWAG.from_param_store(rank=1).collect()
     with pytest.raises(ValueError, match=r"SWAG: theta must be a tensor of shape \(4,\)"):
@@ -406,7 +406,7 @@ def test_em_default_fits_equally_weighted_moments_of_drifting_iterates():
         for x in X:
             params[0].copy_(x)
             swag.collect()
-        cov = swag.distribution().covariance_matrix
+        cov = swag.get_posterior().covariance_matrix
         return float(torch.linalg.norm(cov - empirical) / torch.linalg.norm(empirical))
 
     default = distance()

@@ -73,5 +73,5 @@ def test_default_warmup_fits_a_per_epoch_run():
             swag.collect()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        q = swag.distribution()
+        q = swag.get_posterior()
     assert q.cov_factor.shape == (18, 10) and bool((q.cov_diag > 0).all())

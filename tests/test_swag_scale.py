@@ -25,10 +25,10 @@ def _gaussian_swag(v=0.01, T=4000, seed=0):
 
 def test_scale_multiplies_the_covariance_of_samples_and_distribution():
     net, swag = _gaussian_swag(T=500)
-    base = swag.distribution().covariance_matrix
+    base = swag.get_posterior().covariance_matrix
     swag.scale = 9.0
-    torch.testing.assert_close(swag.distribution().covariance_matrix, 9.0 * base)
-    draws = swag.sample_parameters(20000, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(swag.get_posterior().covariance_matrix, 9.0 * base)
+    draws = swag.sample(20000, generator=torch.Generator().manual_seed(1))
     emp = torch.cov(draws.T)
     assert float((emp - 9.0 * base).norm() / (9.0 * base).norm()) < 0.05
     torch.testing.assert_close(draws.mean(0), swag.loc, atol=4 * math.sqrt(9 * float(base[0, 0]) / 20000), rtol=0)
@@ -40,7 +40,7 @@ def test_tune_scale_finds_the_known_right_scale_gaussian():
     # varies with variance tau^2 = 100 v per point is fitted best at s = 100
     v = 0.01
     net, swag = _gaussian_swag(v=v)
-    v_fit = float(swag.distribution().covariance_matrix[0, 0])
+    v_fit = float(swag.get_posterior().covariance_matrix[0, 0])
     assert v_fit == pytest.approx(v, rel=0.1)
     g = torch.Generator().manual_seed(5)
     N = 4000

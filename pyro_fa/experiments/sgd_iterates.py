@@ -159,7 +159,7 @@ def _run(args) -> int:
             X, y, m, S = make_data(seed)
             pre, thetas, swag = run_trial(X, y, lr, lam, seed, args.pretrain_epochs, args.epochs)
             emp.append(distances(thetas.mean(0), torch.cov(thetas.T, correction=0), m, S))
-            q = swag.distribution()
+            q = swag.get_posterior()
             fa.append(distances(q.loc, q.covariance_matrix, m, S))
             if trial == 0:
                 _contours(ax, m, S, thetas, pre, f"({letter}) lr {lr}, λ = {lam}",
@@ -191,7 +191,7 @@ def _run(args) -> int:
         X, y, m, S = make_data(seed)
         pre, thetas, swag = run_trial(X, y, 0.1, 0.001, seed, args.pretrain_epochs, args.epochs, batch=B, window=W)
         means = thetas[: len(thetas) // W * W].reshape(-1, W, 2).mean(1)
-        q = swag.distribution()
+        q = swag.get_posterior()
         assert torch.allclose(q.loc, means.mean(0))
         win.append(distances(means.mean(0), torch.cov(means.T, correction=0), m, S)
                    + distances(q.loc, q.covariance_matrix, m, S)[1:2])  # rel_mean, rel_cov, W2², W2, FA rel_cov

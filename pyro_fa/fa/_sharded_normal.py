@@ -1,7 +1,7 @@
 r"""This rank's rows of a factor-analysis normal over a sharded :math:`\theta \in \mathbb{R}^D`.
 
-The distribution :meth:`~pyro_fa.OnlineFactorAnalysis.distribution` and
-:meth:`~pyro_fa.SWAG.distribution` return under a ``process_group``: the algebra of
+The distribution :meth:`~pyro_fa.OnlineFactorAnalysis.get_posterior` and
+:meth:`~pyro_fa.SWAG.get_posterior` return under a ``process_group``: the algebra of
 :class:`torch.distributions.LowRankMultivariateNormal` with its sums over :math:`D` all-reduced
 by a :class:`~pyro_fa.fa._sharding.Sharding` (:mod:`pyro_fa.fa._sharding`).
 """
@@ -20,8 +20,8 @@ __all__ = ["ShardedLowRankNormal"]
 class ShardedLowRankNormal:
     r"""This rank's rows of :math:`N(c, FF^\top + \Psi)` over a sharded :math:`\theta \in \mathbb{R}^D`.
 
-    What :meth:`~pyro_fa.OnlineFactorAnalysis.distribution` and
-    :meth:`~pyro_fa.SWAG.distribution` return under a ``process_group``: the same
+    What :meth:`~pyro_fa.OnlineFactorAnalysis.get_posterior` and
+    :meth:`~pyro_fa.SWAG.get_posterior` return under a ``process_group``: the same
     algebra as :class:`torch.distributions.LowRankMultivariateNormal`, with the sums
     over :math:`D` all-reduced. Every method that needs them is collective.
 
@@ -51,13 +51,13 @@ class ShardedLowRankNormal:
 
     def marginal(self) -> LowRankMultivariateNormal:
         """The marginal distribution of this rank's coordinates (no collective)."""
-        from pyro_fa.fa.normal import StableLowRankMultivariateNormal
+        from pyro_fa.distributions import StableLowRankMultivariateNormal
 
         return StableLowRankMultivariateNormal(self.loc, self.cov_factor, self.cov_diag)
 
     def _sums(self, *extra: Tensor) -> Tuple[Tensor, Tensor, List[Tensor]]:
         F, psi = self.cov_factor, self.cov_diag
-        from pyro_fa.fa.normal import whitened_gram
+        from pyro_fa.distributions.numerics import whitened_gram
 
         # the capacitance as the Gram matrix of Psi^-1/2 F summed in float64 (and carried so): positive
         # definite by construction where float32 sums are not (tiny psi against F)

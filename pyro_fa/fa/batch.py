@@ -302,7 +302,7 @@ class BatchFactorAnalysis(nn.Module):
         if int(self.n_fitted) == 0:
             raise RuntimeError(f"{type(self).__name__}: not fitted yet; call fit() first.")
 
-    def distribution(self) -> LowRankMultivariateNormal:
+    def get_posterior(self) -> LowRankMultivariateNormal:
         """The fitted Gaussian :math:`N(c, FF^\\top + \\Psi)`.
 
         Raises
@@ -315,11 +315,11 @@ class BatchFactorAnalysis(nn.Module):
 
     def log_prob(self, x: Tensor) -> Tensor:
         """Log-density of ``x`` (shape (..., D)) under the fit; shape (...)."""
-        return self.distribution().log_prob(x)
+        return self.get_posterior().log_prob(x)
 
     def sample(self, n: int = 1) -> Tensor:
         """``n`` samples from the fit, a Tensor of shape (n, D)."""
-        return self.distribution().sample((n,))
+        return self.get_posterior().sample((n,))
 
     def latent_posterior(self, x: Tensor) -> tuple:
         """Posterior mean (shape (..., K)) and covariance (K, K) of the factors of ``x``.

@@ -32,7 +32,8 @@ import torch
 from torch import Tensor
 from torch.distributions import LowRankMultivariateNormal
 
-from pyro_fa.fa.normal import StableLowRankMultivariateNormal, capacitance_tril
+from pyro_fa.distributions.covariance import StableLowRankMultivariateNormal
+from pyro_fa.distributions.numerics import MAX_DENSE_DIM, capacitance_tril, check_dense_dim  # re-exported
 
 __all__ = [
     "capacitance_cholesky",
@@ -80,7 +81,7 @@ def capacitance_cholesky(cov_factor: Tensor, cov_diag: Tensor) -> Tensor:
     -----
     Cost :math:`O(DK^2)`. The capacitance has eigenvalues :math:`\ge 1`; it is formed as
     :math:`I + W^\top W`, :math:`W = \Psi^{-1/2}F`, summed in float64 and factorised there
-    (:func:`pyro_fa.fa.normal.capacitance_tril`), so it is positive definite by construction
+    (:func:`pyro_fa.distributions.numerics.capacitance_tril`), so it is positive definite by construction
     even where float32 sums would not be (tiny :math:`\psi` against :math:`F`). The factor is
     returned in the dtype of ``cov_factor`` (its diagonal is :math:`\ge 1`).
     """
@@ -377,54 +378,6 @@ def _check_finite(fn: str, **tensors: Tensor) -> None:
             )
 
 
-#: The largest D for which a dense D x D matrix is built without being asked for a larger one
-#: (3.2 GB in float64): past it, :func:`check_dense_dim` refuses.
-MAX_DENSE_DIM = 20_000
-
-
-def check_dense_dim(owner: str, what: str, dim: int, dtype: torch.dtype, alternative: str,
-                    max_dim: Optional[int] = MAX_DENSE_DIM, argument: str = "D") -> None:
-    r"""Refuse, before allocating, to build a dense :math:`D\times D` matrix when :math:`D` > ``max_dim``.
-
-    Parameters
-    ----------
-    owner : str
-        The class or function whose call is refused (starts the message).
-    what : str
-        What would be built, e.g. ``"get_covariance()"``.
-    dim : int
-        :math:`D`.
-    dtype : torch.dtype
-        The matrix's dtype, for its size in GB.
-    alternative : str
-        The :math:`O(DK)` way to get what the caller wants, appended to the message.
-    max_dim : int or None, default :data:`MAX_DENSE_DIM` (20 000)
-        The largest :math:`D` allowed; ``None`` allows any.
-    argument : str, default "D"
-        How the message names :math:`D` (e.g. ``"n_features"``).
-
-    Raises
-    ------
-    ValueError
-        If ``dim > max_dim``, naming the size of one :math:`D\times D` matrix in GB and ``alternative``.
-
-    Examples
-    --------
-    >>> check_dense_dim("Model", "covariance()", 100, torch.float64, "Use distribution().")
-    >>> check_dense_dim("Model", "covariance()", 30_000, torch.float64, "Use distribution().")
-    Traceback (most recent call last):
-    ...
-    ValueError: Model: covariance() forms a dense D x D matrix (7.2 GB in torch.float64) and needs D <= 20000, got 30000. Use distribution().
-    """
-    if max_dim is None or dim <= max_dim:
-        return
-    gb = dim * dim * (torch.finfo(dtype).bits // 8) / 1e9
-    raise ValueError(
-        f"{owner}: {what} forms a dense {argument} x {argument} matrix ({gb:.3g} GB in {dtype}) and needs "
-        f"{argument} <= {max_dim}, got {dim}. {alternative}"
-    )
-
-
 def dense_covariance(cov_factor: Tensor, cov_diag: Tensor) -> Tensor:
     r"""The dense :math:`D \times D` matrix :math:`FF^\top + \Psi` (small D only).
 
@@ -494,7 +447,7 @@ def fa_distribution(loc: Tensor, cov_factor: Tensor, cov_diag: Tensor, validate_
     Returns
     -------
     torch.distributions.LowRankMultivariateNormal
-        A :class:`~pyro_fa.fa.normal.StableLowRankMultivariateNormal` (its capacitance in float64).
+        A :class:`~pyro_fa.distributions.StableLowRankMultivariateNormal` (its capacitance in float64).
     """
     return StableLowRankMultivariateNormal(loc, cov_factor, cov_diag, validate_args=validate_args)
 

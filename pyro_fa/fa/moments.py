@@ -15,12 +15,9 @@ from typing import Tuple
 import torch
 from torch import Tensor, nn
 
+from pyro_fa.distributions.numerics import wide_dtype  # re-exported: the core's accumulation dtype
+
 __all__ = ["RunningMoments", "wide_dtype"]
-
-
-def wide_dtype(device: torch.device) -> torch.dtype:
-    """The accumulation dtype: float64, except where the device has none (Apple's MPS)."""
-    return torch.float32 if torch.device(device).type == "mps" else torch.float64
 
 
 class RunningMoments(nn.Module):
@@ -33,7 +30,7 @@ class RunningMoments(nn.Module):
 
     for a batch of :math:`B` vectors with mean :math:`\bar x_B` after :math:`n_0` earlier ones,
     :math:`n = n_0 + B`. The buffers ``mean`` and ``sq_dev`` (shape (D,)) stay in
-    :func:`wide_dtype` through ``.to(dtype)``; only their device follows the owner.
+    :func:`~pyro_fa.distributions.numerics.wide_dtype` through ``.to(dtype)``; only their device follows the owner.
 
     The update is split in two so that an owner can refuse a batch before anything
     changes: :meth:`propose` computes the merged moments out of place, :meth:`commit`

@@ -21,7 +21,7 @@ from pyro_fa.fa.fitters import fitter_class
 from pyro_fa.fa._sharded_normal import ShardedLowRankNormal
 from pyro_fa.fa._sharding import draw_seed, sharded_orthogonal_init
 from pyro_fa.fa.moments import RunningMoments
-from pyro_fa.fa.normal import StableLowRankMultivariateNormal
+from pyro_fa.distributions import StableLowRankMultivariateNormal
 
 __all__ = ["OnlineFactorAnalysis"]
 
@@ -165,7 +165,7 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
         all-reduce of :math:`K + K^2` numbers (and a few per rank) per EM update. The ranks must
         pass the same arguments (checked at construction: a mismatch raises on every rank) and
         call ``update``, ``log_prob``, ``sample`` and ``load_state_dict`` together;
-        ``cov_factor``, ``cov_diag``, ``loc`` are this rank's rows, :meth:`distribution` a
+        ``cov_factor``, ``cov_diag``, ``loc`` are this rank's rows, :meth:`get_posterior` a
         :class:`~pyro_fa.distributed.ShardedLowRankNormal`.
     shard : (int, int), optional
         With ``process_group``: this rank's rows ``(lo, hi)``, which must tile ``[0, dim)`` in
@@ -211,7 +211,7 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
     >>> fa.update(torch.randn(200, 5, dtype=torch.float64))
     >>> fa.cov_factor.shape, fa.n_updates
     (torch.Size([5, 2]), 200)
-    >>> fa.distribution().event_shape
+    >>> fa.get_posterior().event_shape
     torch.Size([5])
     """
 
@@ -409,16 +409,16 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
                 f"{type(self).__name__}: {what} needs at least one update, got none. Call update(x) first."
             )
 
-    def distribution(self) -> LowRankMultivariateNormal:
+    def get_posterior(self) -> LowRankMultivariateNormal:
         r"""The fitted Gaussian :math:`N(c, FF^\top + \Psi)`.
 
         Returns
         -------
         torch.distributions.LowRankMultivariateNormal
-            A :class:`~pyro_fa.fa.normal.StableLowRankMultivariateNormal`, whose capacitance is
+            A :class:`~pyro_fa.distributions.StableLowRankMultivariateNormal`, whose capacitance is
             formed in float64 (torch's float32 one fails when :math:`\psi` is tiny against :math:`F`).
         """
-        self._check_fitted("distribution()")
+        self._check_fitted("get_posterior()")
         F, psi = self._estimate()
         if self._sharding is not None:
             return ShardedLowRankNormal(self.loc, F, psi, self._sharding)
@@ -438,21 +438,21 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
         if x.dtype != self.loc.dtype:
             raise TypeError(f"{type(self).__name__}: x must have dtype {self.loc.dtype} like the model state, got "
                             f"{x.dtype}. Convert x (x.to({self.loc.dtype})) or call .to({x.dtype}) on the model.")
-        return self.distribution().log_prob(x)
+        return self.get_posterior().log_prob(x)
 
     def sample(self, n: int = 1) -> Tensor:
         """Draw ``n`` vectors from the fitted Gaussian, a tensor of shape (n, D)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{type(self).__name__}: n must be a positive integer, got {n!r}.")
-        return self.distribution().sample((n,))
+        return self.get_posterior().sample((n,))
 
     def covariance(self) -> Tensor:
         r"""The dense :math:`D\times D` covariance :math:`FF^\top+\Psi` (small D only)."""
         if self._sharding is not None:
             raise RuntimeError(f"{type(self).__name__}: covariance() needs the whole D x D matrix, got a model "
-                               "sharded over a process group. Use distribution().marginal() for this rank's block.")
+                               "sharded over a process group. Use get_posterior().marginal() for this rank's block.")
         linalg.check_dense_dim(type(self).__name__, "covariance()", self.dim, self.loc.dtype,
-                               "Use distribution() (a LowRankMultivariateNormal) instead.", argument="dim")
+                               "Use get_posterior() (a LowRankMultivariateNormal) instead.", argument="dim")
         self._check_fitted("covariance()")
         F, psi = self._estimate()
         return linalg.dense_covariance(F, psi)

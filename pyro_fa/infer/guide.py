@@ -9,12 +9,14 @@ from typing import Callable, Optional
 import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
+from pyro.distributions.torch_distribution import TorchDistributionMixin
 from pyro.infer.autoguide import AutoContinuous
 from pyro.infer.autoguide.initialization import init_to_median, init_to_value
 from pyro.nn import PyroParam
 from torch import Tensor, nn
 
 from pyro_fa._validation import positive_float
+from pyro_fa.distributions import StableLowRankMultivariateNormal
 from pyro_fa.fa.linalg import orthogonal_init
 from pyro_fa.infer._guide_state import _GuideStateMixin
 from pyro_fa.infer.transforms import LowRankAffine
@@ -22,6 +24,16 @@ from pyro_fa.infer.transforms import LowRankAffine
 __all__ = ["AutoLowRankFactorGuide"]
 
 _NOISE_OPTIONS = ("diagonal", "isotropic")
+
+
+class FactorLowRankMultivariateNormal(StableLowRankMultivariateNormal, TorchDistributionMixin):
+    """:class:`~pyro_fa.distributions.StableLowRankMultivariateNormal` as a Pyro distribution (``pyro.sample``,
+    ``to_event``, ``mask``), as :class:`pyro.distributions.LowRankMultivariateNormal` wraps torch's class: what
+    :meth:`AutoLowRankFactorGuide.get_posterior` returns."""
+
+    def expand(self, batch_shape, _instance=None):
+        new = self._get_checked_instance(FactorLowRankMultivariateNormal, _instance)
+        return super().expand(batch_shape, _instance=new)
 
 
 class AutoLowRankFactorGuide(_GuideStateMixin, AutoContinuous):
@@ -320,14 +332,16 @@ class AutoLowRankFactorGuide(_GuideStateMixin, AutoContinuous):
         self._check_setup("cov_diag")
         return self._scale_vector().pow(2)
 
-    def get_posterior(self, *args, **kwargs) -> dist.LowRankMultivariateNormal:
+    def get_posterior(self, *args, **kwargs) -> "FactorLowRankMultivariateNormal":
         """The guide's :math:`q(\\theta)` over the packed unconstrained latent vector.
 
         Returns
         -------
-        pyro.distributions.LowRankMultivariateNormal
-            ``LowRankMultivariateNormal(loc, cov_factor, cov_diag)`` with
-            ``loc`` of shape (D,), ``cov_factor`` (D, K), ``cov_diag`` (D,).
+        FactorLowRankMultivariateNormal
+            The family's covariance form :math:`N(c, FF^\\top + \\psi)`
+            (:class:`~pyro_fa.distributions.StableLowRankMultivariateNormal`, capacitance in float64) as a Pyro
+            distribution (what the guide samples its latent vector from), ``loc`` of shape (D,),
+            ``cov_factor`` (D, K), ``cov_diag`` (D,).
 
         Raises
         ------
@@ -336,7 +350,7 @@ class AutoLowRankFactorGuide(_GuideStateMixin, AutoContinuous):
         """
         self._check_setup("get_posterior()")
         scale = self._scale_vector()
-        return dist.LowRankMultivariateNormal(self.loc, self.factor * scale.unsqueeze(-1), scale * scale)
+        return FactorLowRankMultivariateNormal(self.loc, self.factor * scale.unsqueeze(-1), scale * scale)
 
     def get_base_dist(self) -> dist.Distribution:
         """The standard normal :math:`N(0, I_D)` that :meth:`get_transform` maps onto :math:`q`.

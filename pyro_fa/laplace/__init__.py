@@ -18,7 +18,7 @@ r"""Laplace approximation with a factor-analysis curvature: the third way to a l
 from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_network, select_parameters
 from pyro_fa.laplace.laplace import LIKELIHOODS, FactorLaplace
 from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
-from pyro_fa.laplace.posterior import BlockLowRankPrecisionNormal, LowRankPrecisionNormal
+from pyro_fa.distributions import BlockLowRankPrecisionNormal, LowRankPrecisionNormal
 from pyro_fa.laplace._sharded import ShardedLowRankPrecisionNormal
 from pyro_fa.laplace.pyro_guide import PyroFactorLaplace
 

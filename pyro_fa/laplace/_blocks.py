@@ -14,7 +14,7 @@ its own rank :math:`K_b`. The curvature is then block diagonal,
 
 but :math:`F` is never formed: each :math:`F_b` is held on its own (:func:`assemble`,
 :class:`~pyro_fa.laplace._fitted_state.FittedState`), the posterior is a
-:class:`~pyro_fa.laplace.posterior.BlockLowRankPrecisionNormal` (one capacitance per block,
+:class:`~pyro_fa.distributions.BlockLowRankPrecisionNormal` (one capacitance per block,
 :math:`O(\sum_b D_bK_b^2)`) and the GLM predictive takes the factor by blocks, so everything downstream (marginal
 likelihood, prior precision, sampling, ``state_dict``) gives the dense layout's numbers in
 :math:`O(\sum_b D_bK_b)` memory instead of :math:`O(D\sum_b K_b)`. KFAC's block structure (Ritter, Botev & Barber, *A scalable Laplace approximation for neural

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from pyro_fa.fa.moments import wide_dtype
-from pyro_fa.laplace.posterior import _woodbury_quadratic
+from pyro_fa.distributions.precision import woodbury_quadratic as _woodbury_quadratic
 
 __all__ = ["ShardedLowRankPrecisionNormal", "all_reduce_sum", "replicated", "make_laplace_sharding",
            "sharded_glm_moments"]
@@ -96,7 +96,7 @@ def make_laplace_sharding(process_group, dim: int, owner: str):
 class ShardedLowRankPrecisionNormal:
     r"""This rank's rows of :math:`N(\mu, P^{-1})`, :math:`P = \mathrm{diag}(a) + UU^\top`, over a sharded :math:`\theta`.
 
-    The algebra of :class:`~pyro_fa.laplace.posterior.LowRankPrecisionNormal` with its sums over :math:`D`
+    The algebra of :class:`~pyro_fa.distributions.LowRankPrecisionNormal` with its sums over :math:`D`
     all-reduced; every method that needs one is collective (all ranks call it, with the same arguments).
 
     Parameters

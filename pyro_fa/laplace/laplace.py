@@ -12,8 +12,8 @@ the Laplace approximation is
 
 with :math:`\delta` the prior precision (a scalar, or one per parameter tensor) and :math:`\sigma` the
 noise of a Gaussian likelihood (:math:`\sigma = 1` for classification). The posterior is a
-:class:`~pyro_fa.laplace.posterior.LowRankPrecisionNormal` (a
-:class:`~pyro_fa.laplace.posterior.BlockLowRankPrecisionNormal` with a rank per layer): :math:`O(DK)` memory and
+:class:`~pyro_fa.distributions.LowRankPrecisionNormal` (a
+:class:`~pyro_fa.distributions.BlockLowRankPrecisionNormal` with a rank per layer): :math:`O(DK)` memory and
 no :math:`D\times D` tensor. The verbs are laplace-torch's (Daxberger et al., *Laplace Redux — effortless Bayesian deep learning*,
 NeurIPS 2021): ``fit``, ``log_marginal_likelihood``, ``optimize_prior_precision``, ``predict_proba`` /
 ``predict`` (the GLM predictive of Immer, Korzepa & Bauer, *Improving predictions of Bayesian neural nets via
@@ -32,7 +32,7 @@ from pyro_fa.laplace._fitted_state import FittedState
 from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_network, select_parameters
 from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
 from pyro_fa.laplace._prior import PriorPrecisionSelection, positive_int as _positive_int, show as _show
-from pyro_fa.laplace.posterior import BlockLowRankPrecisionNormal, LowRankPrecisionNormal
+from pyro_fa.distributions import BlockLowRankPrecisionNormal, LowRankPrecisionNormal
 from pyro_fa.laplace._sharded import ShardedLowRankPrecisionNormal, make_laplace_sharding, sharded_glm_moments
 from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_moments, probit_proba
 
@@ -72,7 +72,7 @@ class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
         order (``rank=[400, 100, 100]``), or a dict from those modules' names in ``model.named_modules()``
         (``{"linear1": 400, ...}``): each block's curvature fitted on its own (one pass over the data for all),
         block diagonal, each block's :math:`F_b` (D_b, K_b) held on its own (:attr:`block_factors`), the
-        posterior a :class:`~pyro_fa.laplace.posterior.BlockLowRankPrecisionNormal`: memory
+        posterior a :class:`~pyro_fa.distributions.BlockLowRankPrecisionNormal`: memory
         :math:`O(\sum_b D_bK_b)` and :math:`O(\sum_b D_bK_b^2)` time instead of the total rank's; ``"auto"``:
         ``rank_budget`` columns allocated over the blocks by the fitted spectrum (each fitted at ``rank_max``
         first). See :mod:`pyro_fa.laplace._blocks`; attribute ``block_ranks``. Not with a ``process_group``.
@@ -427,40 +427,51 @@ class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
             return ShardedLowRankPrecisionNormal(self.loc.clone(), prec_factor, prec_diag, self._sharding)
         return LowRankPrecisionNormal(self.loc.clone(), prec_factor, prec_diag)
 
-    @property
-    def posterior(self) -> Union[LowRankPrecisionNormal, BlockLowRankPrecisionNormal, ShardedLowRankPrecisionNormal]:
+    def get_posterior(self) -> Union[LowRankPrecisionNormal, BlockLowRankPrecisionNormal, ShardedLowRankPrecisionNormal]:
         r"""The Laplace approximation :math:`N(\theta_*, P^{-1})` at the current prior precision and noise.
 
         A snapshot: its tensors share no storage with this object's buffers, so a later :meth:`fit`,
         :meth:`optimize_prior_precision` or :meth:`load_state_dict` leaves a posterior already taken as it was.
+
+        Returns
+        -------
+        FactorNormal
+            A :class:`~pyro_fa.distributions.LowRankPrecisionNormal`; with a rank per layer a
+            :class:`~pyro_fa.distributions.BlockLowRankPrecisionNormal`; under a ``process_group`` this rank's rows
+            (:class:`~pyro_fa.laplace.ShardedLowRankPrecisionNormal`).
+
+        Raises
+        ------
+        RuntimeError
+            Before :meth:`fit`.
         """
-        self._check_fitted("posterior")
+        self._check_fitted("get_posterior()")
         return self._posterior()
 
     @property
     def posterior_variance(self) -> Tensor:
         """Marginal variances of the weights, shape (D,) (this rank's (D_r,) when sharded; collective)."""
-        return self.posterior.variance
+        return self.get_posterior().variance
 
-    def sample(self, n_samples: int = 100, generator: Optional[torch.Generator] = None) -> Tensor:
-        """Weight vectors drawn from the Laplace approximation, shape (n_samples, D); ``generator`` on any device.
+    def sample(self, num_samples: Optional[int] = None, *, generator: Optional[torch.Generator] = None) -> Tensor:
+        """Weight vectors drawn from the Laplace approximation, shape (num_samples, D), or (D,) for ``None``.
 
-        Sharded: this rank's rows of the draws, (n_samples, D_r), one draw of the whole vector over the ranks
-        (collective; ``generator`` is rank 0's)."""
-        _positive_int(type(self).__name__, "n_samples", n_samples)
-        if self._sharding is not None:
-            return self.posterior.rsample((n_samples,), generator=generator)
-        if generator is not None:
-            with torch.random.fork_rng(devices=[self.loc.device] if self.loc.is_cuda else []):
-                torch.manual_seed(int(torch.randint(2 ** 62, (), generator=generator, device=generator.device)))
-                return self.posterior.rsample((n_samples,))
-        return self.posterior.rsample((n_samples,))
+        ``get_posterior().rsample``: ``generator`` (on any device) gives the draws, the global generator is untouched;
+        without one the global generator's. Sharded: this rank's rows of the draws, (num_samples, D_r), one draw of
+        the whole vector over the ranks (collective; ``generator`` is rank 0's).
+        """
+        if num_samples is not None:
+            _positive_int(type(self).__name__, "num_samples", num_samples)
+        self._check_fitted("sample()")
+        shape = (1,) if num_samples is None else (num_samples,)
+        out = self.get_posterior().rsample(shape, generator=generator)
+        return out[0] if num_samples is None else out
 
     # ------------------------------------------------------------------ predictives
     def _glm_moments(self, x: Tensor):
         if self._sharding is not None:  # refused before any collective, as linearized_moments refuses it
             check_eval_mode(type(self).__name__, self.model, "model")
-        post = self.posterior
+        post = self.get_posterior()
         if self._sharding is not None:
             # the whole linearisation point (D numbers, gathered) and each rank's rows of the posterior
             return sharded_glm_moments(self._f, self._sharding.all_gather(self.loc), x, post, self.chunk_size)
@@ -469,7 +480,7 @@ class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
                                   factor_sign=-1.0, chunk_size=self.chunk_size, params=self._params)
 
     def _sampled_outputs(self, x: Tensor, n_samples: int) -> Tensor:
-        thetas = self.posterior.rsample((n_samples,))
+        thetas = self.get_posterior().rsample((n_samples,))
         with torch.no_grad():  # sharded: one whole weight vector at a time gathered from the ranks' rows
             gather = (lambda t: t) if self._sharding is None else self._sharding.all_gather
             outs = [self._f(gather(t), x) for t in thetas]

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from pyro_fa.laplace.moment import fit_second_moment
-from pyro_fa.laplace.posterior import LowRankPrecisionNormal
+from pyro_fa.distributions import LowRankPrecisionNormal
 from pyro_fa.swag.guide import FactorPosteriorGuide
 
 __all__ = ["PyroFactorLaplace"]
@@ -88,7 +88,7 @@ class PyroFactorLaplace:
         self._source = _FromParamStore()
         self._names: Optional[List[str]] = None
         self._shapes: Optional[List[torch.Size]] = None
-        self.posterior: Optional[LowRankPrecisionNormal] = None
+        self._posterior: Optional[LowRankPrecisionNormal] = None
 
     # ------------------------------------------------------------------ the protocol of FactorPosteriorGuide
     def site_names(self) -> List[str]:
@@ -99,24 +99,30 @@ class PyroFactorLaplace:
     def _split(self, theta: Tensor) -> List[Tensor]:
         return list(theta.split([s.numel() for s in self._shapes]))
 
-    def sample_parameters(self, num_samples: Optional[int] = None,
-                          generator: Optional[torch.Generator] = None) -> Tensor:
+    def get_posterior(self) -> LowRankPrecisionNormal:
+        r"""The Laplace approximation :math:`N(u_*, P^{-1})` over the unconstrained latent vector (D,).
+
+        Raises
+        ------
+        RuntimeError
+            Before :meth:`fit`.
+        """
+        self._check_fitted("get_posterior()")
+        return self._posterior
+
+    def sample(self, num_samples: Optional[int] = None, *, generator: Optional[torch.Generator] = None) -> Tensor:
         """Unconstrained draws, shape (D,) (``num_samples=None``) or (num_samples, D).
 
-        With a ``generator`` the draws are its (the global generator untouched); without one, the global's.
+        ``get_posterior().rsample``: with a ``generator`` (on any device) the draws are its (the global generator
+        untouched); without one, the global's.
         """
-        self._check_fitted("sample_parameters()")
+        self._check_fitted("sample()")
         if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
                                         or num_samples < 1):
             raise ValueError(f"{type(self).__name__}: num_samples must be an integer >= 1 or None, got "
                              f"{num_samples!r}.")
         shape = () if num_samples is None else (num_samples,)
-        if generator is None:
-            return self.posterior.rsample(shape)
-        device = self.loc.device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(int(torch.randint(2 ** 62, (), generator=generator, device=generator.device)))
-            return self.posterior.rsample(shape)
+        return self._posterior.rsample(shape, generator=generator)
 
     def to_guide(self, model: Optional[Callable] = None) -> FactorPosteriorGuide:
         """A guide for ``pyro.infer.Predictive(model, guide=..., num_samples=S)`` drawing the latent sites."""
@@ -124,7 +130,7 @@ class PyroFactorLaplace:
         return FactorPosteriorGuide(self.model if model is None else model, [self])
 
     def _check_fitted(self, what: str) -> None:
-        if self.posterior is None:
+        if self._posterior is None:
             raise RuntimeError(f"{type(self).__name__}: {what} needs fit(*args, **kwargs) first.")
 
     # ------------------------------------------------------------------ fit
@@ -211,5 +217,5 @@ class PyroFactorLaplace:
                              f"minimum of {float(prec_diag.min())!r}; the prior is not log-concave at the MAP.")
         self._names, self._shapes, self.fit_info = names, shapes, fit_info
         self.loc, self.cov_factor, self.cov_diag, self.prior_curvature = u_star, F, psi, h
-        self.posterior = LowRankPrecisionNormal(u_star, F, prec_diag)
+        self._posterior = LowRankPrecisionNormal(u_star, F, prec_diag)
         return self

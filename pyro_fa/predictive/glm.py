@@ -202,7 +202,7 @@ def linearized_moments(module: nn.Module, loc: Tensor, inputs: Union[Tensor, Tup
     cov_factor : Tensor of shape (D, K), or sequence of (int, int, Tensor)
         :math:`F`; ``K`` may be 0 (a diagonal :math:`\Sigma`). Or by blocks, ``[(lo, hi, F_b), ...]`` with
         ``F_b`` of shape (hi - lo, K_b): :math:`F` is their columns, each zero outside its rows ``[lo, hi)``
-        (e.g. :attr:`~pyro_fa.laplace.posterior.BlockLowRankPrecisionNormal.cov_factors`), never formed:
+        (e.g. :attr:`~pyro_fa.distributions.BlockLowRankPrecisionNormal.cov_factors`), never formed:
         :math:`J_xF_b` is contracted from the Jacobian's columns ``[lo, hi)`` (which the diagonal part computes
         anyway), :math:`O(C\sum_b D_bK_b)` per example instead of :math:`\sum_b K_b` forward-mode products.
     factor_sign : {1.0, -1.0}, default 1.0

@@ -302,7 +302,7 @@ class IterateCollector:
         Parameters
         ----------
         theta : Tensor of shape (D,), optional
-            The weights to load; default one draw of :meth:`sample_parameters`.
+            The weights to load; default one draw of :meth:`sample`.
         loader : iterable, optional
             Training batches: batch-norm statistics are recomputed for the
             sampled weights by ``torch.optim.swa_utils.update_bn`` (module only).
@@ -317,7 +317,7 @@ class IterateCollector:
         cls = type(self).__name__
         theta = self._full_theta(theta)  # sharded: this rank's rows (e.g. swag.loc) are gathered
         if theta is None:
-            theta = self.sample_parameters(generator=generator)
+            theta = self.sample(generator=generator)
         elif not torch.is_tensor(theta) or theta.shape != (self.dim,):
             raise ValueError(f"{cls}: theta must be a tensor of shape ({self.dim},), got {theta!r}.")
         module = self._source.module

@@ -2,7 +2,7 @@ r"""SWAG's predictions: sampled networks or the linearised (GLM) network, model 
 
 A mixin of :class:`~pyro_fa.swag.SWAG` (kept apart so that the posterior's state and collection stay
 readable): every method reads the posterior through ``loc``, ``cov_factor``, ``cov_diag``, ``scale``,
-``sample_parameters`` and the parameter source, and predicts through :mod:`pyro_fa.predictive`.
+``sample`` and the parameter source, and predicts through :mod:`pyro_fa.predictive`.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class SWAGPrediction:
     """Prediction methods of :class:`~pyro_fa.swag.SWAG` (see there)."""
 
     def predictive(self, loader=None, pred_type: str = "nn") -> SampledPredictive:
-        r"""This posterior's predictive: draws of :meth:`sample_parameters` run in the module, or in its linearisation.
+        r"""This posterior's predictive: draws of :meth:`sample` run in the module, or in its linearisation.
 
         Parameters
         ----------
@@ -61,7 +61,7 @@ class SWAGPrediction:
             with self.sampled_weights(theta, loader=loader):
                 yield module
 
-        return SampledPredictive(lambda S, generator: self.sample_parameters(S, generator=generator), network,
+        return SampledPredictive(lambda S, generator: self.sample(S, generator=generator), network,
                                  module=module, loc=self.loc, deviations=self._scale_search_deviations)
 
     def _glm_params(self, what: str):
@@ -84,7 +84,7 @@ class SWAGPrediction:
                 with self.sampled_weights(loc, loader=loader):
                     yield linearized_network(module, loc, theta, params)
 
-        return SampledPredictive(lambda S, generator: self.sample_parameters(S, generator=generator), network,
+        return SampledPredictive(lambda S, generator: self.sample(S, generator=generator), network,
                                  module=module, loc=self.loc, deviations=self._scale_search_deviations)
 
     def linearized_moments(self, *args, chunk_size: Optional[int] = None,
@@ -187,7 +187,7 @@ class SWAGPrediction:
         if module is None:
             raise RuntimeError(f"{cls}: predict() needs a SWAG built from an nn.Module; use to_guide() with "
                                "pyro.infer.Predictive for Pyro models.")
-        thetas = self.sample_parameters(num_samples, generator=generator)
+        thetas = self.sample(num_samples, generator=generator)
         return self.predictive(loader).average(thetas, *args, fn=fn, **kwargs)
 
     @torch.no_grad()
@@ -204,7 +204,7 @@ class SWAGPrediction:
         if self._source.module is None:
             raise RuntimeError(f"{cls}: predictive_samples() needs a SWAG built from an nn.Module; use to_guide() "
                                "with pyro.infer.Predictive for Pyro models.")
-        thetas = self.sample_parameters(num_samples, generator=generator)
+        thetas = self.sample(num_samples, generator=generator)
         return self.predictive(pred_type=pred_type).outputs(thetas, *args, fn=fn, **kwargs)
 
     def predict_proba(self, *args, num_samples: int = 30, generator: Optional[torch.Generator] = None,
@@ -245,7 +245,7 @@ class SWAGPrediction:
             return probit_proba(*self.linearized_moments(*args, chunk_size=chunk_size, diagonal=True))
         if pred_type == "glm":
             _positive_int(type(self).__name__, "num_samples", num_samples)
-            thetas = self.sample_parameters(num_samples, generator=generator)
+            thetas = self.sample(num_samples, generator=generator)
             return self.predictive(pred_type="glm").average(thetas, *args, fn=lambda z: z.softmax(-1), **kwargs)
         return self.predict(*args, num_samples=num_samples, fn=lambda z: z.softmax(-1), generator=generator,
                             **kwargs)

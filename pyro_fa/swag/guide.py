@@ -70,7 +70,7 @@ class FactorPosteriorGuide:
             member = self.members[0]
         else:
             member = self.members[int(torch.randint(len(self.members), ()))]
-        theta = member.sample_parameters()
+        theta = member.sample()
         out = {}
         for name, value in zip(member.site_names(), member._split(theta)):
             value = value.reshape(self._shapes[name])

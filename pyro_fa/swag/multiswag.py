@@ -15,10 +15,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.distributions import Categorical, MixtureSameFamily
+from torch.distributions import Categorical
 from pyro_fa import _random
 
-from pyro_fa.fa.normal import StableLowRankMultivariateNormal
+from pyro_fa.distributions import FactorNormalMixture, PointMassNormal, StableLowRankMultivariateNormal
 from pyro_fa.predictive import bma_log_likelihood, check_pred_type, log_mean_exp, tune_scale
 from pyro_fa.swag.guide import FactorPosteriorGuide
 from pyro_fa.swag.swag import SWAG
@@ -136,31 +136,54 @@ class MultiSWAG(nn.Module):
                           noise_std=noise_std, seed=seed, rule=rule, fraction=fraction, num_se=num_se, widen=widen,
                           pred_type=pred_type, temperature=temperature)
 
-    def distribution(self) -> MixtureSameFamily:
-        """The mixture over the flattened parameters, a ``MixtureSameFamily`` of LowRankMultivariateNormals
-        (:class:`~pyro_fa.fa.normal.StableLowRankMultivariateNormal`: the capacitance in float64)."""
-        dists = [m.distribution() for m in self.members]
-        comp = StableLowRankMultivariateNormal(
-            torch.stack([d.loc for d in dists]),
-            torch.stack([d.cov_factor for d in dists]),
-            torch.stack([d.cov_diag for d in dists]),
-        )
+    def get_posterior(self) -> FactorNormalMixture:
+        """The equally weighted mixture of the members' :meth:`SWAG.get_posterior` over the flattened parameters.
+
+        Returns
+        -------
+        FactorNormalMixture
+            Its components one batched :class:`~pyro_fa.distributions.StableLowRankMultivariateNormal` (the
+            capacitance in float64), or at scale 0 one batched :class:`~pyro_fa.distributions.PointMassNormal`
+            (the mixture of the members' means).
+
+        Raises
+        ------
+        ValueError
+            If some members are at scale 0 and others not (one batched form holds all components).
+        """
+        dists = [m.get_posterior() for m in self.members]
+        points = [isinstance(d, PointMassNormal) for d in dists]
+        if any(points) and not all(points):
+            raise ValueError(f"{type(self).__name__}: the members' scales must be all 0 or all > 0 for get_posterior(), "
+                             f"got {[m.scale for m in self.members]!r}. Set MultiSWAG.scale.")
+        if all(points):
+            comp = PointMassNormal(torch.stack([d.loc for d in dists]))
+        else:
+            comp = StableLowRankMultivariateNormal(
+                torch.stack([d.loc for d in dists]),
+                torch.stack([d.cov_factor for d in dists]),
+                torch.stack([d.cov_diag for d in dists]),
+            )
         logits = comp.loc.new_zeros(len(dists))
-        return MixtureSameFamily(Categorical(logits=logits), comp)
+        return FactorNormalMixture(Categorical(logits=logits), comp)
 
     @torch.no_grad()
-    def sample_parameters(self, num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
-        """Draw (num_samples, D) vectors: members chosen uniformly, then a draw from each chosen member."""
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"{type(self).__name__}: num_samples must be an integer >= 1, got {num_samples!r}.")
+    def sample(self, num_samples: Optional[int] = None, *, generator: Optional[torch.Generator] = None) -> Tensor:
+        """Draw flattened parameter vectors: members chosen uniformly, then a draw of each chosen member's
+        :meth:`SWAG.sample`; shape (num_samples, D), or (D,) for ``num_samples=None``."""
+        if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
+                                        or num_samples < 1):
+            raise ValueError(f"{type(self).__name__}: num_samples must be an integer >= 1 or None, got "
+                             f"{num_samples!r}.")
+        S = 1 if num_samples is None else num_samples
         ref = self.members[0].loc
-        idx = _random.randint(len(self.members), (num_samples,), generator, ref.device)
-        out = ref.new_empty(num_samples, ref.shape[0])
+        idx = _random.randint(len(self.members), (S,), generator, ref.device)
+        out = ref.new_empty(S, ref.shape[0])
         for m, member in enumerate(self.members):
             rows = (idx == m).nonzero().flatten()
             if rows.numel():
-                out[rows] = member.sample_parameters(rows.numel(), generator=generator)
-        return out
+                out[rows] = member.sample(rows.numel(), generator=generator)
+        return out[0] if num_samples is None else out
 
     @torch.no_grad()
     def predict(self, *args, num_samples: int = 30, fn=None, loader=None, pred_type: str = "nn", noise_std=None,

@@ -20,10 +20,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Type, Uni
 
 import torch
 from torch import Tensor, nn
-from torch.distributions import LowRankMultivariateNormal
 
 from pyro_fa.fa._sharded_normal import ShardedLowRankNormal
-from pyro_fa.fa.normal import StableLowRankMultivariateNormal
+from pyro_fa.distributions import FactorNormal, PointMassNormal, StableLowRankMultivariateNormal
 from pyro_fa.predictive import tune_scale
 from pyro_fa.swag._classic import ClassicFit
 from pyro_fa.swag._collect import IterateCollector
@@ -141,7 +140,7 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         process group of a ``DistributedDataParallel`` model, else none. The weights are
         replicated, so each rank collects only its rows of :math:`\theta` (once per step, memory
         :math:`O(DK/W)` per rank); ``loc``, ``cov_factor``, ``cov_diag`` are this rank's rows,
-        :meth:`sample_parameters`, :meth:`predict` and :meth:`sampled_weights` assemble whole
+        :meth:`sample`, :meth:`predict` and :meth:`sampled_weights` assemble whole
         vectors (an all-gather) and agree on every rank. Collection and sampling are
         collective: every rank steps and predicts together (as DDP trains). The ranks must
         pass the same arguments and models (checked at construction: a mismatch raises on
@@ -211,7 +210,7 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
     >>> handle = swag.attach(opt)
     >>> for _ in range(5):
     ...     opt.zero_grad(); net(torch.randn(8, 3)).pow(2).mean().backward(); opt.step()
-    >>> swag.n_collected, swag.sample_parameters(4).shape
+    >>> swag.n_collected, swag.sample(4).shape
     (5, torch.Size([4, 4]))
     """
 
@@ -346,21 +345,32 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         r""":math:`\psi`, shape (D,) (for ``"swag"``: half the running variances, floored)."""
         return self._fit.cov_diag(self)
 
-    def distribution(self) -> LowRankMultivariateNormal:
-        r"""The posterior :math:`N(c, s(FF^\top + \Psi))` over the flattened parameters, :math:`s` = :attr:`scale`."""
-        self._check_ready("distribution()")
-        if self._scale == 0.0:
-            raise RuntimeError(f"{type(self).__name__}: distribution() at scale 0 is a point mass at loc, which "
-                               "LowRankMultivariateNormal cannot represent; use loc (sample_parameters returns it "
-                               "at scale 0) or set scale > 0.")
+    def get_posterior(self) -> FactorNormal:
+        r"""The posterior :math:`N(c, s(FF^\top + \Psi))` over the flattened parameters, :math:`s` = :attr:`scale`.
+
+        Returns
+        -------
+        FactorNormal
+            A :class:`~pyro_fa.distributions.StableLowRankMultivariateNormal` (the capacitance in float64: torch's
+            float32 one fails when :math:`\psi` is tiny against :math:`F`); at scale 0 the point mass at
+            :attr:`loc` (:class:`~pyro_fa.distributions.PointMassNormal`); under a ``process_group`` this rank's rows
+            (:class:`~pyro_fa.fa._sharded_normal.ShardedLowRankNormal`, whose log_prob, entropy and sample are
+            collective).
+
+        Raises
+        ------
+        RuntimeError
+            Before anything was collected.
+        """
+        self._check_ready("get_posterior()")
+        s = self._scale
+        if s == 0.0:
+            return PointMassNormal(self.loc)
         if self._sharding is not None:  # this rank's rows; log_prob, entropy and sample are collective
-            s = self._scale
             return ShardedLowRankNormal(self.loc, self.cov_factor * math.sqrt(s), self.cov_diag * s, self._sharding)
-        # the capacitance in float64: torch's float32 one fails when psi is tiny against F (large D)
-        if self._scale == 1.0:
+        if s == 1.0:
             return StableLowRankMultivariateNormal(self.loc, self.cov_factor, self.cov_diag)
-        return StableLowRankMultivariateNormal(self.loc, self.cov_factor * math.sqrt(self._scale),
-                                               self.cov_diag * self._scale)
+        return StableLowRankMultivariateNormal(self.loc, self.cov_factor * math.sqrt(s), self.cov_diag * s)
 
     @property
     def scale(self) -> float:
@@ -369,9 +379,10 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         The fitted :math:`F, \psi` describe the spread of the optimizer's iterates, which is
         set by its learning rate and batch size, not by the posterior (Mandt, Hoffman & Blei
         2017); Maddox et al. (2019) sample with a scale chosen on validation data.
-        :meth:`tune_scale` chooses it by the validation log-likelihood; :meth:`distribution`
+        :meth:`tune_scale` chooses it by the validation log-likelihood; :meth:`get_posterior`
         and every sampling method use it. Default 1 (the iterates' own spread). Scale 0 is
-        the mean (SWA): samples are :math:`c`, and :meth:`distribution` raises (a point mass).
+        the mean (SWA): samples are :math:`c`, and :meth:`get_posterior` is the point mass at :math:`c`
+        (:class:`~pyro_fa.distributions.PointMassNormal`).
         """
         return self._scale
 
@@ -408,10 +419,12 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         return eps.mul_(self.cov_diag.sqrt()).add_(self._fit.low_rank(self, h))
 
     @torch.no_grad()
-    def sample_parameters(self, num_samples: Optional[int] = None, generator: Optional[torch.Generator] = None) -> Tensor:
+    def sample(self, num_samples: Optional[int] = None, *, generator: Optional[torch.Generator] = None) -> Tensor:
         r"""Draw flattened parameter vectors :math:`c + \sqrt{s}(Fh + \Psi^{1/2}\varepsilon)`, never forming a D×D matrix.
 
-        :math:`s` is :attr:`scale`.
+        :math:`s` is :attr:`scale` (at scale 0 every draw is :attr:`loc`); the same random numbers, in the same
+        order, as ``get_posterior().sample((num_samples,), generator=generator)`` with a ``generator``, so the same
+        draws up to rounding.
 
         Parameters
         ----------
@@ -422,7 +435,7 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         """
         if num_samples is not None:
             _positive_int(type(self).__name__, "num_samples", num_samples)
-        self._check_ready("sample_parameters()")
+        self._check_ready("sample()")
         S = 1 if num_samples is None else num_samples
         out = self._deviations(S, generator)
         if self._scale != 1.0:

@@ -81,7 +81,7 @@ def _swag_predict(swags: Dict[int, object], model: BatchedVI, data: SplitData, r
     theta = []
     for members in replicas:
         per = max(1, num_samples // len(members))
-        draws = [swags[r].sample_parameters(per, generator=generator) for r in members]
+        draws = [swags[r].sample(per, generator=generator) for r in members]
         theta.append(torch.cat(draws)[:num_samples] if len(members) > 1 else draws[0])
     theta = torch.stack(theta, 1)  # (S, R_out, D)
     x = data.x_eval[[m[0] for m in replicas]]

@@ -17,21 +17,22 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
-from torch.distributions import Distribution, constraints
+from torch.distributions import constraints
 from torch.distributions.utils import lazy_property
 
-from pyro_fa.fa.linalg import check_dense_dim
-from pyro_fa.fa.moments import wide_dtype
+from pyro_fa import _random
+from pyro_fa.distributions.base import FactorNormal
+from pyro_fa.distributions.numerics import check_dense_dim, wide_dtype
 
-__all__ = ["LowRankPrecisionNormal", "BlockLowRankPrecisionNormal"]
+__all__ = ["LowRankPrecisionNormal", "BlockLowRankPrecisionNormal", "woodbury_quadratic"]
 
 
-class _PrecisionNormal(Distribution):
+class _PrecisionNormal(FactorNormal):
     r"""What a Gaussian :math:`N(\mu, P^{-1})` given by its precision's factors shares: the moments, the log-density
-    from :meth:`log_det_precision` and a :meth:`_precision_quadratic`, the entropy; no batch shapes."""
+    from :meth:`log_det_precision` and a :meth:`_precision_quadratic`, the entropy; no batch shapes. In the family's
+    terms :math:`\Sigma = \mathrm{diag}(1/a) - BB^\top` (:attr:`factor_sign` = -1)."""
 
-    support = constraints.real_vector
-    has_rsample = True
+    factor_sign = -1.0
 
     @property
     def mean(self) -> Tensor:
@@ -64,7 +65,7 @@ class LowRankPrecisionNormal(_PrecisionNormal):
     The counterpart of :class:`torch.distributions.LowRankMultivariateNormal` (low-rank plus diagonal
     *covariance*) for a Laplace approximation, whose curvature, not covariance, is fitted by factor
     analysis. The capacitance :math:`C = I + U^\top A^{-1}U` is formed and factorised in float64 (as
-    :class:`pyro_fa.fa.normal.StableLowRankMultivariateNormal` does), so float32 states stay well
+    :class:`~pyro_fa.distributions.StableLowRankMultivariateNormal` does), so float32 states stay well
     conditioned.
 
     .. math::
@@ -150,7 +151,7 @@ class LowRankPrecisionNormal(_PrecisionNormal):
 
     @property
     def covariance_matrix(self) -> Tensor:
-        r"""The dense :math:`P^{-1}`, shape (D, D); refused past :data:`pyro_fa.fa.linalg.MAX_DENSE_DIM`."""
+        r"""The dense :math:`P^{-1}`, shape (D, D); refused past :data:`~pyro_fa.distributions.numerics.MAX_DENSE_DIM`."""
         D = self.loc.shape[0]
         check_dense_dim(type(self).__name__, "covariance_matrix", D, self.loc.dtype,
                         "Use variance, cov_factor / cov_diag, or rsample().")
@@ -159,7 +160,7 @@ class LowRankPrecisionNormal(_PrecisionNormal):
 
     @property
     def precision_matrix(self) -> Tensor:
-        r"""The dense :math:`P`, shape (D, D); refused past :data:`pyro_fa.fa.linalg.MAX_DENSE_DIM`."""
+        r"""The dense :math:`P`, shape (D, D); refused past :data:`~pyro_fa.distributions.numerics.MAX_DENSE_DIM`."""
         D = self.loc.shape[0]
         check_dense_dim(type(self).__name__, "precision_matrix", D, self.loc.dtype,
                         "Use prec_factor and prec_diag.")
@@ -182,18 +183,19 @@ class LowRankPrecisionNormal(_PrecisionNormal):
         L = self._capacitance_tril
         a, w = self.prec_diag.to(L.dtype), v.to(L.dtype)
         sums = torch.cat([(w.pow(2) / a).sum().reshape(1), self.prec_factor.to(L.dtype).T @ (w / a)])
-        return _woodbury_quadratic(sums, L).to(v.dtype)
+        return woodbury_quadratic(sums, L).to(v.dtype)
 
     # ------------------------------------------------------------------ Distribution API
-    def rsample(self, sample_shape=torch.Size()) -> Tensor:
+    def rsample(self, sample_shape=torch.Size(), generator: Optional[torch.Generator] = None) -> Tensor:
         r"""Draws of shape ``sample_shape + (D,)``: :math:`\mu + P^{-1}z`, :math:`z = A^{1/2}\varepsilon_1 + U\varepsilon_2 \sim N(0, P)`.
 
         The covariance of :math:`P^{-1}z` is :math:`P^{-1}PP^{-1} = P^{-1}`; cost :math:`O(DK)` per draw.
+        ``generator``: a :class:`torch.Generator` on any device (``None``: the global one).
         """
         shape = self._extended_shape(sample_shape)
         K = self.prec_factor.shape[-1]
-        eps_d = torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)
-        eps_k = torch.randn(tuple(sample_shape) + (K,), dtype=self.loc.dtype, device=self.loc.device)
+        eps_d = _random.randn(shape, generator, self.loc.dtype, self.loc.device)
+        eps_k = _random.randn(tuple(sample_shape) + (K,), generator, self.loc.dtype, self.loc.device)
         z = self.prec_diag.sqrt() * eps_d + eps_k @ self.prec_factor.T
         return self.loc + self.covariance_matvec(z)
 
@@ -202,7 +204,7 @@ class LowRankPrecisionNormal(_PrecisionNormal):
         return (d.pow(2) * self.prec_diag).sum(-1) + (d @ self.prec_factor).pow(2).sum(-1)
 
 
-def _woodbury_quadratic(sums: Tensor, L: Tensor) -> Tensor:
+def woodbury_quadratic(sums: Tensor, L: Tensor) -> Tensor:
     r""":math:`v^\top P^{-1}v` from ``sums`` :math:`= (\sum_d v_d^2/a_d, U^\top A^{-1}v)` (shape (K + 1,), summed
     over all rows) and the capacitance's Cholesky factor ``L``."""
     return sums[0] - torch.linalg.solve_triangular(L, sums[1:].unsqueeze(-1), upper=False).pow(2).sum()
@@ -353,7 +355,7 @@ class BlockLowRankPrecisionNormal(_PrecisionNormal):
 
     @property
     def covariance_matrix(self) -> Tensor:
-        r"""The dense :math:`P^{-1}`, shape (D, D); refused past :data:`pyro_fa.fa.linalg.MAX_DENSE_DIM`."""
+        r"""The dense :math:`P^{-1}`, shape (D, D); refused past :data:`~pyro_fa.distributions.numerics.MAX_DENSE_DIM`."""
         check_dense_dim(type(self).__name__, "covariance_matrix", self.loc.shape[0], self.loc.dtype,
                         "Use variance, cov_factors / cov_diag, or rsample().")
         B = self.cov_factor
@@ -361,7 +363,7 @@ class BlockLowRankPrecisionNormal(_PrecisionNormal):
 
     @property
     def precision_matrix(self) -> Tensor:
-        r"""The dense :math:`P`, shape (D, D); refused past :data:`pyro_fa.fa.linalg.MAX_DENSE_DIM`."""
+        r"""The dense :math:`P`, shape (D, D); refused past :data:`~pyro_fa.distributions.numerics.MAX_DENSE_DIM`."""
         check_dense_dim(type(self).__name__, "precision_matrix", self.loc.shape[0], self.loc.dtype,
                         "Use prec_factors and prec_diag.")
         U = self.prec_factor
@@ -386,18 +388,18 @@ class BlockLowRankPrecisionNormal(_PrecisionNormal):
         for vb, ab, (_, _, U), L in zip(self._split(v.to(wide)), self._split(self.prec_diag.to(wide)),
                                         self.prec_factors, self._capacitance_trils):
             sums = torch.cat([(vb.pow(2) / ab).sum().reshape(1), U.to(wide).T @ (vb / ab)])
-            total = total + _woodbury_quadratic(sums, L)
+            total = total + woodbury_quadratic(sums, L)
         return total.to(v.dtype)
 
     # ------------------------------------------------------------------ Distribution API
-    def rsample(self, sample_shape=torch.Size()) -> Tensor:
+    def rsample(self, sample_shape=torch.Size(), generator: Optional[torch.Generator] = None) -> Tensor:
         r"""Draws of shape ``sample_shape + (D,)``: :math:`\mu + P^{-1}z`, :math:`z = A^{1/2}\varepsilon_1 +
         \mathrm{blockdiag}(U_b)\varepsilon_2 \sim N(0, P)`; the same random numbers, in the same order, as
         :meth:`LowRankPrecisionNormal.rsample` with the dense :math:`U`, so the same draws up to rounding."""
         shape = self._extended_shape(sample_shape)
         ranks = [U.shape[-1] for _, _, U in self.prec_factors]
-        eps_d = torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)
-        eps_k = torch.randn(tuple(sample_shape) + (sum(ranks),), dtype=self.loc.dtype, device=self.loc.device)
+        eps_d = _random.randn(shape, generator, self.loc.dtype, self.loc.device)
+        eps_k = _random.randn(tuple(sample_shape) + (sum(ranks),), generator, self.loc.dtype, self.loc.device)
         low = [e @ U.T for e, (_, _, U) in zip(eps_k.split(ranks, dim=-1), self.prec_factors)]
         z = self.prec_diag.sqrt() * eps_d + torch.cat(low, -1)
         return self.loc + self.covariance_matvec(z)

@@ -22,56 +22,14 @@ import torch
 from torch import Tensor
 from torch.distributions import LowRankMultivariateNormal
 
-from pyro_fa.fa.moments import wide_dtype
+from pyro_fa import _random
+from pyro_fa.distributions.base import FactorNormal
+from pyro_fa.distributions.numerics import _ROWS, capacitance_tril
 
-__all__ = ["StableLowRankMultivariateNormal", "whitened_gram", "capacitance_tril"]
-
-_ROWS = 1 << 14  # rows per block of the float64 sums: a (rows, K) float64 block stays small
-
-
-def whitened_gram(cov_factor: Tensor, cov_diag: Tensor) -> Tensor:
-    r""":math:`F^\top\Psi^{-1}F = W^\top W`, :math:`W = \Psi^{-1/2}F`, summed over row blocks in float64.
-
-    Parameters
-    ----------
-    cov_factor : Tensor of shape (..., D, K)
-    cov_diag : Tensor of shape (..., D), positive
-
-    Returns
-    -------
-    Tensor of shape (..., K, K), in float64 (float32 on Apple's MPS)
-        Symmetric positive semi-definite: the products of float32 numbers are exact in float64.
-
-    Notes
-    -----
-    Cost :math:`O(DK^2)`; memory one block of :math:`16384 \times K` float64 numbers.
-    """
-    wide = wide_dtype(cov_factor.device)
-    D = cov_factor.shape[-2]
-    gram = None
-    for lo in range(0, D, _ROWS):
-        W = cov_factor[..., lo:lo + _ROWS, :].to(wide) * cov_diag[..., lo:lo + _ROWS].to(wide).rsqrt().unsqueeze(-1)
-        part = W.transpose(-1, -2) @ W
-        gram = part if gram is None else gram + part
-    if gram is None:
-        K = cov_factor.shape[-1]
-        gram = cov_factor.new_zeros(cov_factor.shape[:-2] + (K, K), dtype=wide)
-    return gram
+__all__ = ["StableLowRankMultivariateNormal"]
 
 
-def capacitance_tril(cov_factor: Tensor, cov_diag: Tensor) -> Tensor:
-    r"""Lower Cholesky factor of :math:`I + F^\top\Psi^{-1}F`, in float64 (see :func:`whitened_gram`).
-
-    Returns
-    -------
-    Tensor of shape (..., K, K), float64 (float32 on MPS)
-    """
-    cap = whitened_gram(cov_factor, cov_diag)
-    cap.diagonal(dim1=-2, dim2=-1).add_(1.0)
-    return torch.linalg.cholesky(cap)
-
-
-class StableLowRankMultivariateNormal(LowRankMultivariateNormal):
+class StableLowRankMultivariateNormal(LowRankMultivariateNormal, FactorNormal):
     r""":class:`~torch.distributions.LowRankMultivariateNormal` whose capacitance is formed in float64.
 
     The same distribution, arguments and methods as torch's class (it is one:
@@ -80,6 +38,9 @@ class StableLowRankMultivariateNormal(LowRankMultivariateNormal):
     computed in float64 and returned in the dtype of ``loc``. Use it where
     :math:`\psi` may be tiny against the rows of :math:`F` (posteriors of iterates at large
     :math:`D`), where torch's float32 capacitance fails to factorise.
+
+    The covariance form of the family (:class:`~pyro_fa.distributions.FactorNormal`,
+    :attr:`factor_sign` = +1): :meth:`rsample` and :meth:`sample` take a ``generator`` too.
 
     Parameters
     ----------
@@ -133,6 +94,22 @@ class StableLowRankMultivariateNormal(LowRankMultivariateNormal):
         new = super().expand(batch_shape, _instance=new)
         new._capacitance_tril_wide = self._capacitance_tril_wide
         return new
+
+    def rsample(self, sample_shape=torch.Size(), generator: Optional[torch.Generator] = None) -> Tensor:
+        r"""Draws :math:`c + Fh + \Psi^{1/2}\varepsilon` of shape ``sample_shape + batch_shape + (D,)``.
+
+        Without ``generator``, torch's :meth:`LowRankMultivariateNormal.rsample` (the global generator); with one,
+        the same formula and order of draws (:math:`h` then :math:`\varepsilon`) on ``generator``, on any device.
+        """
+        if generator is None:
+            return super().rsample(sample_shape)
+        shape = self._extended_shape(sample_shape)
+        W_shape = shape[:-1] + self.cov_factor.shape[-1:]
+        ref = self.loc
+        eps_W = _random.randn(W_shape, generator, ref.dtype, ref.device)
+        eps_D = _random.randn(shape, generator, ref.dtype, ref.device)
+        low = (self._unbroadcasted_cov_factor @ eps_W.unsqueeze(-1)).squeeze(-1)
+        return self.loc + low + self._unbroadcasted_cov_diag.sqrt() * eps_D
 
     def _logdet_wide(self) -> Tensor:
         L = self._capacitance_tril_wide
