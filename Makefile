@@ -1,6 +1,7 @@
 # pyro_fa: one command sets up and runs the main job, one sets up and runs the tests.
 #   make demo    # set up .venv, then `pyro-fa uci --quick` (the UCI benchmark on yacht, 2 splits)
-#   make test    # set up .venv, then the whole test suite (slow statistical tests included)
+#   make test    # set up .venv, then the whole test suite (slow statistical tests included) and `make docs`
+#   make docs    # the API reference (Sphinx, numpydoc) into build/docs, warnings as errors
 # TORCH selects the torch build; the default pins the CPU wheel these machines carry.
 # Elsewhere use e.g. `make test TORCH="torch --index-url https://download.pytorch.org/whl/cpu"`.
 
@@ -13,7 +14,7 @@ ifneq ($(wildcard $(SHARED_UCI)),)
 export PYRO_FA_DATA ?= $(SHARED_UCI)
 endif
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast docs bench clean
 
 # The peers of `pyro-fa classify` (extra `peers`) install with torch pinned to the build
 # $(TORCH) gave. These three declare torchvision, which they do not import for what we use
@@ -26,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -c "from importlib.metadata import version; print('torch==' + version('torch').split('+')[0])" > $(VENV)/torch-constraint.txt
-	$(BIN)/python -m pip install --quiet -c $(VENV)/torch-constraint.txt -e ".[dev,tutorials,peers]"
+	$(BIN)/python -m pip install --quiet -c $(VENV)/torch-constraint.txt -e ".[dev,tutorials,peers,docs]"
 	$(BIN)/python -m pip install --quiet --no-deps $(PEERS_NODEPS)
 	touch $@
 
@@ -35,6 +36,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+	$(MAKE) --no-print-directory docs
+
+docs: setup
+	$(BIN)/python -m sphinx -E -W --keep-going -q -b html docs/api build/docs
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"

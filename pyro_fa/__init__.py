@@ -15,7 +15,7 @@ q(theta) = N(c, F F^T + Psi) (or its precision form), got three ways on one core
 * adapters: :mod:`pyro_fa.nn` (Bayesian torch networks), :mod:`pyro_fa.sklearn` (estimators);
 * :mod:`pyro_fa.metrics`, :mod:`pyro_fa.datasets`; the ``pyro-fa`` command (:mod:`pyro_fa.experiments`).
 """
-from pyro_fa import datasets, distributions, fa, infer, laplace, metrics, predictive, swag
+from pyro_fa import datasets, distributed, distributions, fa, infer, laplace, metrics, predictive, swag
 from pyro_fa.fa import BatchFactorAnalysis, OnlineFactorAnalysis
 from pyro_fa.infer import AutoLowRankFactorGuide, FactorELBO, FactorisedPrior, GaussianPrior, LaplacePrior
 from pyro_fa.infer import JitFactorELBO

@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-__all__ = ["randn", "rand", "randint"]
+__all__ = ["randn", "rand", "randint", "draw_seed"]
 
 Device = Union[str, torch.device, None]
 
@@ -39,3 +39,19 @@ def randint(high: int, size: Sequence[int], generator: Optional[torch.Generator]
     if generator is None:
         return torch.randint(high, tuple(size), device=device)
     return torch.randint(high, tuple(size), generator=generator, device=generator.device).to(device)
+
+
+def draw_seed() -> int:
+    """A seed for an object built with ``seed=None``: one number from torch's global generator.
+
+    torch's convention (``DataLoader`` seeds its workers so): no seed means the global
+    generator, so that ``torch.manual_seed`` makes a run repeatable, and the global stream
+    moves by one draw whatever the object's size. Sharded objects use rank 0's draw, so
+    the ranks agree however their global generators were seeded.
+
+    Returns
+    -------
+    int
+        In :math:`[0, 2^{62})`.
+    """
+    return int(torch.empty((), dtype=torch.int64).random_(0, 2 ** 62))

@@ -17,9 +17,9 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-from pyro_fa.experiments._io import output_dir_arg
+from pyro_fa.experiments import output_dir_arg
 
-#: subcommand name -> experiment module (imported only when the subcommand runs)
+#: subcommand name -> experiment module (imported only when its subcommand is parsed: `pyro-fa --help` imports none)
 EXPERIMENTS = {
     "online-fa": "pyro_fa.experiments.online_fa",
     "vifa-synthetic": "pyro_fa.experiments.vifa_synthetic",
@@ -48,7 +48,32 @@ _HELP = {
 }
 
 
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser whose experiment options are added only when that subcommand is parsed: its module
+    (``EXPERIMENTS[name]``) is imported then, so that ``pyro-fa --help`` and the parser import no experiment."""
+
+    experiment: Optional[str] = None
+
+    def load(self) -> None:
+        """Import the experiment's module and add its options (once)."""
+        if self.experiment is None or getattr(self, "_loaded", False):
+            return
+        self._loaded = True
+        mod = importlib.import_module(EXPERIMENTS[self.experiment])
+        mod.add_arguments(self)
+        self.set_defaults(_module=mod)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.load()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self):
+        self.load()
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``pyro-fa`` parser; an experiment's module is imported only when its subcommand is parsed."""
     parser = argparse.ArgumentParser(
         prog="pyro-fa",
         description="Reproduce the experiments of pyro_fa (factor-analysis posteriors for Bayesian deep learning).",
@@ -56,19 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
                "University of Edinburgh; Jiang (2023), Laplace prior and variational inference probabilistic PCA "
                "(VIPPCA), report, University of Edinburgh.",
     )
-    sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT")
+    sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", parser_class=_SubcommandParser)
     sub.required = True
-    for name, module in EXPERIMENTS.items():
-        mod = importlib.import_module(module)
-        p = sub.add_parser(name, help=_HELP.get(name, (mod.__doc__ or "").strip().splitlines()[0]))
+    for name in EXPERIMENTS:
+        p = sub.add_parser(name, help=_HELP.get(name, f"the {name} experiment"))
+        p.experiment = name
         p.add_argument("--quick", action="store_true", help="a small subset that finishes in minutes")
         p.add_argument("--output-dir", type=output_dir_arg, default=None,
                        help=f"where results go (default: results/{name}); checked and locked before any work")
         p.add_argument("--seed", type=int, default=0, help="base random seed (default 0)")
         p.add_argument("--no-progress", action="store_true",
                        help="hide progress bars (shown only on a terminal: logs and pipes get one line per unit)")
-        mod.add_arguments(p)
-        p.set_defaults(_module=mod, _name=name)
+        p.set_defaults(_name=name)
     return parser
 
 

@@ -73,3 +73,39 @@ def test_vifa_markdown_written_atomically(module):
     source = open(mod.__file__).read()
     assert ".write_text(" not in source
     assert f'atomic_write_text(out_dir / "{module}.md", text)' in source
+
+
+def test_the_parser_imports_no_experiment_until_its_subcommand_is_parsed():
+    """``pyro-fa --help`` and building the parser import no experiment module; parsing a subcommand imports that
+    experiment only."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from pyro_fa import cli\n"
+            "def experiments():\n"
+            "    return sorted(m for m in sys.modules if m.startswith('pyro_fa.experiments.') and m != 'pyro_fa.experiments._io')\n"
+            "parser = cli.build_parser()\n"
+            "assert experiments() == [], experiments()\n"
+            "help = parser.format_help()\n"
+            "assert 'classify' in help and 'uci' in help, help\n"
+            "assert experiments() == [], experiments()\n"
+            "args = parser.parse_args(['linreg-ensembles', '--folds', '3'])\n"
+            "assert args.folds == 3 and args._module.__name__ == 'pyro_fa.experiments.linreg_ensembles'\n"
+            "assert experiments() == ['pyro_fa.experiments.linreg_ensembles'], experiments()\n"
+            "try:\n"
+            "    cli.main(['--help'])\n"
+            "except SystemExit as e:\n"
+            "    assert e.code == 0\n"
+            "assert experiments() == ['pyro_fa.experiments.linreg_ensembles'], experiments()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "EXPERIMENT" in done.stdout
+
+
+def test_a_subcommands_help_lists_its_own_options(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["classify", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--merge" in out and "--rows-from" in out and "--output-dir" in out

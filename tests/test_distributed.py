@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pyro_fa import OnlineFactorAnalysis, SWAG
-from pyro_fa.distributed import shard_bounds
+from pyro_fa.distributed import ShardedOnlineFactorAnalysis, shard_bounds
+from pyro_fa.distributions import FactorNormal
 
 WORLD_SIZE = 2
 TIMEOUT = 120  # seconds for a whole scenario (spawn, import, run)
@@ -91,6 +92,9 @@ def fits(rank, world_size, out_dir):
         out[f"{method}_collectives"] = fa._sharding.n_collectives
         out[f"{method}_log_prob"] = fa.log_prob(X[:5, lo:hi])
         out[f"{method}_entropy"] = fa.get_posterior().entropy()
+        out[f"{method}_types"] = (type(fa).__name__, type(fa.get_posterior()).__name__,
+                                  isinstance(fa.get_posterior(), FactorNormal))
+        out[f"{method}_matvec"] = fa.get_posterior().covariance_matvec(X[:2, lo:hi] - X[2:4, lo:hi])
         if method == "em":
             out["samples"] = fa.sample(8000)
             # state_dict round trip per rank: save, load into a new sharded model, go on alike
@@ -324,6 +328,13 @@ def test_sharded_online_fa_equals_single_process(fit_results, method):
     for r in fit_results:
         torch.testing.assert_close(r[f"{method}_log_prob"], fa.log_prob(X[:5]), rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(r[f"{method}_entropy"], fa.get_posterior().entropy(), rtol=1e-9, atol=1e-9)
+    # process_group= built the sharded subclass, whose posterior is a member of the family; Sigma v of whole
+    # vectors against the dense covariance F F^T + diag(psi)
+    assert all(r[f"{method}_types"] == ("ShardedOnlineFactorAnalysis", "ShardedLowRankNormal", True)
+               for r in fit_results)
+    dense = fa.cov_factor @ fa.cov_factor.T + torch.diag(fa.cov_diag)
+    torch.testing.assert_close(torch.cat([r[f"{method}_matvec"] for r in fit_results], -1),
+                               (X[:2] - X[2:4]) @ dense, rtol=1e-9, atol=1e-9)
 
 
 def test_sharded_em_needs_one_all_reduce_per_update(fit_results):
@@ -472,6 +483,15 @@ def test_bad_input_raises_on_every_rank_without_hanging(tmp_path):
     assert r0["n_updates_after"] == r1["n_updates_after"] == 6
     assert r0["load_refused_on_one_rank"][0] == "ValueError" and "finite" in r0["load_refused_on_one_rank"][1]
     assert r1["load_refused_on_one_rank"][0] == "ValueError" and "rank 0 refused" in r1["load_refused_on_one_rank"][1]
+
+
+def test_the_core_alone_refuses_a_process_group(monkeypatch):
+    # the core is single-process: process_group= builds pyro_fa.distributed's subclass, registered on import
+    assert OnlineFactorAnalysis.sharded_class is ShardedOnlineFactorAnalysis
+    assert type(OnlineFactorAnalysis(10, 2)) is OnlineFactorAnalysis
+    monkeypatch.setattr(OnlineFactorAnalysis, "sharded_class", None)
+    with pytest.raises(ValueError, match="process_group and shard need pyro_fa.distributed's ShardedOnlineFactor"):
+        OnlineFactorAnalysis(10, 2, process_group=object())
 
 
 def test_process_group_checks_without_distributed():

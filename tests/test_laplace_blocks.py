@@ -113,11 +113,11 @@ def test_one_pass_over_the_data_feeds_every_block():
         la = FactorLaplace(net, "classification", rank=[2, 2], curvature_fit=fit).fit(Counting(data))
         assert Counting.runs == want == la.fit_info["passes"]
         assert [b["method"] for b in la.fit_info["blocks"]] == [fit, fit]
-    # "auto" per block: 2 400 weights > 2048 fitted by "randomized", 1 803 by "scatter"
-    big = nn.Sequential(nn.Linear(3, 600), nn.Tanh(), nn.Linear(600, 3)).double()
+    # "auto" per block: 1 200 weights > 1024 fitted by "randomized", 903 by "exact"
+    big = nn.Sequential(nn.Linear(3, 300), nn.Tanh(), nn.Linear(300, 3)).double()
     Counting.runs = 0
     la = FactorLaplace(big, "classification", rank=[2, 2]).fit(Counting([(X[:20], y[:20])]))
-    assert [b["method"] for b in la.fit_info["blocks"]] == ["randomized", "scatter"] and Counting.runs == 2
+    assert [b["method"] for b in la.fit_info["blocks"]] == ["randomized", "exact"] and Counting.runs == 2
 
 
 def test_auto_allocation_keeps_the_largest_values_of_the_exact_block_spectra():
@@ -511,8 +511,10 @@ def test_the_fit_holds_only_the_blocks_numbers_and_never_forms_the_dense_factor(
         factor_numbers = sum(d * k for d, k in zip(sizes, ranks))
         D, width = 83, sum(ranks)
         # the state: loc, cov_diag, loss_grad (D each), the blocks' sum D_b K_b numbers in storage of their own
-        # (not views of the generous fits of "auto"), nine scalars and block_ranks; nothing of D x width
+        # (not views of the generous fits of "auto"), nine scalars and block_ranks; nothing of D x width (and the
+        # parameters' names and shapes, parameter_layout: L x 4 int64 here)
         buffers = dict(la.named_buffers())
+        assert buffers.pop("parameter_layout").shape == (6, 4)
         factors = [buffers.pop(f"block_factor_{b}") for b in range(3)]
         assert sum(F.untyped_storage().nbytes() for F in factors) == 8 * factor_numbers
         assert sum(b.untyped_storage().nbytes() for b in buffers.values()) == 8 * (3 * D + 6 + 3)

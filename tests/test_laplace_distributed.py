@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from pyro_fa.fa._sharding import shard_bounds
+from pyro_fa.distributed import shard_bounds
+from pyro_fa.distributions import FactorNormal
 from pyro_fa.laplace import FactorLaplace
 
 WORLD_SIZE = 2
@@ -73,7 +74,7 @@ def _entry(rank, world_size, init_file, out_dir):
         X, y = _data()
         mine = _batches(X[rank * 40:(rank + 1) * 40], y[rank * 40:(rank + 1) * 40])
         out = {}
-        for fit in ("scatter", "online"):
+        for fit in ("scatter", "online", "exact"):
             la = FactorLaplace(_net(), "classification", rank=3, curvature_fit=fit, chunk_size=1000,
                                process_group=dist.group.WORLD).fit(mine)
             lo, hi = la._rows
@@ -87,6 +88,8 @@ def _entry(rank, world_size, init_file, out_dir):
             res["variance"] = la.posterior_variance.clone()
             res["log_prob"] = la.get_posterior().log_prob(_probe(la.dim)[lo:hi]).detach()
             res["entropy"] = la.get_posterior().entropy().detach()
+            res["matvec"] = la.get_posterior().covariance_matvec(_probe(la.dim)[lo:hi]).detach()
+            res["family"] = isinstance(la.get_posterior(), FactorNormal)
             res["glm"] = la.predict_proba(_test_inputs(), pred_type="glm")
             res["glm_mc"] = la.predict_proba(_test_inputs(), pred_type="glm", link_approx="mc", num_samples=50)
             res["nn"] = la.predict_proba(_test_inputs(), pred_type="nn", num_samples=5)
@@ -178,7 +181,7 @@ def _single(fit):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fit", ["scatter", "online"])
+@pytest.mark.parametrize("fit", ["scatter", "online", "exact"])
 def test_two_ranks_equal_one_process_on_all_the_data(results, fit):
     single = _single(fit)
     D, K = single.dim, single.cov_factor.shape[1]
@@ -204,7 +207,7 @@ def test_two_ranks_equal_one_process_on_all_the_data(results, fit):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fit", ["scatter", "online"])
+@pytest.mark.parametrize("fit", ["scatter", "online", "exact"])
 def test_sharded_posterior_equals_one_process(results, fit):
     single = _single(fit)
     D = single.dim
@@ -215,6 +218,10 @@ def test_sharded_posterior_equals_one_process(results, fit):
         torch.testing.assert_close(res["variance"], post.variance[lo:hi], **tol)
         torch.testing.assert_close(res["log_prob"], post.log_prob(_probe(D)).detach(), **tol)
         torch.testing.assert_close(res["entropy"], post.entropy().detach(), **tol)
+        # the sharded precision form is a member of the family; Sigma v against the dense covariance
+        assert res["family"]
+        dense = torch.linalg.inv(post.precision_matrix)
+        torch.testing.assert_close(res["matvec"], (dense @ _probe(D).detach())[lo:hi], **tol)
         torch.testing.assert_close(res["lml_layers"], single.log_marginal_likelihood(
             torch.tensor([0.5, 1.0, 2.0, 3.0])).detach(), **tol)
         pp = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)

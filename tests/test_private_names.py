@@ -2,7 +2,9 @@
 
 Every module under ``pyro_fa`` is read with :mod:`ast`; an import of a name that starts with
 ``_`` (a function, a class, or a module imported by name) from another top-level package of
-``pyro_fa`` (``pyro_fa.X`` importing from ``pyro_fa.Y``) fails the test. Layer-0 helpers
+``pyro_fa`` (``pyro_fa.X`` importing from ``pyro_fa.Y``) fails the test, and so does an import of
+any name from a private module of another package (``from pyro_fa.Y._z import public`` in
+``pyro_fa.X``): what two packages share lives in a public module. Layer-0 helpers
 that every package shares are top-level private modules (``pyro_fa._validation``,
 ``pyro_fa._files``): the names they export are public to the package.
 """
@@ -23,8 +25,14 @@ def _top(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
+def _private_module(module: str) -> bool:
+    """Whether a dotted pyro_fa module lies in a private module or package below its top-level package."""
+    return any(part.startswith("_") and not part.startswith("__") for part in module.split(".")[2:])
+
+
 def private_crossings(root: Path = ROOT):
-    """Every ``(file, module, name)`` where a module imports a private name from another top-level package."""
+    """Every ``(file, module, name)`` where a module imports a private name, or from a private module, of another
+    top-level package."""
     found = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
@@ -46,8 +54,9 @@ def private_crossings(root: Path = ROOT):
             for module, item in imported:
                 if module == "pyro_fa":  # `from pyro_fa import _files`: a top-level shared module
                     continue
-                if (module.split(".")[0] == "pyro_fa" and item.startswith("_") and not item.startswith("__")
-                        and _top(module) != here):
+                if module.split(".")[0] != "pyro_fa" or _top(module) == here:
+                    continue
+                if (item.startswith("_") and not item.startswith("__")) or _private_module(module):
                     found.append((rel.as_posix(), module, item))
     return found
 
@@ -73,3 +82,22 @@ def test_the_walk_sees_private_names_and_relative_imports(tmp_path):
     (pkg / "b" / "__init__.py").write_text("")
     (pkg / "b" / "n.py").write_text("_theirs = public = 2\nimport pyro_fa.a._hidden\nfrom pyro_fa import _validation\n")
     assert private_crossings(pkg) == [("a/m.py", "pyro_fa.b.n", "_theirs"), ("b/n.py", "pyro_fa.a", "_hidden")]
+
+
+def test_the_walk_sees_public_names_of_private_modules(tmp_path):
+    pkg = tmp_path / "pyro_fa"
+    for sub in ("a", "b", "b/_inner"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_shared.py").write_text("helper = 0\n")
+    (pkg / "b" / "_m.py").write_text("public = 1\n")
+    (pkg / "b" / "_inner" / "x.py").write_text("other = 2\n")
+    (pkg / "b" / "own.py").write_text("from pyro_fa.b._m import public  # same package: allowed\n")
+    (pkg / "a" / "m.py").write_text(
+        "from pyro_fa.b._m import public\n"          # a private module of another package
+        "from ..b._inner.x import other\n"           # a module inside a private subpackage, relative
+        "from pyro_fa._shared import helper\n"       # a top-level shared module: allowed
+        "from pyro_fa.b import own\n"                # a public module: allowed
+    )
+    assert private_crossings(pkg) == [("a/m.py", "pyro_fa.b._m", "public"), ("a/m.py", "pyro_fa.b._inner.x", "other")]

@@ -9,8 +9,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-#: the README and the hand-written documentation pages (the generated reports under docs/*/ are not scanned)
-PAGES = [README] + sorted((ROOT / "docs").glob("*.md"))
+#: the README, the hand-written documentation pages and the benchmarks' results pages (the generated reports
+#: under docs/*/ are not scanned)
+PAGES = [README] + sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "benchmarks" / "results").glob("*.md"))
 #: [text](target) and ![alt](target); the target ends at whitespace or the closing parenthesis
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 MAX_README_LINES = 225

@@ -7,3 +7,6 @@ single module with the same two functions (:mod:`.online_fa`, :mod:`.vifa_synthe
 :mod:`.vifa_linreg`, :mod:`.sgd_iterates`, :mod:`.linreg_ensembles`). The output folder, the
 argument types and the progress bars every subcommand shares are in :mod:`._io`.
 """
+from pyro_fa.experiments._io import output_dir_arg  # the --output-dir type, shared with pyro_fa.cli
+
+__all__ = ["output_dir_arg"]

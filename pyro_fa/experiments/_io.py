@@ -47,6 +47,42 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------ unit files (resumable runs)
+def unit_path(folder, key: dict, stem: str) -> Path:
+    """``<folder>/units/<stem>__<hash of key>.json``: the file of one unit of work, named by everything its
+    results depend on (``key``), so that runs of other budgets, seeds or methods keep their own files beside it.
+
+    A command writes a unit's file (atomically) as soon as the unit is done and, run again, reuses every file
+    whose recorded key equals the key it needs (:func:`read_record`): an interrupted run loses only the units
+    in progress.
+    """
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(folder) / "units" / f"{stem}__{digest}.json"
+
+
+def read_record(path, fields: dict, command: str, what: str = "unit file",
+                then: str = "its unit, if this run asks for it, is computed again.", optional: dict = None):
+    """The JSON object in ``path``, or None (with a warning naming the file) when it is not a readable ``what``:
+    empty, truncated, not JSON, not UTF-8, or a JSON object lacking one of ``fields`` (name -> type) or holding
+    one of ``optional`` with another type."""
+    import warnings
+
+    try:
+        record = json.loads(Path(path).read_bytes().decode("utf-8"))
+        if not isinstance(record, dict):
+            raise ValueError(f"a JSON {type(record).__name__}, not an object")
+        missing = [k for k, t in fields.items() if not isinstance(record.get(k), t)]
+        missing += [k for k, t in (optional or {}).items() if k in record and not isinstance(record[k], t)]
+        if missing:
+            raise ValueError(f"no valid {', '.join(missing)}")
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        warnings.warn(f"{command}: ignoring {path}, which is not a readable {what} ({err}); {then}", stacklevel=3)
+        return None
+    return record
+
+
 # ------------------------------------------------------------------ argparse types
 def positive_int(text: str) -> int:
     """argparse ``type=``: an integer >= 1 (argparse reports "argument --x: must be a positive integer, got 0")."""

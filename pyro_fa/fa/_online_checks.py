@@ -14,8 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from pyro_fa._state import check_count
-from pyro_fa.fa._sharding import raise_agreed
+from pyro_fa._state import check_count, check_state_dict
 
 __all__ = ["OnlineChecks"]
 
@@ -26,8 +25,6 @@ class OnlineChecks:
     def get_extra_state(self):
         state = {"n_updates": self._n, "since_m_step": self._since_m_step, "sga_steps": self._sga_steps,
                  "A_coef": self._A_coef, "warmup": self.warmup}
-        if self._sharding is not None:
-            state.update(shard=self._sharding.descriptor(), cap_pending=self._cap_pending)
         return state
 
     def set_extra_state(self, state):
@@ -36,8 +33,6 @@ class OnlineChecks:
         self._since_m_step = int(state.get("since_m_step", 0))
         self._sga_steps = int(state.get("sga_steps", 0))
         self._A_coef = float(state.get("A_coef", 0.0))
-        self._cap_pending = bool(state.get("cap_pending", False))
-        self._stash_u = None
         self.__dict__.pop("_spread_seen", None)  # the loaded moments decide
 
     def state_dict(self, *args, **kwargs):
@@ -86,7 +81,7 @@ class OnlineChecks:
             raise ValueError(f"{cls}: state_dict[{prefix + '_moments.sq_dev'!r}] must be >= 0 (running squared "
                              f"deviations), got {int((v < 0).sum())} negative entries; nothing was loaded.")
         v = get("_cap")
-        if v is not None and self._sharding is None:
+        if v is not None:
             if int(torch.linalg.cholesky_ex(v.double()).info) != 0:
                 raise ValueError(f"{cls}: state_dict[{prefix + '_cap'!r}] must be positive definite (the "
                                  "capacitance I + F^T Psi^-1 F), got one that is not; nothing was loaded.")
@@ -98,8 +93,26 @@ class OnlineChecks:
         deviations (else None).
         """
         total = self._check_loadable(state_dict, strict)
-        raise_agreed(self._sharding, type(self).__name__, lambda: self._check_values(state_dict, prefix))
+        self._agreed(lambda: self._check_values(state_dict, prefix))
         return total
+
+    # hooks: the sharded subclass (pyro_fa.distributed) agrees on each check with the other ranks
+    def _agreed(self, check) -> None:
+        check()
+
+    def _check_loadable(self, state_dict, strict: bool) -> Optional[float]:
+        check_state_dict(self, state_dict, strict=strict)
+        return None
+
+    def _check_shard_state(self, state) -> None:
+        saved = state.get("shard")
+        if saved is not None:
+            raise ValueError(f"{type(self).__name__}: state_dict must come from a model that is not sharded, got the "
+                             f"shard of rank {saved.get('rank')!r} of world size {saved.get('world_size')!r}; nothing "
+                             "was loaded.")
+
+    def _rows_note(self) -> str:
+        return ""
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -157,7 +170,7 @@ class OnlineChecks:
         if x.dim() != 2 or x.shape[-1] != self._local_dim:
             raise ValueError(
                 f"{name}: x must have shape (D,) or (B, D) with D={self._local_dim}"
-                + ("" if self._sharding is None else f" (this rank's rows {self._sharding.lo}:{self._sharding.hi})")
+                + self._rows_note()
                 + f", got shape {tuple(x.shape)!r}."
             )
         if x.shape[0] == 0:

@@ -15,11 +15,9 @@ from torch import Tensor, nn
 from torch.distributions import LowRankMultivariateNormal
 
 from pyro_fa.fa import linalg
+from pyro_fa._random import draw_seed
 from pyro_fa.fa._online_checks import OnlineChecks
-from pyro_fa.fa._online_sharded import OnlineSharded
-from pyro_fa.fa.fitters import fitter_class
-from pyro_fa.fa._sharded_normal import ShardedLowRankNormal
-from pyro_fa.fa._sharding import draw_seed, sharded_orthogonal_init
+from pyro_fa.fa.fitters import cholesky, fitter_class
 from pyro_fa.fa.moments import RunningMoments
 from pyro_fa.distributions import StableLowRankMultivariateNormal
 
@@ -30,7 +28,7 @@ _DEFAULT_WARMUP = 100  # warmup=None: max(_DEFAULT_WARMUP, rank)
 _M_STEP_DIM = 100_000  # default m_step_every = max(1, dim // _M_STEP_DIM)
 
 
-class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
+class OnlineFactorAnalysis(OnlineChecks, nn.Module):
     r"""Factor analysis fitted online, by EM or by stochastic gradient ascent.
 
     .. math::
@@ -158,7 +156,8 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
     dtype, device : optional
         Of the state; default torch's default dtype, CPU.
     process_group : torch.distributed.ProcessGroup, optional
-        Shard the fit by coordinates over the group's ranks (:mod:`pyro_fa.distributed`): this
+        Shard the fit by coordinates over the group's ranks: the object built is then a
+        :class:`~pyro_fa.distributed.ShardedOnlineFactorAnalysis` (:mod:`pyro_fa.distributed`). This
         rank holds rows ``[lo, hi)`` of every length-D and D x K array (memory
         :math:`O(DK/W)`), is fed the same rows of each observation (``update(x[..., lo:hi])``),
         and the fit equals the single-process fit on the whole vectors to rounding, with one
@@ -215,6 +214,17 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
     torch.Size([5])
     """
 
+    #: The class ``process_group=`` / ``shard=`` build: :class:`pyro_fa.distributed.ShardedOnlineFactorAnalysis`,
+    #: which registers itself here when :mod:`pyro_fa.distributed` is imported (``import pyro_fa`` imports it).
+    sharded_class: Optional[type] = None
+    _sharding = None  # this class holds every row; the sharded subclass holds a Sharding of its rows
+
+    def __new__(cls, *args, process_group=None, shard=None, **kwargs):
+        if (process_group is not None or shard is not None) and cls is OnlineFactorAnalysis \
+                and cls.sharded_class is not None:
+            cls = cls.sharded_class  # Python then runs its __init__ with the same arguments
+        return super().__new__(cls)
+
     def __init__(
         self,
         dim: int,
@@ -241,17 +251,9 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
     ):
         super().__init__()
         name = type(self).__name__
-        agreed = None
-        if process_group is not None or shard is not None:
-            # the ranks agree on every argument before any is checked: a bad one then raises alike on every rank
-            agreed = self._agree_sharding(process_group, shard, dict(
-                dim=dim, rank=rank, method=method, warmup=warmup, lr=lr, optimizer=optimizer,
-                optimizer_kwargs=optimizer_kwargs, step_scale=step_scale, expand=expand, step_ramp=step_ramp,
-                lr_decay_after=lr_decay_after, average=average, m_step_every=m_step_every, init_scale=init_scale,
-                min_variance=min_variance, seed=seed, dtype=dtype or torch.get_default_dtype(),
-                device_type=torch.device(device).type if device is not None else "cpu"))
-            if seed is None:
-                seed = agreed[2]  # one seed for all ranks: the initial factor is that of the whole vector
+        if process_group is not None or shard is not None:  # __new__ builds the sharded subclass instead
+            raise ValueError(f"{name}: process_group and shard need pyro_fa.distributed's "
+                             f"ShardedOnlineFactorAnalysis, got them on {name}.")
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
             raise ValueError(f"{name}: dim must be an integer >= 2, got {dim!r}.")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank < dim:
@@ -294,8 +296,7 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
                              "meta device has no values to update.")
 
         self.dim = dim
-        self._sharding = None if agreed is None else self._make_sharding(dim, *agreed)
-        rows = self._local_dim = dim if self._sharding is None else self._sharding.size
+        rows = self._local_dim = self._rows(dim)
         self.rank = rank
         self.method = method
         self._fitter = fitter
@@ -320,11 +321,7 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
         # torch.manual_seed makes the fit repeatable and the global stream moves by one number only
         gen = torch.Generator()
         gen.manual_seed(draw_seed() if seed is None else seed)
-        if self._sharding is None:
-            F0 = linalg.orthogonal_init(dim, rank, scale=init_scale, generator=gen, dtype=dtype).to(device)
-        else:  # this rank's rows of the same matrix
-            F0 = sharded_orthogonal_init(self._sharding, rank, scale=init_scale, generator=gen, dtype=dtype,
-                                         device=device)
+        F0 = self._initial_factor(rank, init_scale, gen, dtype, device)
 
         # exact running moments (Chan et al.), accumulated in float64 whatever the state's dtype:
         # late SGD iterates move by 1e-4 around weights of 1, below float32's resolution of the sum
@@ -420,8 +417,6 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
         """
         self._check_fitted("get_posterior()")
         F, psi = self._estimate()
-        if self._sharding is not None:
-            return ShardedLowRankNormal(self.loc, F, psi, self._sharding)
         return StableLowRankMultivariateNormal(self.loc, F, psi)
 
     def log_prob(self, x: Tensor) -> Tensor:
@@ -448,14 +443,57 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
 
     def covariance(self) -> Tensor:
         r"""The dense :math:`D\times D` covariance :math:`FF^\top+\Psi` (small D only)."""
-        if self._sharding is not None:
-            raise RuntimeError(f"{type(self).__name__}: covariance() needs the whole D x D matrix, got a model "
-                               "sharded over a process group. Use get_posterior().marginal() for this rank's block.")
         linalg.check_dense_dim(type(self).__name__, "covariance()", self.dim, self.loc.dtype,
                                "Use get_posterior() (a LowRankMultivariateNormal) instead.", argument="dim")
         self._check_fitted("covariance()")
         F, psi = self._estimate()
         return linalg.dense_covariance(F, psi)
+
+    # ------------------------------------------------------- single-process hooks
+    # What the fit does with its sums over D. ShardedOnlineFactorAnalysis (pyro_fa.distributed) overrides each
+    # with its collective form (the sums all-reduced over the ranks' rows).
+    def _rows(self, dim: int) -> int:
+        """The number of coordinates this object holds."""
+        return dim
+
+    def _initial_factor(self, rank: int, init_scale: float, generator: torch.Generator, dtype: torch.dtype,
+                        device: torch.device) -> Tensor:
+        return linalg.orthogonal_init(self.dim, rank, scale=init_scale, generator=generator, dtype=dtype).to(device)
+
+    def _sq_dev_sum(self) -> float:
+        """The running squared deviations summed over all D."""
+        return float(self._moments.sq_dev.sum())
+
+    def _cap_done(self, cap: Tensor, sga: bool = False) -> None:
+        """A capacitance summed over the rows: add the identity."""
+        cap.diagonal().add_(1.0)
+
+    def _var_mean(self, var: Tensor) -> Tensor:
+        """Mean over all D of the running variances (the relative noise floor's scale)."""
+        return var.mean()
+
+    def _mean_over_dim(self, v: Tensor) -> Tensor:
+        """Mean over all D of a per-row quantity."""
+        return v.mean()
+
+    def _e_step_inputs(self, d: Tensor) -> Tuple[Tensor, Tensor]:
+        r"""EM's E-step inputs: the capacitance's Cholesky factor and :math:`F^\top\Psi^{-1}d^\top` (K, B)."""
+        return cholesky(self._cap), self._F.T @ (d / self._psi).T
+
+    def _sga_reduce(self, u: Tensor, cap: Tensor) -> Tuple[Tensor, Tensor]:
+        """SGA's E-step inputs, the projection (B, K) and the capacitance, summed over all D."""
+        return u, cap
+
+    def _range_terms(self, t: Tensor) -> Tuple[Tensor, float]:
+        r"""Per vector :math:`\sum_d t_{bd}^2/\psi_d` over the rows held, and :math:`\max|t/s|`."""
+        rows = (t.square() / self._noise_now()).sum(-1).reshape(-1)
+        scale = self._fitter.range_scale(self)
+        return rows, float((t / (scale if scale is not None else 1.0)).abs().max())
+
+    def _exact_range(self, t: Tensor) -> Tuple[float, float]:
+        r"""The exact range bounds: :math:`4\max_b \sum_d t_{bd}^2/\psi_d` and :math:`4\max|t/s|^2`."""
+        rows, tm = self._range_terms(t)
+        return float(rows.max()) * 4.0, 4.0 * tm ** 2
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -482,8 +520,6 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
         A batch is one step of the algorithm: one E-step with the current
         :math:`F, \psi`, statistics averaged over the batch.
         """
-        if self._sharding is not None:
-            return self._sharded_update(x)
         x = self._validate(x)
         B = x.shape[0]
         n_old = self._n
@@ -523,7 +559,7 @@ class OnlineFactorAnalysis(OnlineChecks, OnlineSharded, nn.Module):
         """
         if self.__dict__.get("_spread_seen", False):
             return True
-        total = float(self._moments.sq_dev.sum()) if self._sharding is None else self._sq_dev_total
+        total = self._sq_dev_sum()
         info = torch.finfo(self.loc.dtype)
         spread = info.eps * total / (max(self._n, 1) * self.dim) >= info.tiny
         self.__dict__["_spread_seen"] = spread

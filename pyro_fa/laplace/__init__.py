@@ -19,7 +19,7 @@ from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_networ
 from pyro_fa.laplace.laplace import LIKELIHOODS, FactorLaplace
 from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
 from pyro_fa.distributions import BlockLowRankPrecisionNormal, LowRankPrecisionNormal
-from pyro_fa.laplace._sharded import ShardedLowRankPrecisionNormal
+from pyro_fa.distributed import ShardedLowRankPrecisionNormal  # re-exported: the form a sharded fit returns
 from pyro_fa.laplace.pyro_guide import PyroFactorLaplace
 
 __all__ = ["FactorLaplace", "LowRankPrecisionNormal", "BlockLowRankPrecisionNormal", "ShardedLowRankPrecisionNormal", "PyroFactorLaplace",

@@ -62,12 +62,12 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from pyro_fa.laplace.moment import fit_second_moment
+from pyro_fa.laplace.moment import DENSE_FITS, fit_second_moment, resolve_fit
 
 __all__ = ["BlockRanks", "block_ranks", "check_layout", "module_blocks", "fit_blocks", "allocate", "assemble"]
 
-#: ``fit_second_moment``'s ``dense_max_dim``: ``"auto"`` fits a block of at most this many weights by ``"scatter"``
-_DENSE_MAX_DIM = 2048
+#: ``fit_second_moment``'s ``dense_max_dim``: ``"auto"`` fits a block of at most this many weights by ``"exact"``
+_DENSE_MAX_DIM = 1024
 
 
 def module_blocks(named) -> Tuple[List[str], List[Tuple[int, int]]]:
@@ -87,7 +87,7 @@ def module_blocks(named) -> Tuple[List[str], List[Tuple[int, int]]]:
 
 
 def _resolved(method: str, dim: int) -> str:
-    return ("scatter" if dim <= _DENSE_MAX_DIM else "randomized") if method == "auto" else method
+    return resolve_fit(method, dim, _DENSE_MAX_DIM)
 
 
 @dataclass
@@ -202,7 +202,7 @@ def block_ranks(owner: str, rank, rank_budget, named, curvature_fit: str, proces
         budget = rank_budget
         fixed = None
         top = budget if rank_max is None else min(budget, rank_max)
-        fit_ranks = [min(top, d) if m == "scatter" else min(top, d - 1) for m, d in zip(methods, sizes)]
+        fit_ranks = [min(top, d) if m in DENSE_FITS else min(top, d - 1) for m, d in zip(methods, sizes)]
         if min(fit_ranks) < 1:
             bad = [n for n, k in zip(names, fit_ranks) if k < 1]
             raise ValueError(f"{owner}: rank='auto' with curvature_fit={curvature_fit!r} needs blocks of at least "
@@ -234,7 +234,7 @@ def block_ranks(owner: str, rank, rank_budget, named, curvature_fit: str, proces
             raise ValueError(f"{owner}: rank must give every block a positive int, got "
                              + ", ".join(f"{k!r} for {n!r}" for n, k in bad) + ".")
         for n, k, d, m in zip(names, values, sizes, methods):
-            if m != "scatter" and k >= d:
+            if m not in DENSE_FITS and k >= d:
                 raise ValueError(f"{owner}: rank for block {n!r} must be < its {d} weights with curvature_fit="
                                  f"{m!r}, got {k}; use curvature_fit='scatter' for a full-rank block.")
         fixed = [min(k, d) for k, d in zip(values, sizes)]
@@ -396,7 +396,7 @@ def assemble(blocks: BlockRanks, Fs: List[Tensor], psis: List[Tensor], ratio: fl
         prior_b = [prior[a:e] for a, e in blocks.bounds]
         Fs, psis, ranks, values = allocate(Fs, psis, blocks.width, prior_b, scale)
         bound = [n for n, k, f, m, (a, e) in zip(blocks.names, ranks, blocks.fit_ranks, blocks.methods, blocks.bounds)
-                 if k == f < min(blocks.budget, e - a - (m != "scatter"))]  # rank_max kept it from more
+                 if k == f < min(blocks.budget, e - a - (m not in DENSE_FITS))]  # rank_max kept it from more
         if bound:
             warnings.warn(f"FactorLaplace: rank='auto' gave blocks {bound!r} every column they were fitted with "
                           f"(rank_max); a larger rank_max may give them more.", RuntimeWarning, stacklevel=3)

@@ -14,6 +14,7 @@ A state of one layout is refused by an approximation of the other, naming both.
 """
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from typing import List, Optional, Tuple
 
@@ -25,6 +26,8 @@ from pyro_fa.laplace._blocks import check_layout
 from pyro_fa.laplace._prior import show
 
 __all__ = ["FittedState"]
+
+_LAYOUT = "parameter_layout"
 
 
 class FittedState:
@@ -70,6 +73,44 @@ class FittedState:
                              f"'auto'), got rank={self.rank}; use cov_factor.")
         return [(a, e, self._buffers[key]) for key, (a, e) in zip(self._blocks.factor_names, self._blocks.bounds)]
 
+    # ------------------------------------------------------------------ what the state came from
+    def _parameter_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        """``(name, shape)`` of each parameter tensor the approximation is over, in the order of :attr:`loc`."""
+        return [(n, tuple(p.shape)) for n, p in self._named]
+
+    def _layout_tensor(self, device) -> Tensor:
+        """The buffer ``parameter_layout``, int64 of shape (L, 2 + the largest ndim): per parameter tensor the
+        CRC-32 of its name, its ndim and its shape (padded with zeros)."""
+        layout = self._parameter_layout()
+        width = max(1, max(len(shape) for _, shape in layout))
+        rows = [[zlib.crc32(n.encode()), len(shape), *shape] + [0] * (width - len(shape)) for n, shape in layout]
+        return torch.tensor(rows, dtype=torch.int64, device=device)
+
+    def _check_parameter_layout(self, saved) -> None:
+        """Refuse a saved ``parameter_layout`` of other parameters (another network or subset with as many weights)."""
+        name = type(self).__name__
+        mine = self._parameter_layout()
+        if not torch.is_tensor(saved) or saved.dim() != 2 or saved.shape[1] < 2 or saved.dtype != torch.int64:
+            raise ValueError(f"{name}: state_dict['parameter_layout'] must be an int64 Tensor of shape (L, 2 + ndim), "
+                             f"got {saved!r:.120}; nothing was loaded.")
+        theirs = []
+        for row in saved.tolist():
+            ndim = row[1]
+            if not 0 <= ndim <= len(row) - 2:
+                raise ValueError(f"{name}: state_dict['parameter_layout'] holds a row {row!r} with ndim out of range; "
+                                 "nothing was loaded.")
+            theirs.append((row[0], tuple(row[2:2 + ndim])))
+        ours = [(zlib.crc32(n.encode()), shape) for n, shape in mine]
+        if theirs == ours:
+            return
+        i = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        here = f"{mine[i][0]!r} of shape {mine[i][1]!r}" if i < len(mine) else "none"
+        there = ("none" if i >= len(theirs) else f"shape {theirs[i][1]!r}"
+                 + ("" if i >= len(ours) or theirs[i][0] == ours[i][0] else " and another name"))
+        raise ValueError(f"{name}: state_dict must come from parameters named and shaped as this one's ({len(mine)} "
+                         f"tensors; at position {i}: {here}), got {there} ({len(theirs)} tensors): the state of "
+                         "another network or subset; nothing was loaded.")
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a saved fit, checked whole first (keys, shapes, finite values, a positive prior precision and noise,
         a non-negative diagonal and count, the factor's layout and the blocks' ranks): nothing loaded when it
@@ -82,12 +123,17 @@ class FittedState:
         Raises
         ------
         ValueError
-            A state of the other layout (a rank per block for an int rank or the other way round), other
+            A state of another network or subset (the parameters' names and shapes, saved in ``parameter_layout``,
+            differ; a state saved without it is loaded unchecked on this point), a state of the other layout (a rank per block for an int rank or the other way round), other
             ``block_ranks``, missing or unexpected keys, shapes, non-finite or out-of-range values.
         """
         name = type(self).__name__
         if isinstance(state_dict, Mapping):
             check_layout(name, self._blocks, self.rank, state_dict)
+            if _LAYOUT in state_dict:
+                self._check_parameter_layout(state_dict[_LAYOUT])
+            else:  # saved before the parameters' names and shapes were: not checkable on this point
+                state_dict = {**state_dict, _LAYOUT: self._buffers[_LAYOUT]}
         kept = dict(self._buffers)
         try:  # the block factors take the shapes of the state's ranks ("auto"), back as they were when refused
             if self._blocks is not None and isinstance(state_dict, Mapping):

@@ -15,13 +15,18 @@ the MAP limit (a huge precision) when the spread brings nothing a temperature do
 """
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from pyro_fa.laplace._sharded import all_reduce_sum, replicated
+from pyro_fa.distributed import all_reduce_sum, replicated
+from pyro_fa.fa.batch import ConvergenceWarning
+from pyro_fa.laplace._laplace_torch import raise_laplace_torch_only
+from pyro_fa.laplace._loaders import n_examples, reiterable
 from pyro_fa.predictive.glm import check_pred_type
 
 __all__ = ["PriorPrecisionSelection", "PRIOR_METHODS", "EVIDENCE_MODES"]
@@ -32,6 +37,8 @@ PRIOR_METHODS = ("marglik", "gridsearch")
 EVIDENCE_MODES = ("map", "linearized")
 
 _DEFAULT_GRID = tuple(10.0 ** (k / 4) for k in range(-16, 17))  # 1e-4 ... 1e4
+#: the exponents of the common prior precisions the marginal-likelihood search may start from instead (1e-8 ... 1e8)
+_START_DECADES = tuple(range(-8, 9))
 
 
 def _link(pred_type: str, link_approx: str):
@@ -44,6 +51,104 @@ def show(value) -> str:
     if torch.is_tensor(value):
         return repr(value.detach().cpu().reshape(-1).tolist()) if value.numel() <= 8 else f"a Tensor of shape {tuple(value.shape)}"
     return repr(value)
+
+
+def ascend_log_evidence(objective, u: Tensor, start, n_steps: int, max_step: float, tol: Tensor,
+                        prior_sq: Optional[Tensor] = None):
+    r"""Maximise the log evidence in :math:`u = \log\delta` by BFGS with a trust radius and a backtracking line search.
+
+    With ``prior_sq`` (:math:`c_l = \sum_{d \in l}\theta_{*d}^2`), MacKay's fixed point first (MacKay 1992,
+    eq. 4.9; the gradient in :math:`u_l` is :math:`A_l - \tfrac12\delta_l c_l`, so :math:`\delta_l \leftarrow
+    2A_l/c_l` where :math:`A_l > 0`), kept while it raises the evidence and moves some :math:`u_l` by more
+    than 0.1: from a start far on either side it lands near the optimum in a few steps, where BFGS, which
+    crosses the wall :math:`-\tfrac12 e^{u}c` one e-fold a step, would take tens. Then each step goes along
+    :math:`H g` (:math:`H` the BFGS estimate of the inverse of minus the Hessian, Nocedal &
+    Wright, *Numerical Optimization*, 2006, eq. 6.17; the first step along :math:`g` itself), shortened to change
+    no :math:`u_l` by more than ``max_step`` (so a start 27 e-folds away, :math:`\delta = 10^{12}`, is left in a
+    few steps where the evidence is nearly linear in :math:`u`), then halved until the evidence rises by
+    :math:`10^{-4}` of the step's predicted gain (Armijo; a non-finite evidence counts as no rise). It stops
+    when every :math:`|g_l| \le` ``tol[l]``, after ``n_steps`` steps, or when no step rises (the evidence's
+    rounding).
+
+    Parameters
+    ----------
+    objective : callable
+        ``objective(u)`` -> ``(value, gradient)`` (a float and a Tensor shaped as ``u``), or None where either is
+        not finite.
+    u : Tensor of shape (L,)
+        The start.
+    start : (float, Tensor)
+        ``objective(u)``.
+    n_steps : int
+    max_step : float
+    tol : Tensor of shape (L,) or (1,)
+
+    Returns
+    -------
+    (Tensor, Tensor, int, bool)
+        The last point, its gradient, the steps taken and whether it stopped because no step rose.
+    """
+    f, g = start
+    H = None
+    done = 0
+    while prior_sq is not None and done < n_steps and not bool((g.abs() <= tol).all()):
+        A = g + 0.5 * u.exp() * prior_sq
+        ok = (A > 0) & (prior_sq > 0)
+        proposal = torch.where(ok, (2 * A.clamp_min(torch.finfo(u.dtype).tiny) / prior_sq.clamp_min(
+            torch.finfo(u.dtype).tiny)).log(), u)
+        trial = objective(proposal) if bool(ok.any()) else None
+        if trial is None or trial[0] <= f:
+            break
+        far = float((proposal - u).abs().max()) > 0.1
+        u, (f, g), done = proposal, trial, done + 1
+        if not far:
+            break
+    steps = done
+    for steps in range(done, n_steps):
+        if bool((g.abs() <= tol).all()):
+            return u, g, steps, False
+        new = None
+        for restart in (False, True):  # a BFGS direction that does not rise: once more along the gradient
+            if restart:
+                if H is None:
+                    break
+                H = None
+            d = g.sign() if H is None else H @ g
+            if float(g @ d) <= 0:  # not an ascent direction (a non-concave stretch): one e-fold each
+                H, d = None, g.sign()
+            d = d * min(1.0, max_step / float(d.abs().max()))
+            slope, t = float(g @ d), 1.0
+            for _ in range(40):
+                trial = objective(u + t * d)
+                if trial is not None and trial[0] >= f + 1e-4 * t * slope:
+                    new = trial
+                    break
+                t *= 0.5
+            if new is not None:
+                break
+        if new is None:
+            return u, g, steps, True
+        s, y = t * d, g - new[1]  # y: the change of minus the gradient
+        sy = float(s @ y)
+        if sy > 1e-12 * float(s.norm() * y.norm()):
+            if H is None:  # each coordinate's own secant where it is positive (the scales differ by e-folds)
+                own = s * y
+                H = torch.diag(torch.where(own > 0, s / y, (sy / float(y @ y)) * torch.ones_like(s)))
+            V = torch.eye(u.numel(), dtype=u.dtype, device=u.device) - torch.outer(s, y) / sy
+            H = V @ H @ V.T + torch.outer(s, s) / sy
+        u, (f, g) = u + s, new
+    return u, g, n_steps, False
+
+
+def with_grad(method):
+    """``method`` run with gradients enabled, outside inference mode: under ``torch.no_grad()`` or
+    ``torch.inference_mode()`` its autograd still works and the tensors it stores are ordinary ones."""
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        with torch.inference_mode(False), torch.enable_grad():
+            return method(*args, **kwargs)
+
+    return wrapped
 
 
 def positive_int(owner: str, arg: str, value, minimum: int = 1) -> int:
@@ -136,24 +241,37 @@ class PriorPrecisionSelection:
             lml = lml + 0.5 * post.covariance_quadratic(grad + delta * self.loc)
         return lml
 
-    def optimize_prior_precision(self, method: str = "marglik", *, n_steps: int = 100, lr: float = 0.1,
+    @with_grad
+    def optimize_prior_precision(self, method: str = "marglik", *, n_steps: int = 100, lr: float = 2.0,
                                  val_loader: Optional[Iterable] = None, grid: Optional[Sequence[float]] = None,
                                  pred_type: str = "glm", link_approx: str = "probit",
-                                 n_samples: int = 100, temperature: bool = False, mode: str = "map") -> Tensor:
+                                 n_samples: int = 100, temperature: bool = False, mode: str = "map",
+                                 grid_size: Optional[int] = None, log_prior_prec_min: float = -4.0,
+                                 log_prior_prec_max: float = 4.0, **laplace_torch) -> Tensor:
         r"""Choose the prior precision :math:`\delta` (scalar or per layer, the shape of :attr:`prior_precision`).
 
         Parameters
         ----------
         method : {"marglik", "gridsearch"}, default "marglik"
-            ``"marglik"``: Adam on :math:`\log\delta` maximising :meth:`log_marginal_likelihood` (its ``mode``);
-            ``"gridsearch"``: the scalar :math:`\delta` of ``grid`` with the lowest validation negative
+            ``"marglik"``: MacKay's fixed point then BFGS on :math:`u = \log\delta` maximising
+            :meth:`log_marginal_likelihood` (its ``mode``), from the stored :math:`\delta` or, where the evidence
+            is higher there, the common value :math:`10^{-8}, 10^{-7}, \dots, 10^{8}` of most evidence, until the gradient in :math:`u` is zero to
+            :math:`\sqrt{\epsilon}\,(1 + D_l/2)` per group of :math:`D_l` weights (each of the gradient's two terms
+            is at most :math:`D_l/2`), with a ``ConvergenceWarning`` naming the gradient where it stops short
+            (:func:`ascend_log_evidence`); from :math:`\delta = 10^{\pm 12}` it reaches the optimum in about 20
+            steps. ``"gridsearch"``: the scalar :math:`\delta` of ``grid`` with the lowest validation negative
             log-likelihood of the predictive (``pred_type``, ``link_approx``).
         n_steps, lr : int, float
-            Adam steps and learning rate of ``"marglik"``.
+            ``"marglik"``: the most BFGS steps, and the most any :math:`\log\delta_l` changes in one step (a
+            trust radius in e-folds; the step is halved until the evidence rises).
         val_loader : iterable of (Tensor, Tensor)
-            Needed by ``"gridsearch"``.
+            Needed by ``"gridsearch"``. Read once: a one-shot iterator (a generator) is read into a list, whose
+            batches every grid value is scored on.
         grid : sequence of float, optional
             Default :math:`10^{-4}, 10^{-3.75}, \dots, 10^4`.
+        grid_size, log_prior_prec_min, log_prior_prec_max : int, float, float
+            laplace-torch's names for a grid: without ``grid``, ``grid_size`` values :math:`10^{\min}, \dots,
+            10^{\max}` evenly spaced in the exponent.
         pred_type, link_approx, n_samples
             The predictive scored by ``"gridsearch"`` (see :meth:`predict_proba`).
         temperature : bool, default False
@@ -161,7 +279,7 @@ class PriorPrecisionSelection:
             temperature :math:`T` fitted there (:func:`pyro_fa.predictive.fit_temperature` on the log of the
             predictive's probabilities, :math:`T \in [0.01, 100]`), and keep the :math:`T` of the chosen value
             in :attr:`temperature`. :meth:`predict_proba` itself is never tempered; apply it as
-            ``(la.predict_proba(x).log() / la.temperature).softmax(-1)``. The raw scores stay in
+            ``(la.predict_proba(x, pred_type="glm").log() / la.temperature).softmax(-1)``. The raw scores stay in
             ``grid_scores_``; the tempered ones and the temperatures go to ``grid_tempered_`` (values, NLLs,
             temperatures). :attr:`temperature` is saved by :meth:`state_dict` (``fitted_temperature``).
         mode : {"map", "linearized"}, default "map"
@@ -178,11 +296,19 @@ class PriorPrecisionSelection:
         Raises
         ------
         ValueError
-            An unknown ``method``; bad ``n_steps``, ``lr``, ``grid`` or a missing ``val_loader``; a non-finite
-            prior precision, log marginal likelihood or gradient during ``"marglik"``, or a non-finite
-            validation NLL in ``"gridsearch"``; ``temperature`` not a bool, or True with ``"marglik"`` or a
+            An unknown ``method``; bad ``n_steps``, ``lr``, ``grid`` (``grid_size``) or a missing or empty
+            ``val_loader``; a log marginal likelihood or gradient that is not finite where ``"marglik"`` starts
+            (trial points where it is not finite are stepped back from), or a non-finite validation NLL in
+            ``"gridsearch"``; laplace-torch's arguments with no counterpart here (``init_prior_prec``, ``loss``,
+            ...); ``temperature`` not a bool, or True with ``"marglik"`` or a
             regression; an unknown ``mode``, or ``"linearized"`` with ``"gridsearch"``. Nothing is stored
             then: :attr:`prior_precision` and :attr:`temperature` stay as they were.
+
+        Warns
+        -----
+        ConvergenceWarning
+            ``"marglik"`` stopped (``n_steps``, or no step raised the evidence) with its gradient in
+            :math:`\log\delta` above the tolerance: the message names the gradient and its ratio to it.
 
         Examples
         --------
@@ -190,15 +316,28 @@ class PriorPrecisionSelection:
         >>> x, y = torch.randn(60, 3), torch.randint(4, (60,))
         >>> la = FactorLaplace(net, "classification", rank=2).fit([(x[:40], y[:40])])
         >>> delta = la.optimize_prior_precision("gridsearch", val_loader=[(x[40:], y[40:])], temperature=True)
-        >>> p = (la.predict_proba(x[40:]).log() / la.temperature).softmax(-1)  # the tempered predictive
+        >>> p = (la.predict_proba(x[40:], pred_type="glm").log() / la.temperature).softmax(-1)  # the tempered predictive
         >>> p.shape
         torch.Size([20, 4])
         >>> delta = la.optimize_prior_precision("marglik", mode="linearized")  # the linearised model's evidence
         """
         name = type(self).__name__
         self._check_fitted("optimize_prior_precision()")
+        if laplace_torch:
+            raise_laplace_torch_only(name, "optimize_prior_precision", laplace_torch)
         if method not in PRIOR_METHODS:
-            raise ValueError(f"{name}: method must be one of {PRIOR_METHODS}, got {method!r}.")
+            hint = (" (laplace-torch's first argument is pred_type: pass pred_type=... by keyword here)"
+                    if method in ("glm", "nn") else "")
+            raise ValueError(f"{name}: method must be one of {PRIOR_METHODS}, got {method!r}{hint}.")
+        if grid_size is not None:
+            if grid is not None:
+                raise ValueError(f"{name}: grid and grid_size are two ways of giving the grid; pass one, got both.")
+            positive_int(name, "grid_size", grid_size)
+            lo, hi = float(log_prior_prec_min), float(log_prior_prec_max)
+            if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi):
+                raise ValueError(f"{name}: log_prior_prec_min must be <= log_prior_prec_max, both finite, got "
+                                 f"{log_prior_prec_min!r} and {log_prior_prec_max!r}.")
+            grid = torch.logspace(lo, hi, grid_size, dtype=torch.float64).tolist()
         if not isinstance(temperature, bool):
             raise ValueError(f"{name}: temperature must be True or False, got {temperature!r}.")
         if temperature and method != "gridsearch":
@@ -225,31 +364,73 @@ class PriorPrecisionSelection:
         return self.prior_precision.clone()
 
     def _marglik_prior_precision(self, n_steps: int, lr: float, mode: str = "map") -> Tensor:
+        """The maximiser of the evidence in :math:`u = \\log\\delta` by :func:`ascend_log_evidence`, from the stored
+        :math:`\\delta`; gradients enabled whatever the caller's context (``torch.no_grad``, ``inference_mode``)."""
         name = type(self).__name__
         positive_int(name, "n_steps", n_steps)
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"{name}: lr must be a positive finite float, got {lr!r}.")
-        log_pp = self.prior_precision.detach().log().clone().requires_grad_(True)
-        opt = torch.optim.Adam([log_pp], lr=lr)
-        for step in range(n_steps):
-            opt.zero_grad()
-            pp = log_pp.exp()
-            if not bool(torch.isfinite(pp).all() and (pp > 0).all()):
-                raise ValueError(f"{name}: optimize_prior_precision('marglik') reached a non-finite or zero prior "
-                                 f"precision {show(pp)} at step {step}; try a smaller lr (got {lr!r}). The "
-                                 "prior precision was left as it was.")
-            lml = self.log_marginal_likelihood(prior_precision=pp, mode=mode)
-            if not bool(torch.isfinite(lml)):
-                raise ValueError(f"{name}: optimize_prior_precision('marglik'): the log marginal likelihood is "
-                                 f"{float(lml)!r} at prior precision {show(pp)} (step {step}); the fitted "
-                                 "curvature or loss is not usable. The prior precision was left as it was.")
-            (-lml).backward()
-            if not bool(torch.isfinite(log_pp.grad).all()):
-                raise ValueError(f"{name}: optimize_prior_precision('marglik'): the gradient of the log marginal "
-                                 f"likelihood is not finite at prior precision {show(pp)} (step {step}). The "
-                                 "prior precision was left as it was.")
-            opt.step()
-        return log_pp.detach().exp()
+        # each group's weights: the natural scale of its gradient (each of its two terms is at most D_l / 2)
+        pp0 = self.prior_precision.detach()
+        sizes = [self.dim] if pp0.numel() == 1 else list(self._sizes)
+        with torch.inference_mode(False), torch.enable_grad():
+            u0 = pp0.log().clone()
+
+            def objective(u: Tensor):
+                leaf = u.detach().clone().requires_grad_(True)
+                pp = leaf.exp()
+                if not bool(torch.isfinite(pp).all() and (pp > 0).all()):
+                    return None
+                lml = self.log_marginal_likelihood(prior_precision=pp, mode=mode)
+                if not bool(torch.isfinite(lml)):
+                    return None
+                g, = torch.autograd.grad(lml, leaf)
+                if not bool(torch.isfinite(g).all()):
+                    return None
+                return float(lml.detach()), g.detach()
+
+            start = objective(u0)
+            # the best of the start and one common value per decade: a local search cannot leave the plateau of
+            # the linearised evidence at a huge precision (its gradient there is 0 to rounding)
+            for e in _START_DECADES:
+                if start is None:
+                    break
+                trial = self._evidence_at(u0.new_full(u0.shape, e * math.log(10)), mode)
+                if trial is not None and trial > start[0]:
+                    u0, start = u0.new_full(u0.shape, e * math.log(10)), None
+                    start = objective(u0)
+            if start is None:
+                raise ValueError(f"{name}: optimize_prior_precision('marglik'): the log marginal likelihood or its "
+                                 f"gradient is not finite at the prior precision {show(pp0)} it starts from; the "
+                                 "fitted curvature or loss is not usable. The prior precision was left as it was.")
+            tol = torch.finfo(u0.dtype).eps ** 0.5 * (1 + 0.5 * torch.tensor(sizes, dtype=u0.dtype, device=u0.device))
+            u, g, steps, stalled = ascend_log_evidence(objective, u0, start, n_steps, lr, tol, self._prior_sq(pp0))
+        excess = float((g.abs() / tol).max())
+        if excess > 1:
+            where = (f"after {steps} of n_steps={n_steps} steps: no step increased the evidence"
+                     if stalled else f"after n_steps={n_steps} steps")
+            warnings.warn(f"{name}: optimize_prior_precision('marglik') stopped {where}, with the gradient of the log "
+                          f"evidence in log(prior_precision) at {float(g.abs().max()):.3g}, {excess:.3g} times its "
+                          f"tolerance from zero; the choice {show(u.exp())} may be off the optimum. Raise n_steps or "
+                          "start from another prior_precision.", ConvergenceWarning, stacklevel=3)
+        return u.exp()
+
+    def _evidence_at(self, u: Tensor, mode: str) -> Optional[float]:
+        """The log evidence at :math:`\\delta = e^u` without its gradient, None where not finite."""
+        with torch.no_grad():
+            lml = float(self.log_marginal_likelihood(prior_precision=u.exp(), mode=mode))
+        return lml if math.isfinite(lml) else None
+
+    def _prior_sq(self, pp: Tensor) -> Tensor:
+        r""":math:`c_l = \sum_{d\in l}\theta_{*d}^2` for each prior precision (one, or one per parameter tensor),
+        shape of ``pp`` (summed over the ranks when sharded)."""
+        sq = self.loc.detach().pow(2)
+        if pp.numel() == 1:
+            sums = sq.sum().reshape(1)
+        else:  # each weight's group, read off the per-weight expansion of 0, 1, ..., L-1
+            group = self._prior_diag(torch.arange(pp.numel(), dtype=sq.dtype, device=sq.device)).round().long()
+            sums = sq.new_zeros(pp.numel()).index_add_(0, group, sq)
+        return sums if self._sharding is None else all_reduce_sum(sums, self._sharding)
 
     def _gridsearch_prior_precision(self, val_loader, grid, pred_type, link_approx, n_samples, temperature=False):
         """``(the chosen prior precision, its temperature or None)``; the scores kept in ``grid_scores_`` (and
@@ -257,6 +438,7 @@ class PriorPrecisionSelection:
         name = type(self).__name__
         if val_loader is None:
             raise ValueError(f"{name}: method='gridsearch' needs val_loader, got None.")
+        val_loader = reiterable(name, val_loader, "val_loader")  # every grid value scored on all of it
         # link_approx as predict_proba reads it: only for a classifier's GLM ("nn" always samples)
         check_pred_type(name, pred_type,
                         link_approx if self.likelihood == "classification" and pred_type == "glm" else None)
@@ -323,6 +505,8 @@ class PriorPrecisionSelection:
                 mean, var = self.predict(x, pred_type=pred_type, num_samples=n_samples, return_var=True)
                 y = y.to(mean.dtype).reshape(mean.shape)
                 total += float(0.5 * ((y - mean).pow(2) / var + var.log() + math.log(2 * math.pi)).sum())
-            count += x.shape[0]
-        return total / max(count, 1)
+            count += n_examples(x)
+        if count == 0:
+            raise ValueError(f"{type(self).__name__}: val_loader must yield at least one batch, got none.")
+        return total / count
 

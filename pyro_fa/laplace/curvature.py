@@ -101,18 +101,30 @@ def flat_network(model: nn.Module, named: Sequence[Tuple[str, Tensor]]) -> Calla
     Returns
     -------
     callable
-        ``f(theta, x)`` with ``theta`` of shape (D,) and ``x`` a batch; the outputs as ``model(x)`` returns them.
+        ``f(theta, x)`` with ``theta`` of shape (D,) and ``x`` a batch, a Tensor or a tuple of Tensors (then
+        ``model(*x)``); the outputs as the model returns them.
         It reads the model's other parameters and buffers at call time (by ``torch.func.functional_call``).
     """
-    names = [n for n, _ in named]
-    shapes = [p.shape for _, p in named]
-    sizes = [s.numel() for s in shapes]
+    return _FlatNetwork(model, [n for n, _ in named], [p.shape for _, p in named])
 
-    def f(theta: Tensor, x: Tensor) -> Tensor:
-        pieces = torch.split(theta, sizes)
-        return functional_call(model, {n: t.view(s) for n, t, s in zip(names, pieces, shapes)}, (x,))
 
-    return f
+class _FlatNetwork:
+    """What :func:`flat_network` returns: a module-level callable (not a closure), so that what holds it pickles
+    (``pickle``, ``torch.save``) with the model, and a deep copy calls the copied model."""
+
+    def __init__(self, model: nn.Module, names: List[str], shapes: List[torch.Size]):
+        self.model, self.names, self.shapes = model, names, shapes
+        self.sizes = [s.numel() for s in shapes]
+
+    def __call__(self, theta: Tensor, x: Tensor) -> Tensor:
+        pieces = torch.split(theta, self.sizes)
+        return functional_call(self.model, {n: t.view(s) for n, t, s in zip(self.names, pieces, self.shapes)},
+                               x if isinstance(x, tuple) else (x,))
+
+
+def _one(xi):
+    """One example (a Tensor or a tuple of them, as ``vmap`` hands it) as a batch of one."""
+    return tuple(t.unsqueeze(0) for t in xi) if isinstance(xi, tuple) else xi.unsqueeze(0)
 
 
 def _outputs_2d(out: Tensor, owner: str) -> Tensor:
@@ -126,7 +138,7 @@ def _outputs_2d(out: Tensor, owner: str) -> Tensor:
 def _jacobians(f: Callable, theta: Tensor, x: Tensor) -> Tuple[Tensor, Tensor]:
     """Outputs (B, C) and per-example Jacobians (B, C, D)."""
     def one(th, xi):
-        out = f(th, xi.unsqueeze(0)).reshape(-1)
+        out = f(th, _one(xi)).reshape(-1)
         return out, out
 
     J, out = vmap(jacrev(one, has_aux=True), in_dims=(None, 0))(theta, x)
@@ -137,7 +149,7 @@ def _softmax_factors(f: Callable, theta: Tensor, xi: Tensor) -> Tensor:
     r"""The columns of :math:`J^\top L` for one example, shape (C, D): :math:`C` vector-Jacobian products with
     the columns of :math:`L = \mathrm{diag}(\sqrt p) - p\sqrt p^\top` as cotangents (one product with
     :math:`\sqrt{p(1-p)}` for a single Bernoulli logit, shape (1, D))."""
-    out, pull = vjp(lambda th: f(th, xi.unsqueeze(0)).reshape(-1), theta)
+    out, pull = vjp(lambda th: f(th, _one(xi)).reshape(-1), theta)
     out = out.detach()
     if out.shape[0] == 1:  # a Bernoulli logit: sqrt(p (1 - p)) J
         p = torch.sigmoid(out)
@@ -158,8 +170,8 @@ def curvature_vectors(f: Callable, theta: Tensor, x: Tensor, likelihood: str, ki
         ``f(theta, x)`` (see :func:`flat_network`), outputs of shape (B, C) or (B,).
     theta : Tensor of shape (D,)
         The weights (the MAP).
-    x : Tensor of shape (B, ...)
-        Inputs.
+    x : Tensor of shape (B, ...), or tuple of such Tensors
+        Inputs (a tuple: the network's positional arguments).
     likelihood : {"regression", "classification"}
         Gaussian (unit noise: divide the curvature by :math:`\sigma^2`) or categorical (softmax of C >= 2
         outputs; Bernoulli for a single logit).
@@ -194,27 +206,27 @@ def curvature_vectors(f: Callable, theta: Tensor, x: Tensor, likelihood: str, ki
         out = _outputs_2d(f(theta, x), "curvature_vectors")
     B, C = out.shape
     M = num_samples
-    xs = x.repeat_interleave(M, 0)
+    xs = tuple(t.repeat_interleave(M, 0) for t in x) if isinstance(x, tuple) else x.repeat_interleave(M, 0)
     outs = out.repeat_interleave(M, 0)
     if likelihood == "regression":
         noise = torch.randn(outs.shape, dtype=outs.dtype, device=outs.device, generator=generator)
         targets = outs + noise
 
         def loglik(th, xi, yi):
-            return -0.5 * (yi - f(th, xi.unsqueeze(0)).reshape(-1)).pow(2).sum()
+            return -0.5 * (yi - f(th, _one(xi)).reshape(-1)).pow(2).sum()
     elif C == 1:
         u = torch.rand(outs.shape, dtype=outs.dtype, device=outs.device, generator=generator)
         targets = (u < torch.sigmoid(outs)).to(outs.dtype)
 
         def loglik(th, xi, yi):
-            z = f(th, xi.unsqueeze(0)).reshape(-1)
+            z = f(th, _one(xi)).reshape(-1)
             return -nn.functional.binary_cross_entropy_with_logits(z, yi, reduction="sum")
     else:
         labels = torch.multinomial(outs.softmax(-1), 1, generator=generator).squeeze(-1)
         targets = nn.functional.one_hot(labels, C).to(outs.dtype)
 
         def loglik(th, xi, yi):
-            z = f(th, xi.unsqueeze(0)).reshape(-1)
+            z = f(th, _one(xi)).reshape(-1)
             return (z.log_softmax(-1) * yi).sum()
     g = vmap(grad(loglik), in_dims=(None, 0, 0))(theta, xs, targets)
     return (g / M ** 0.5).detach()

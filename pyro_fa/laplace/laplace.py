@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Mapping
 from typing import Dict, Iterable, Optional, Sequence, Union
 
 import torch
@@ -32,17 +33,23 @@ from torch import Tensor, nn
 
 from pyro_fa.laplace._blocks import assemble as _assemble_blocks, block_ranks as _block_ranks, fit_blocks
 from pyro_fa.laplace._fitted_state import FittedState
+from pyro_fa.laplace._laplace_torch import translate as _translate
+from pyro_fa.laplace._loaders import check_inputs, n_examples, reiterable, slice_inputs
 from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_network, select_parameters
 from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
-from pyro_fa.laplace._prior import PriorPrecisionSelection, positive_int as _positive_int, show as _show
+from pyro_fa.laplace._prior import PriorPrecisionSelection, positive_int as _positive_int, show as _show, with_grad
 from pyro_fa.distributions import BlockLowRankPrecisionNormal, LowRankPrecisionNormal
-from pyro_fa.laplace._sharded import ShardedLowRankPrecisionNormal, make_laplace_sharding, sharded_glm_moments
+from pyro_fa.distributed import ShardedLowRankPrecisionNormal, make_laplace_sharding
+from pyro_fa.laplace._sharded_glm import sharded_glm_moments
 from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_moments, linearized_network
 from pyro_fa.predictive.likelihood import LIKELIHOODS, normalize_likelihood
 from pyro_fa.predictive.posterior import Posterior
 from pyro_fa.predictive.sampled import SampledPredictive
 
 __all__ = ["FactorLaplace", "LIKELIHOODS"]
+
+#: the largest D whose dense (D, D) posterior precision or covariance is formed
+_MAX_DENSE_DIM = 20_000
 
 
 
@@ -66,6 +73,11 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
     likelihood : {"classification", "regression"}
         Categorical on the softmax of C >= 2 logits (Bernoulli for one logit), or Gaussian with noise
         ``sigma_noise`` (aliases ``"categorical"``, ``"gaussian"``: :func:`~pyro_fa.predictive.normalize_likelihood`).
+    subset : {"all", "last_layer"} or iterable of Tensors, default "all"
+        The weights the approximation is over (see :func:`~pyro_fa.laplace.curvature.select_parameters`);
+        the others stay at their values. The third positional argument, as laplace-torch's
+        ``subset_of_weights`` (whose default is ``"last_layer"``; ours is every weight). Every argument after it
+        is keyword-only.
     rank : int, list of int, dict or "auto", default 20
         :math:`K \ge 1`; ``rank >= D`` keeps the curvature exactly (small D). Time and memory grow with K.
         Where the predictive's spread matters (OOD detection, a small prior precision), take K larger
@@ -79,22 +91,24 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         :math:`O(\sum_b D_bK_b)` and :math:`O(\sum_b D_bK_b^2)` time instead of the total rank's; ``"auto"``:
         ``rank_budget`` columns allocated over the blocks by the fitted spectrum (each fitted at ``rank_max``
         first). See :mod:`pyro_fa.laplace._blocks`; attribute ``block_ranks``. Not with a ``process_group``.
-    subset : {"all", "last_layer"} or iterable of Tensors, default "all"
-        The weights the approximation is over (see :func:`~pyro_fa.laplace.curvature.select_parameters`);
-        the others stay at their values.
     prior_precision : float or Tensor of shape (1,) or (L,), default 1.0
         :math:`\delta`: one value, or one per parameter tensor of the subset (L of them), positive.
     sigma_noise : float, default 1.0
         :math:`\sigma` of the Gaussian likelihood; must be 1 for classification.
     curvature : {"ggn", "mc"}, default "ggn"
         Exact GGN factors (C vectors per example) or the Monte Carlo Fisher (``mc_samples`` per example).
-    curvature_fit : {"auto", "scatter", "online", "sketch", "randomized"}, default "auto"
+    curvature_fit : {"auto", "exact", "scatter", "online", "sketch", "randomized"}, default "auto"
         How the factor-analysis core fits the curvature (:func:`~pyro_fa.laplace.moment.fit_second_moment`):
-        the exact scatter and batch FA to convergence (:math:`O(D^2)` memory), or in :math:`O(DK)` memory
+        ``"exact"``, the exact :math:`D\times D` curvature in one pass, then batch FA of its exact top
+        :math:`3K` eigenpairs and diagonal (``"randomized"``'s estimand without its sketching error;
+        :math:`O(D^2)` memory, one :math:`O(D^3)` eigendecomposition, :math:`O(DK^2)` per FA iteration), the
+        exact scatter and batch FA of all of it to convergence (``"scatter"``, :math:`O(D^2K)` per
+        iteration, tens of times slower), or in :math:`O(DK)` memory
         online EM (``num_passes``, shardable), the core's scatter sketch refitted by batch FA (one pass), or
         a randomized range finder and Nyström approximation of the uncentred moment refitted by batch FA
         (``"randomized"``, ``num_passes`` passes, shardable; see :mod:`pyro_fa.laplace.moment`).
-        ``"auto"``: ``"scatter"`` for D <= 2048, else ``"randomized"``.
+        ``"auto"``: ``"exact"`` for D <= 1024, else ``"randomized"``. ``"sketch"`` is not shardable (refused
+        with a ``process_group``).
     rank_budget, rank_max : int, optional
         Only with ``rank="auto"``: the total rank, and the rank each block is fitted at before the allocation
         (default ``rank_budget``: any block may take it all; smaller costs less, warned where it binds).
@@ -111,10 +125,22 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         ranks' vectors (``"scatter"``: the D x D sums all-reduced, equal to one process on all the data;
         ``"online"``: sharded by coordinates over the ranks, as ``OnlineFactorAnalysis(process_group=...)``;
         ``"randomized"``: its D x 3K matrices held by rows, sums of 3K numbers per vector all-reduced).
-        Rank r of W then holds only its rows ``[lo, hi)`` (:func:`~pyro_fa.fa._sharding.shard_bounds`, about
+        Rank r of W then holds only its rows ``[lo, hi)`` (:func:`~pyro_fa.distributed.shard_bounds`, about
         D/W) of :attr:`loc`, :attr:`cov_factor` and :attr:`cov_diag`, and its own :meth:`state_dict`; the
-        posterior is a :class:`~pyro_fa.laplace._sharded.ShardedLowRankPrecisionNormal` and every method
-        below is collective (all ranks call it with the same arguments): see :mod:`pyro_fa.laplace._sharded`.
+        posterior is a :class:`~pyro_fa.distributed.ShardedLowRankPrecisionNormal` and every method
+        below is collective (all ranks call it with the same arguments): see :mod:`pyro_fa.distributed.laplace`.
+    subset_of_weights, hessian_structure, prior_structure : str, optional
+        laplace-torch's names, mapped to ours (:mod:`pyro_fa.laplace._laplace_torch`):
+        ``subset_of_weights`` ``"all"`` / ``"last_layer"`` is ``subset``; ``hessian_structure="lowrank"`` is
+        this class's curvature (low rank plus diagonal, ``rank=K``) and ``"full"`` is ``rank=D`` (the curvature
+        kept exactly, small D), while ``"kron"``, ``"diag"`` and ``"gp"`` are refused naming ``rank``;
+        ``prior_structure`` ``"scalar"`` / ``"layerwise"`` gives :attr:`prior_precision` the shape (1,) / (L,)
+        (``"diag"`` is refused). laplace-torch's other keywords (``temperature``, ``prior_mean``, ``backend``,
+        ``dict_key_x``, ``last_layer_name``, ...) are refused naming what to use here. Likewise
+        ``optimize_prior_precision`` takes ``grid_size``, ``log_prior_prec_min`` and ``log_prior_prec_max``, and
+        :attr:`posterior_precision` / :attr:`posterior_covariance` are the dense (D, D) matrices (small D).
+        Not available: ``link_approx="bridge"`` (``"probit"`` or ``"mc"``), dict (Hugging Face) batches (inputs
+        are a Tensor or a tuple of Tensors, ``model(*x)``).
 
     Attributes
     ----------
@@ -141,6 +167,9 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         The gradient of :attr:`loss` at :math:`\theta_*` (for ``log_marginal_likelihood(mode="linearized")``).
     fitted_temperature : Tensor of shape ()
         :attr:`temperature`, 0 for None.
+    parameter_layout : Tensor of shape (L, 2 + the largest ndim), int64
+        Per parameter tensor of the subset: the CRC-32 of its name, its ndim and shape, so that
+        :meth:`load_state_dict` refuses the state of another network with as many weights.
 
     Notes
     -----
@@ -151,7 +180,8 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
     :math:`\sigma^2` added. :attr:`scale` multiplies the predictive's covariance (:meth:`tune_scale`).
 
     :meth:`fit` costs :math:`C` reverse-mode products per example (``"ggn"``) or ``mc_samples`` gradients
-    (``"mc"``), then :math:`O(D^2)` memory and :math:`O(D^2K)` per batch-FA iteration (``"scatter"``) or
+    (``"mc"``), then :math:`O(D^2)` memory, :math:`O(D^3)` once and :math:`O(DK^2)` per batch-FA iteration
+    (``"exact"``; :math:`O(D^2K)` for ``"scatter"``) or
     :math:`O(DK)` memory and :math:`O(DK)` per vector (``"online"``). The posterior costs :math:`O(DK^2)`.
 
     References
@@ -173,12 +203,13 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
     torch.Size([4, 2])
     """
 
-    def __init__(self, model: nn.Module, likelihood: str, rank: Union[int, Sequence[int], Dict[str, int], str] = 20,
-                 subset: Union[str, Iterable[Tensor]] = "all", prior_precision=1.0, sigma_noise: float = 1.0, *,
-                 curvature: str = "ggn", curvature_fit: str = "auto", mc_samples: int = 1,
+    def __init__(self, model: nn.Module, likelihood: str, subset: Union[str, Iterable[Tensor]] = "all", *,
+                 rank: Union[int, Sequence[int], Dict[str, int], str, None] = None, prior_precision=1.0,
+                 sigma_noise: float = 1.0, curvature: str = "ggn", curvature_fit: str = "auto", mc_samples: int = 1,
                  num_passes: Optional[int] = None,
                  chunk_size: int = 32, seed: int = 0, process_group=None, rank_budget: Optional[int] = None,
-                 rank_max: Optional[int] = None):
+                 rank_max: Optional[int] = None, subset_of_weights: Optional[str] = None,
+                 hessian_structure: Optional[str] = None, prior_structure: Optional[str] = None, **laplace_torch):
         super().__init__()
         name = type(self).__name__
         if not isinstance(model, nn.Module):
@@ -188,6 +219,15 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
             raise ValueError(f"{name}: curvature must be one of {CURVATURES}, got {curvature!r}.")
         if curvature_fit not in MOMENT_FITS:
             raise ValueError(f"{name}: curvature_fit must be one of {MOMENT_FITS}, got {curvature_fit!r}.")
+        if curvature_fit == "sketch" and process_group is not None:
+            raise ValueError(f"{name}: curvature_fit='sketch' cannot be sharded; with a process_group use "
+                             "curvature_fit='online', 'randomized' or 'scatter', got curvature_fit='sketch'.")
+        subset, full, layerwise = _translate(name, subset, subset_of_weights, hessian_structure, prior_structure,
+                                             laplace_torch)
+        if full and rank is not None:
+            raise ValueError(f"{name}: hessian_structure='full' keeps the curvature exactly (rank=D); pass it or "
+                             f"rank, got rank={rank!r} too.")
+        rank = 20 if rank is None else rank
         self.rank = _positive_int(name, "rank", rank) if isinstance(rank, int) else rank
         self.mc_samples = _positive_int(name, "mc_samples", mc_samples)
         self.num_passes = None if num_passes is None else _positive_int(name, "num_passes", num_passes)
@@ -195,6 +235,8 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         self.seed = _positive_int(name, "seed", seed, minimum=0)
         self.process_group = process_group
         named = select_parameters(model, subset, name)
+        if full:
+            rank = self.rank = sum(p.numel() for _, p in named)
         self._blocks = _block_ranks(name, rank, rank_budget, named, curvature_fit, process_group, rank_max)
         if self._blocks is not None:  # per-block ranks: F is (D, the total), block diagonal
             self.rank = self._blocks.width
@@ -219,13 +261,22 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         if self._sharding is not None:
             sh = self._sharding
             self.register_buffer("shard", torch.tensor([D, sh.world_size, sh.rank, lo, hi], device=ref.device))
-        self.register_buffer("prior_precision", self._check_prior_precision(prior_precision, ref))
+        prior_precision = self._check_prior_precision(prior_precision, ref)
+        if layerwise is not None and prior_precision.numel() != (self.n_layers if layerwise else 1):
+            if layerwise and prior_precision.numel() == 1:
+                prior_precision = prior_precision.expand(self.n_layers).clone()
+            else:
+                raise ValueError(f"{name}: prior_precision must have shape ({self.n_layers if layerwise else 1},) "
+                                 f"for prior_structure={'layerwise' if layerwise else 'scalar'!r}, got shape "
+                                 f"{tuple(prior_precision.shape)!r}.")
+        self.register_buffer("prior_precision", prior_precision)
         self.register_buffer("sigma_noise", self._check_sigma(sigma_noise, ref))
         self.register_buffer("n_data", torch.zeros((), dtype=torch.int64, device=ref.device))
         self.register_buffer("loss", torch.zeros((), **dd))
         self.register_buffer("loss_grad", torch.zeros(hi - lo, **dd))
         self.register_buffer("fitted_temperature", torch.zeros((), **dd))
         self.register_buffer("n_outputs", torch.zeros((), dtype=torch.int64, device=ref.device))
+        self.register_buffer("parameter_layout", self._layout_tensor(ref.device))
         if self._blocks is not None:
             self.register_buffer("block_ranks", torch.tensor(self._blocks.initial, device=ref.device))
         self._f = flat_network(model, named)
@@ -278,20 +329,26 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
 
     def _batch(self, batch, what: str):
         name = type(self).__name__
+        if isinstance(batch, Mapping):  # laplace-torch's Hugging Face batches: refused as inputs, in one line
+            check_inputs(name, batch, self.loc)
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ValueError(f"{name}: {what} must yield (inputs, targets) pairs, got "
                              f"{type(batch).__name__}{'' if not isinstance(batch, (tuple, list)) else f' of length {len(batch)}'}.")
         x, y = batch
-        ref = self.loc
-        x = x.to(ref.device, ref.dtype) if x.is_floating_point() else x.to(ref.device)
-        y = y.to(ref.device)
-        if x.shape[0] != y.shape[0]:
+        x = check_inputs(name, x, self.loc)
+        y = y.to(self.loc.device)
+        if y.is_inference() and not torch.is_inference_mode_enabled():
+            y = y.clone()
+        if n_examples(x) != y.shape[0]:
             raise ValueError(f"{name}: inputs and targets of a batch must have the same length, got "
-                             f"{x.shape[0]} and {y.shape[0]}.")
+                             f"{n_examples(x)} and {y.shape[0]}.")
         return x, y
 
     def _batch_loss(self, out: Tensor, y: Tensor) -> Tensor:
         name = type(self).__name__
+        if out.dim() > 2:  # the curvature would count every output, the evidence only the last dimension's
+            raise ValueError(f"{name}: the model's outputs must have shape (B, C) or (B,), got {tuple(out.shape)!r}; "
+                             "flatten them (end the model with nn.Flatten()) and the targets alike.")
         out = out.unsqueeze(-1) if out.dim() == 1 else out
         C = out.shape[-1]
         if self.likelihood == "regression":
@@ -316,14 +373,18 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
     def _theta(self) -> Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self._params])
 
+    @with_grad
     def fit(self, train_loader: Iterable) -> "FactorLaplace":
         """One pass over the data at the current (MAP) weights: the curvature, fitted by factor analysis.
 
         Parameters
         ----------
         train_loader : iterable of (Tensor, Tensor)
-            Batches of inputs (B, ...) and targets: labels (B,) for classification, values (B,) or (B, C)
-            for regression (a ``torch.utils.data.DataLoader`` or a list).
+            Batches of inputs (B, ...), or a tuple of such Tensors (given to the network as ``model(*x)``), and
+            targets: labels (B,) for classification, values (B,) or (B, C) for regression (a
+            ``torch.utils.data.DataLoader`` or a list; a one-shot iterator such as a generator is read into a
+            list first, as the fit may pass over it more than once). Works under ``torch.no_grad()`` and
+            ``torch.inference_mode()`` (gradients are enabled inside).
 
         Returns
         -------
@@ -332,11 +393,14 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         Raises
         ------
         ValueError
-            Malformed batches, targets, non-finite weights or curvature, an empty loader, a dropout or
-            batch-norm layer in train mode (nothing changed).
+            Malformed batches, targets, outputs of more than two dimensions, non-finite weights or curvature,
+            an empty loader, a dropout or batch-norm layer in train mode (nothing changed).
+        TypeError
+            Inputs that are neither a Tensor nor a tuple of Tensors (a dict).
         """
         name = type(self).__name__
         check_eval_mode(name, self.model, "model")  # before any forward pass: its buffers stay as they are
+        train_loader = reiterable(name, train_loader, "train_loader")  # passed over more than once
         theta = self._theta()
         if not bool(torch.isfinite(theta).all()):
             raise ValueError(f"{name}: the model's weights must be finite to fit a Laplace approximation, got "
@@ -349,8 +413,8 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
             count, totals["first"] = totals["first"], False
             for batch in train_loader:
                 x, y = self._batch(batch, "train_loader")
-                for lo in range(0, x.shape[0], self.chunk_size):
-                    xc, yc = x[lo:lo + self.chunk_size], y[lo:lo + self.chunk_size]
+                for lo in range(0, n_examples(x), self.chunk_size):
+                    xc, yc = slice_inputs(x, lo, lo + self.chunk_size), y[lo:lo + self.chunk_size]
                     if count:  # the loss and its gradient at theta (the linearised evidence's g)
                         with torch.enable_grad():
                             out = self._f(leaf, xc)
@@ -358,7 +422,7 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
                             totals["grad"] += torch.autograd.grad(loss, leaf)[0]
                         totals["loss"] += loss.detach()
                         out = out.detach()
-                        totals["n"] += xc.shape[0]
+                        totals["n"] += n_examples(xc)
                         totals["outputs"] = 1 if out.dim() == 1 else out.shape[-1]
                     yield curvature_vectors(self._f, theta, xc, self.likelihood, self.curvature,
                                             num_samples=self.mc_samples, generator=generator)
@@ -461,6 +525,36 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         """Marginal variances of the weights, shape (D,) (this rank's (D_r,) when sharded; collective)."""
         return self.get_posterior().variance
 
+    def _dense(self, what: str) -> LowRankPrecisionNormal:
+        name = type(self).__name__
+        if self._sharding is not None:
+            raise ValueError(f"{name}: {what} is a dense (D, D) matrix, which a sharded approximation (each rank "
+                             f"holding rows [lo, hi) of D={self.dim}) does not form; use get_posterior().")
+        if self.dim > _MAX_DENSE_DIM:
+            raise ValueError(f"{name}: {what} is a dense (D, D) matrix, here D={self.dim} > {_MAX_DENSE_DIM}; use "
+                             "get_posterior(), a distribution with O(DK) memory (its variance, precision_matvec, "
+                             "covariance_matvec, log_prob and rsample).")
+        self._check_fitted(what)
+        return self._posterior()
+
+    @property
+    def posterior_precision(self) -> Tensor:
+        r"""laplace-torch's ``posterior_precision``: :math:`P = \mathrm{diag}(\delta) + \frac{N}{\sigma^2}(FF^\top +
+        \Psi)` as a dense Tensor of shape (D, D), for D <= 20 000 (a new tensor on each access).
+
+        Raises
+        ------
+        ValueError
+            Larger D, or a sharded approximation: use the posterior distribution (``get_posterior()``).
+        """
+        return self._dense("posterior_precision").precision_matrix
+
+    @property
+    def posterior_covariance(self) -> Tensor:
+        r"""laplace-torch's ``posterior_covariance``: :math:`P^{-1}`, a dense Tensor of shape (D, D), for
+        D <= 20 000 (a new tensor on each access; see :attr:`posterior_precision`)."""
+        return self._dense("posterior_covariance").covariance_matrix
+
     def sample(self, num_samples: Optional[int] = None, *, generator: Optional[torch.Generator] = None) -> Tensor:
         """Weight vectors drawn from the Laplace approximation, shape (num_samples, D), or (D,) for ``None``.
 
@@ -492,10 +586,17 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
             raise ValueError(f"{type(self).__name__}: scale must be a finite number >= 0, got {value!r}.")
         self.__dict__["_scale"] = float(value)
 
+    def _check_sampling_mode(self) -> None:
+        """Refuse, before any forward pass, a model whose dropout or batch norm is in train mode: sampled networks
+        would each see other random masks or batch statistics and move the running means (as :meth:`fit` and
+        the GLM predictive refuse it)."""
+        check_eval_mode(type(self).__name__, self.model, "model")
+
     def _inputs(self, x):
-        ref = self.loc
-        return tuple(t.to(ref.device, ref.dtype) if t.is_floating_point() else t.to(ref.device)
-                     for t in super()._inputs(x))
+        """Prediction inputs as the network's positional arguments: a tuple of Tensors on the fit's device and
+        dtype (from a Tensor or a tuple of Tensors; refused otherwise)."""
+        x = check_inputs(type(self).__name__, x, self.loc)
+        return x if isinstance(x, tuple) else (x,)
 
     def _default_noise_std(self):
         return self.sigma_noise if self.likelihood == "regression" else None
@@ -544,6 +645,7 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
             raise ValueError(f"{name}: loader must be None (the model is in eval mode, its batch-norm statistics "
                              f"fixed), got {type(loader).__name__}.")
         self._check_fitted("predictive()")
+        self._check_sampling_mode()
         network = {"nn": self._network, "glm": self._linearized_network}[pred_type]()
         return SampledPredictive(self._draws, network, module=self.model, loc=self.loc, deviations=self._deviations)
 
@@ -551,7 +653,7 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         """``theta -> context of the network at theta`` (sharded: theta gathered from the ranks' rows)."""
         def network(theta):
             whole = self._whole(theta)
-            return contextlib.nullcontext(lambda *x: self._f(whole, *self._inputs(x)))
+            return contextlib.nullcontext(lambda *x: self._f(whole, self._inputs(x)))
         return network
 
     def _linearized_network(self):
@@ -577,11 +679,11 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
     def _linearized_marginals(self, inputs, chunk_size):
         r""":math:`f(x; \theta_*)` and :math:`s\,\mathrm{diag}(J_x P^{-1} J_x^\top)`, in the model output's shape."""
         self._check_fitted("the GLM predictive")
-        (x,) = inputs
+        x = inputs[0] if len(inputs) == 1 else tuple(inputs)
         mean, cov = self._glm_moments(x)
         var = cov.diagonal(dim1=-2, dim2=-1) * self.scale
         with torch.no_grad():  # the model's own output shape: (N,) or (N, C)
-            one = self._f(self._whole(self.loc), x[:1]).dim() == 1
+            one = self._f(self._whole(self.loc), slice_inputs(x, 0, 1)).dim() == 1
         return [(mean.squeeze(-1), var.squeeze(-1)) if one else (mean, var)]
 
     def forward(self, x: Tensor, *, pred_type: str = "nn", link_approx: Optional[str] = None, num_samples: int = 30,

@@ -85,7 +85,7 @@ class SLMRegressor(RegressorMixin, _RandomFeatureEstimator):
     x_mean_, x_scale_ : ndarray of shape (n_features,)
     y_mean_, y_scale_ : float
     n_features_in_ : int
-    feature_names_in_ : ndarray of shape (n_features_in_,)
+    feature_names_in_ : ndarray of shape (`n_features_in_`,)
 
     Raises
     ------

@@ -29,6 +29,7 @@ classification networks", Neural Computation 4(5), 1992, §2. D. J. Spiegelhalte
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -256,7 +257,9 @@ def linearized_moments(module: nn.Module, loc: Tensor, inputs: Union[Tensor, Tup
     Notes
     -----
     Cost per example: :math:`C` reverse-mode products for :math:`J_x` (``torch.func.vmap`` of ``jacrev``
-    over a chunk of examples) and :math:`K` forward-mode products for :math:`J_x F` (``jvp``), then
+    over a chunk of examples) and :math:`K` forward-mode products for :math:`J_x F` (``jvp``; where an
+    operation has no forward-mode derivative, e.g. ``nn.LSTM`` / ``nn.GRU``'s ``mkldnn_rnn_layer`` on the CPU,
+    :math:`J_xF` is contracted from the reverse-mode Jacobian instead, :math:`O(CDK)` per example), then
     :math:`O(C^2(D + K))` (:math:`O(C(D + K))` with ``diagonal=True``). Memory :math:`O(n\,C\,D)` for a chunk of :math:`n` examples; no
     :math:`D\times D` matrix and no :math:`N \times C \times D` tensor for all inputs.
 
@@ -314,6 +317,7 @@ def linearized_moments(module: nn.Module, loc: Tensor, inputs: Union[Tensor, Tup
     diag_parts = diag.split(sizes)
     means, covs = [], []
     start, n = 0, chunk_size
+    forward_mode = True  # J_x F by K forward-mode products, until an operation refuses them
     while start < N:
         if n is None:  # the output size C decides the default chunk
             C = f(loc, *(x[:1] for x in inputs)).shape[-1]
@@ -324,21 +328,36 @@ def linearized_moments(module: nn.Module, loc: Tensor, inputs: Union[Tensor, Tup
         if mean.dim() != 2 or mean.shape[0] != chunk[0].shape[0]:
             raise ValueError(f"{fn}: the module's output must have shape (N, C) or (N,) for inputs of N="
                              f"{chunk[0].shape[0]} examples, got {tuple(mean.shape)!r}.")
+        JF = None
+        if K and forward_mode:
+            try:
+                JF = vmap(lambda v: jvp(lambda th: f(th, *chunk), (loc,), (v,))[1])(factor_t).detach()  # (K, n, C)
+            except NotImplementedError as exc:  # e.g. LSTM / GRU on the CPU: mkldnn_rnn_layer has no forward AD
+                if "forward AD" not in str(exc):
+                    raise
+                forward_mode = False  # then J_x F from the reverse-mode Jacobian below, as for blocks
+        fallback = [(0, D, factor_t.t())] if K and not forward_mode else None
         cov, offset = None, 0
-        block_JF = [None] * len(blocks or ())  # J_x F_b per factor block, (n, C, K_b)
-        for J, d in zip(per_example_jacobian(loc_parts, *chunk), diag_parts):  # blocks (n, C, *shape)
+        block_JF = [None] * len(fallback or blocks or ())  # J_x F_b per factor block, (n, C, K_b)
+        jacobians = per_example_jacobian(loc_parts, *chunk)  # blocks (n, C, *shape)
+        # blocks may share memory (an LSTM's two biases get one tensor): those are squared out of place
+        storages = Counter(J.untyped_storage().data_ptr() for J in jacobians)
+        for J, d in zip(jacobians, diag_parts):
+            shared = storages[J.untyped_storage().data_ptr()] > 1
             J = J.detach().reshape(J.shape[0], J.shape[1], -1)
-            for i, (lo, hi, F) in enumerate(blocks or ()):  # the block's rows within this parameter tensor
+            for i, (lo, hi, F) in enumerate(fallback or blocks or ()):  # the block's rows within this parameter tensor
                 a, e = max(lo, offset), min(hi, offset + J.shape[-1])
                 if a < e:
                     part = J[..., a - offset:e - offset] @ F[a - lo:e - lo]
                     block_JF[i] = part if block_JF[i] is None else block_JF[i] + part
             offset += J.shape[-1]
-            part = J.square_().matmul(d) if diagonal else torch.matmul(J * d, J.transpose(-1, -2))
+            if diagonal:
+                part = (J.square() if shared else J.square_()).matmul(d)
+            else:
+                part = torch.matmul(J * d, J.transpose(-1, -2))
             cov = part if cov is None else cov.add_(part)
             del J
-        if K:
-            JF = vmap(lambda v: jvp(lambda th: f(th, *chunk), (loc,), (v,))[1])(factor_t).detach()  # (K, n, C)
+        if JF is not None:
             low_rank = JF.square().sum(0) if diagonal else torch.einsum("knc,knm->ncm", JF, JF)
             cov = cov + factor_sign * low_rank
         for JF in block_JF:  # every block meets some parameter tensor (lo < hi <= D)

@@ -208,7 +208,9 @@ class Posterior(abc.ABC):
             raise ValueError(f"{type(self).__name__}: loader must be None for the closed-form GLM predictive "
                              "(link_approx='probit': the network is linearised at the mean, with its own batch-norm "
                              "statistics), got a loader. Use link_approx='mc' to refresh them.")
-        return self._linearized_marginals(self._inputs(x), chunk_size)
+        with torch.enable_grad():  # the Jacobians may come from reverse mode (e.g. an LSTM's on the CPU)
+            moments = self._linearized_marginals(self._inputs(x), chunk_size)
+        return [(mean.detach(), var.detach()) for mean, var in moments]
 
     @torch.no_grad()
     def predict(self, x: Inputs, *, pred_type: str = "nn", link_approx: Optional[str] = None,

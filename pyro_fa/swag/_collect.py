@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from pyro_fa.swag._params import ParamSource as _ParamSource
-from pyro_fa.swag._sharded import flatten_slice
+from pyro_fa.distributed.sharding import flatten_slice
 
 __all__ = ["IterateCollector"]
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from pyro_fa._state import check_count
-from pyro_fa.fa._sharding import raise_agreed
+from pyro_fa.distributed.sharding import raise_agreed
 
 __all__ = ["SWAGState"]
 

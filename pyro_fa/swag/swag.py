@@ -21,14 +21,14 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Type, Uni
 import torch
 from torch import Tensor, nn
 
-from pyro_fa.fa._sharded_normal import ShardedLowRankNormal
+from pyro_fa.distributed import ShardedLowRankNormal
 from pyro_fa.distributions import FactorNormal, PointMassNormal, StableLowRankMultivariateNormal
 from pyro_fa.swag._classic import ClassicFit
 from pyro_fa.swag._collect import IterateCollector
 from pyro_fa.swag._fits import IterateFit, OnlineFit
 from pyro_fa.swag._params import ParamSource as _ParamSource, positive_int as _positive_int
 from pyro_fa.swag._prediction import SWAGPrediction
-from pyro_fa.swag._sharded import ShardedSWAG
+from pyro_fa.distributed.swag import ShardedSWAG
 from pyro_fa.swag._state import SWAGState
 from pyro_fa.swag.guide import FactorPosteriorGuide
 
@@ -353,7 +353,7 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
             A :class:`~pyro_fa.distributions.StableLowRankMultivariateNormal` (the capacitance in float64: torch's
             float32 one fails when :math:`\psi` is tiny against :math:`F`); at scale 0 the point mass at
             :attr:`loc` (:class:`~pyro_fa.distributions.PointMassNormal`); under a ``process_group`` this rank's rows
-            (:class:`~pyro_fa.fa._sharded_normal.ShardedLowRankNormal`, whose log_prob, entropy and sample are
+            (:class:`~pyro_fa.distributed.ShardedLowRankNormal`, whose log_prob, entropy and sample are
             collective).
 
         Raises

@@ -30,9 +30,12 @@ unless it exceeds twice its standard error. Figures: per dataset × network, tes
 NLL against OOD AUROC for every method (the trade-off front); reliability diagrams
 and entropy histograms for the first seed.
 
-``pyro-fa classify --quick`` runs every method but the all-weights Laplace rows and
-MultiSWAG's GLM predictive (the peers too, where installed) with 12 epochs, no grids
-and one seed; the default runs every method, 150 epochs, every grid and 5 seeds.
+``pyro-fa classify --quick`` runs the reference MLP on MNIST-1D with every way to a
+posterior (SWAG-EM, MultiSWAG, VIFA, FactorLaplace) beside MAP, the deep ensemble, MC
+dropout and the peers (where installed), with 12 epochs, no grids, one seed and
+FactorLaplace at rank 20, and
+prints one table (its bars, which judge the full run only, go to ``table.md``); the
+default runs every method on every dataset × network, 150 epochs, every grid and 5 seeds.
 """
 from __future__ import annotations
 
@@ -47,18 +50,22 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from pyro_fa.experiments.classify.data import DATASETS, load_classify, median_norms
-from pyro_fa.experiments.classify.methods import GRIDS, MAP_SCORES, METHODS, NETWORKS, PEERS, ROW_ONLY_FIELDS, \
+from pyro_fa.experiments.classify.methods import GRIDS, MAP_SCORES, METHODS, NETWORKS, PEERS, \
     Budget, epochs_of, peers_available, run_methods
+from pyro_fa.experiments.classify.merge import merge_results, prior_precisions_from
+from pyro_fa.experiments.classify.results import path_of, read_done, refuse_to_replace, run_key, unit_key, \
+    write_unit
 from pyro_fa.experiments._io import OutputFolder, atomic_write_json, atomic_write_text, mean_se, positive_int, \
     progress_bar
 
 #: (dataset, network) pairs the benchmark runs
 COMBOS = (("mnist1d", "mlp"), ("mnist1d", "cnn"), ("digits", "mlp"), ("mnist1d-8", "mlp"), ("digits-8", "mlp"))
 DEFAULT_SEEDS = 5
-#: rows --quick leaves out unless named in --methods (the all-weights curvature passes and the mixture's GLM
-#: predictive: tens of seconds each on one core); the benchmark's tests run them on a subset
-QUICK_SKIPS = ("factor-laplace", "factor-laplace-grid", "factor-laplace-lin", "laplace-diag", "laplace-kron",
-               "laplace-full", "multiswag-glm")
+#: what --quick runs where --datasets, --networks and --methods do not say: the paper's reference MLP on MNIST-1D,
+#: and every way to a posterior (SWAG-EM, MultiSWAG, VIFA, FactorLaplace) beside MAP, the deep ensemble, MC dropout
+#: and the peers (where installed): one table, a screenful
+QUICK_COMBOS = (("mnist1d", "mlp"),)
+QUICK_METHODS = ("map", "ensemble", "dropout", "swag-em", "multiswag", "vifa", "factor-laplace", "laplace", "ivon")
 
 
 def add_arguments(parser) -> None:
@@ -181,31 +188,6 @@ def parse_device(value) -> torch.device:
     return device
 
 
-def prior_precisions_from(folder, budget: Budget, combos: Sequence[tuple], seeds: Sequence[int]) -> Dict[str, dict]:
-    """MAP's chosen prior precision, ``{"<dataset>-<network>": {seed: value}}``, from an earlier run in ``folder``.
-
-    Raises
-    ------
-    SystemExit
-        When ``folder`` holds no results, ran under another budget (beyond the grids of
-        :data:`~pyro_fa.experiments.classify.methods.ROW_ONLY_FIELDS`), or lacks MAP's row for one of ``seeds``.
-    """
-    ((result, _),) = _read_runs([folder])
-    _row_only_diff(result, Path(folder), json.loads(json.dumps(asdict(budget))), "--prior-precision-from",
-                   "this one")
-    out: Dict[str, dict] = {}
-    for dataset, network in combos:
-        key = f"{dataset}-{network}"
-        combo = result["combos"].get(key, {}).get("methods", {})
-        held = result.get("seeds_per_combo", {}).get(key, result["seeds"])
-        lack = [s for s in seeds if s not in held or "map" not in combo]
-        if lack:
-            raise SystemExit(f"pyro-fa classify: --prior-precision-from {folder} holds no MAP row of {key} for "
-                             f"seed(s) {lack} (it holds {sorted(held) if 'map' in combo else 'none'}).")
-        out[key] = {s: float(combo["map"]["extra"][held.index(s)]["prior_precision"]) for s in seeds}
-    return out
-
-
 def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budget, seeds: Sequence[int],
                   output_dir, progress: bool = True, subset: Optional[tuple] = None, device="cpu",
                   prior_precisions: Optional[Dict[str, dict]] = None) -> dict:
@@ -221,7 +203,9 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
     output_dir : path
         Receives ``results.json``, ``table.md``, ``front_<dataset>-<network>.png``, ``reliability.png``,
         ``entropy.png`` and ``predictions.pt`` (the first seed's predictive probabilities per method,
-        ``[test, *OOD sets]``, each (N, C), and the test targets).
+        ``[test, *OOD sets]``, each (N, C), and the test targets), and ``units/``: a file per dataset ×
+        network × seed, written as soon as it is done and reused by a rerun of the same run
+        (:mod:`~pyro_fa.experiments.classify.results`). A folder holding another run's results is refused.
     progress : bool, default True
     subset : (n_train, n_test), optional
         Use only the first points of each part (smoke tests).
@@ -248,35 +232,35 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
     combos_out: Dict[str, dict] = {}
     probs0: Dict[str, Dict[str, List[torch.Tensor]]] = {}
     targets0: Dict[str, torch.Tensor] = {}
+    run = run_key(json.loads(json.dumps(asdict(budget))), combos, methods, seeds,
+                  None if subset is None else list(subset), device, prior_precisions)
+    refuse_to_replace(out, run)
+    per_seed_epochs = epochs_of(methods, budget, reuse_prior=prior_precisions is not None)
     for dataset, network in combos:
         key = f"{dataset}-{network}"
         record = None
         for i, seed in enumerate(seeds):
-            data = load_classify(dataset, seed)
-            if subset is not None:
-                data = data.subset(*subset)
+            ukey = unit_key(run, dataset, network, seed)
+            unit = read_done(out, ukey, with_probs=i == 0)
+            if unit is not None:
+                bar.update(per_seed_epochs)
+                tqdm.write(f"{key} seed {seed}: done before ({path_of(out, ukey)})")
+            else:
+                bar.set_description(f"classify {key} seed {seed}")
+                unit = _run_unit(ukey, methods, budget, prior_precisions, device, subset, first=i == 0,
+                                 tick=bar.update, out=out)
             if record is None:
-                record = {"dataset": dataset, "network": network, "ood": list(data.ood),
-                          "n": {"train": len(data.y_train), "val": len(data.y_val), "test": len(data.y_test)},
-                          "norms": median_norms(data),
-                          "paper_accuracy": rep.PAPER_ACCURACY.get((dataset, network)), "methods": {}}
-            bar.set_description(f"classify {key} seed {seed}")
-            reuse = None if prior_precisions is None else prior_precisions[key][seed]
-            results = run_methods(methods, network, data.to(device), budget, seed, tick=bar.update,
-                                  prior_precision=reuse)
-            for name in results:
-                r = results[name]
-                scores = rep.evaluate(r["probs"], data.y_test, record["ood"])
-                m = record["methods"].setdefault(name, {"per_seed": {k: [] for k in scores}, "seconds": [],
-                                                        "extra": []})
-                for k, v in scores.items():
+                record = {**unit["record"], "methods": {}}
+            for name, r in unit["rows"].items():
+                m = record["methods"].setdefault(name, {"per_seed": {k: [] for k in r["scores"]}, "seconds": [],
+                                                        "extra": [], "seeds": []})
+                for k, v in r["scores"].items():
                     m["per_seed"][k].append(v)
                 m["seconds"].append(r["seconds"])
                 m["extra"].append(r["extra"])
+                m["seeds"].append(seed)
             if i == 0:
-                probs0[key] = {name: [(p.mean(0) if p.dim() == 3 else p).float() for p in results[name]["probs"]]
-                               for name in results}
-                targets0[key] = data.y_test
+                probs0[key], targets0[key] = unit["probs"]["probs"], unit["probs"]["targets"]
         for m in record["methods"].values():
             m["mean"] = {k: mean_se(v)[0] for k, v in m["per_seed"].items()}
             m["se"] = {k: mean_se(v)[1] for k, v in m["per_seed"].items()}
@@ -285,8 +269,34 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
                    + _paper_line(record))
     bar.close()
     checks = rep.bar_checks(combos_out)
-    write_report(out, combos_out, checks, budget, seeds, probs0, targets0, devices=[str(device)])
+    write_report(out, combos_out, checks, budget, seeds, probs0, targets0, devices=[str(device)], run=run)
     return {"combos": combos_out, "bar": checks, "probs": probs0, "targets": targets0}
+
+
+def _run_unit(ukey: dict, methods, budget: Budget, prior_precisions, device, subset, first: bool, tick, out) -> dict:
+    """Train and score every method on one dataset × network × seed; write its unit file (and, for the first
+    seed, its probabilities) at once, so that an interrupted run keeps it (:mod:`.results`)."""
+    from pyro_fa.experiments.classify import report as rep
+
+    dataset, network, seed = ukey["dataset"], ukey["network"], ukey["seed"]
+    data = load_classify(dataset, seed)
+    if subset is not None:
+        data = data.subset(*subset)
+    record = {"dataset": dataset, "network": network, "ood": list(data.ood),
+              "n": {"train": len(data.y_train), "val": len(data.y_val), "test": len(data.y_test)},
+              "norms": median_norms(data), "paper_accuracy": rep.PAPER_ACCURACY.get((dataset, network))}
+    reuse = None if prior_precisions is None else prior_precisions[f"{dataset}-{network}"][seed]
+    results = run_methods(methods, network, data.to(device), budget, seed, tick=tick, prior_precision=reuse)
+    rows = {name: {"scores": rep.evaluate(r["probs"], data.y_test, record["ood"]), "seconds": r["seconds"],
+                   "extra": r["extra"]} for name, r in results.items()}
+    rows = json.loads(json.dumps(rows))  # as a resumed run reads them back
+    probs = None
+    if first:
+        probs = {"probs": {name: [(p.mean(0) if p.dim() == 3 else p).float() for p in r["probs"]]
+                           for name, r in results.items()}, "targets": data.y_test}
+    record = json.loads(json.dumps(record))
+    write_unit(out, ukey, record, rows, probs)
+    return {"record": record, "rows": rows, "probs": probs}
 
 
 def _paper_line(combo: dict) -> str:
@@ -299,8 +309,10 @@ def _paper_line(combo: dict) -> str:
 
 
 def write_report(out: Path, combos: dict, checks: list, budget: Budget, seeds, probs0, targets0,
-                 seeds_of: Optional[Dict[str, List[int]]] = None, devices: Sequence[str] = ("cpu",)) -> None:
-    """results.json, table.md, reliability.png, entropy.png and predictions.pt, each written atomically."""
+                 seeds_of: Optional[Dict[str, List[int]]] = None, devices: Sequence[str] = ("cpu",),
+                 run: Optional[dict] = None) -> None:
+    """results.json, table.md, reliability.png, entropy.png and predictions.pt, each written atomically;
+    results.json records ``run``, what made it (:func:`.results.refuse_to_replace`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -328,7 +340,8 @@ def write_report(out: Path, combos: dict, checks: list, budget: Budget, seeds, p
     atomic_write_text(out / "table.md", "\n".join(text))
     atomic_write_json(out / "results.json", {"budget": asdict(budget), "seeds": list(seeds), "devices": list(devices),
                                              "seeds_per_combo": seeds_of or {k: list(seeds) for k in combos},
-                                             "peers_available": peers_available(), "combos": combos, "bar": checks})
+                                             "peers_available": peers_available(), "combos": combos, "bar": checks,
+                                             "run": run})
     buffer = io.BytesIO()
     torch.save({"probs": probs0, "targets": targets0, "seed": seeds[0]}, buffer)
     atomic_write_bytes(out / "predictions.pt", buffer.getvalue())
@@ -371,98 +384,10 @@ def _missing_packages(datasets: Sequence[str], methods: Sequence[str], explicit:
     return missing
 
 
-def _read_runs(dirs: Sequence) -> list:
-    runs = []
-    for d in dirs:
-        path = Path(d) / "results.json"
-        if not path.is_file():
-            raise SystemExit(f"pyro-fa classify: --merge needs folders written by pyro-fa classify, got {str(d)!r} "
-                             "without results.json.")
-        runs.append((json.loads(path.read_text()), Path(d)))
-    return runs
-
-
-def _row_only_diff(result: dict, folder: Path, base: dict, flag: str = "--rows-from",
-                   against: str = "the merged runs") -> None:
-    """Refuse a ``rows_from`` run whose budget differs from the merged runs' in more than :data:`ROW_ONLY_FIELDS`."""
-    other = sorted(k for k in set(base) | set(result["budget"])
-                   if result["budget"].get(k) != base.get(k) and k not in ROW_ONLY_FIELDS)
-    if other:
-        got = "; ".join(f"{k}={result['budget'].get(k)!r} against {base.get(k)!r}" for k in other)
-        raise SystemExit(f"pyro-fa classify: {flag} {folder} ran under another budget than {against} ({got}); only "
-                         f"the grids of single rows ({', '.join(ROW_ONLY_FIELDS)}) may differ.")
-
-
-def _row_only_values(combos: dict, seeds_of: dict, origin: dict, base: dict) -> dict:
-    """The merged value of each field of :data:`ROW_ONLY_FIELDS`: the one every row it governs ran under.
-
-    ``origin[(key, row, field)]`` lists, per merged seed, the value (as JSON) the row of that seed ran under
-    (the merged runs' own where absent). Refuses rows of one field left under two values.
-    """
-    out = {}
-    for f, rows in ROW_ONLY_FIELDS.items():
-        values: Dict[str, List[str]] = {}
-        for key, combo in combos.items():
-            for name in combo["methods"]:
-                if (name[:-2] if name.endswith("+T") else name) in rows:
-                    for v in origin.get((key, name, f), [json.dumps(base.get(f))] * len(seeds_of[key])):
-                        values.setdefault(v, []).append(f"{name!r} of {key}")
-        if len(values) > 1:
-            where = "; ".join(f"{f}={v}: {', '.join(sorted(set(w)))}" for v, w in values.items())
-            raise SystemExit(f"pyro-fa classify: --rows-from leaves rows of one grid under two values ({where}); "
-                             "rerun them for every merged seed under one budget.")
-        if values:
-            out[f] = json.loads(next(iter(values)))
-    return out
-
-
-def _replace_rows(result: dict, folder: Path, combos: dict, seeds_of: dict, probs0: dict, targets0: dict,
-                  origin: Optional[dict] = None, base: Optional[dict] = None) -> None:
-    """Put the rows of one ``rows_from`` run into the merged seeds (see :func:`merge_runs`); note in ``origin``
-    the value of each field of :data:`ROW_ONLY_FIELDS` the replaced rows ran under."""
-    saved = torch.load(folder / "predictions.pt") if (folder / "predictions.pt").is_file() else None
-    for key, combo in result["combos"].items():
-        merged = seeds_of.get(key, [])
-        missing = sorted(set(result["seeds"]) - set(merged))
-        if missing:
-            raise SystemExit(f"pyro-fa classify: --rows-from {folder} holds seed(s) {missing} of {key}, which the "
-                             f"merged runs do not (they hold {sorted(merged)}).")
-        at = [merged.index(s) for s in result["seeds"]]
-        for name, m in combo["methods"].items():
-            into = combos[key]["methods"].get(name)
-            if into is None:  # a new row: the other seeds must come from other rows_from runs
-                into = combos[key]["methods"][name] = {"per_seed": {k: [None] * len(merged) for k in m["per_seed"]},
-                                                       "seconds": [None] * len(merged),
-                                                       "extra": [None] * len(merged)}
-            for j, i in enumerate(at):
-                for k, v in m["per_seed"].items():
-                    into["per_seed"].setdefault(k, [None] * len(merged))[i] = v[j]
-                into["seconds"][i] = m["seconds"][j]
-                into["extra"][i] = m["extra"][j]
-            if origin is not None:
-                for f in ROW_ONLY_FIELDS:
-                    ran = origin.setdefault((key, name, f), [json.dumps(base.get(f))] * len(merged))
-                    for i in at:
-                        ran[i] = json.dumps(result["budget"].get(f))
-        if saved is not None and key in saved["probs"] and merged and merged[0] in result["seeds"] \
-                and min(result["seeds"]) == merged[0]:
-            probs0.setdefault(key, {}).update(saved["probs"][key])
-            targets0.setdefault(key, saved["targets"][key])  # where the merged runs kept no predictions
-
-
 def merge_runs(dirs: Sequence, output_dir, rows_from: Sequence = ()) -> dict:
-    """Merge the ``results.json`` / ``predictions.pt`` of earlier runs into one report in ``output_dir``.
-
-    The runs may hold different seeds of a dataset × network (their per-seed values are concatenated, in
-    order of seed) or different datasets; the bars and figures are recomputed over the merged seeds. The
-    figures of the first seed come from the run holding the smallest seed. All runs must share one budget.
-
-    ``rows_from``: runs whose rows go into the same seeds of the merged runs, replacing rows of the same name
-    (a few rows rerun after a change, e.g. ``--methods swa swag-em``, without rerunning the rest). Every seed
-    they hold must be among the merged runs', and a row they add must cover every merged seed of its dataset
-    × network (from one or several of them). Their budget is the merged runs' but for the grids of single
-    rows (:data:`~pyro_fa.experiments.classify.methods.ROW_ONLY_FIELDS`, e.g. IVON's): a row rerun on a wider
-    grid replaces the row for every merged seed, and the merged budget records the grid it ran on.
+    """Merge the ``results.json`` / ``predictions.pt`` of earlier runs into one report in ``output_dir``
+    (:func:`~pyro_fa.experiments.classify.merge.merge_results`: values lined up by seed, ``rows_from`` replacing
+    rows of some seeds). A folder holding another run's results (one of ``dirs``, say) is refused.
 
     Returns
     -------
@@ -472,65 +397,15 @@ def merge_runs(dirs: Sequence, output_dir, rows_from: Sequence = ()) -> dict:
     Raises
     ------
     SystemExit
-        When a folder holds no results, the budgets differ (beyond a row's grid, for ``rows_from``), a seed of a
-        dataset × network appears twice, a run of ``rows_from`` holds a seed not merged or adds a row for only
-        some seeds, or the rows of one grid are left under two of its values.
+        See :func:`~pyro_fa.experiments.classify.merge.merge_results`; and when ``output_dir`` holds another
+        run's results.
     """
-    from pyro_fa.experiments.classify import report as rep
-
-    runs = _read_runs(dirs)
-    extra_runs = _read_runs(rows_from)
-    runs.sort(key=lambda r: min(r[0]["seeds"]))
-    budgets = {json.dumps(r["budget"], sort_keys=True) for r, _ in runs}
-    if len(budgets) > 1:
-        raise SystemExit(f"pyro-fa classify: --merge needs runs of one budget, got {len(budgets)} different ones.")
-    base = runs[0][0]["budget"]
-    for result, folder in extra_runs:
-        _row_only_diff(result, folder, base)
-    combos: Dict[str, dict] = {}
-    seeds_of: Dict[str, List[int]] = {}
-    probs0, targets0 = {}, {}
-    for result, folder in runs:
-        saved = torch.load(folder / "predictions.pt") if (folder / "predictions.pt").is_file() else None
-        for key, combo in result["combos"].items():
-            if set(result["seeds"]) & set(seeds_of.get(key, [])):
-                raise SystemExit(f"pyro-fa classify: --merge got seed(s) {sorted(set(result['seeds']))} of {key} "
-                                 "twice.")
-            seeds_of.setdefault(key, []).extend(result["seeds"])
-            if key not in combos:
-                combos[key] = combo
-                if saved is not None and key in saved["probs"]:
-                    probs0[key], targets0[key] = saved["probs"][key], saved["targets"][key]
-                continue
-            for name, m in combo["methods"].items():
-                into = combos[key]["methods"].setdefault(name, {"per_seed": {k: [] for k in m["per_seed"]},
-                                                               "seconds": [], "extra": []})
-                for k, v in m["per_seed"].items():
-                    into["per_seed"].setdefault(k, []).extend(v)
-                into["seconds"].extend(m["seconds"])
-                into["extra"].extend(m["extra"])
-    origin: dict = {}
-    for result, folder in extra_runs:
-        _replace_rows(result, folder, combos, seeds_of, probs0, targets0, origin=origin, base=base)
-    for key, combo in combos.items():
-        for name, m in combo["methods"].items():
-            lack = [seeds_of[key][i] for i, v in enumerate(m["seconds"]) if v is None]
-            if lack:
-                raise SystemExit(f"pyro-fa classify: the row {name!r} of {key} added by --rows-from lacks seed(s) "
-                                 f"{lack}; a new row needs every merged seed, {sorted(seeds_of[key])}.")
-    for combo in combos.values():
-        for m in combo["methods"].values():
-            m["mean"] = {k: mean_se(v)[0] for k, v in m["per_seed"].items()}
-            m["se"] = {k: mean_se(v)[1] for k, v in m["per_seed"].items()}
-    b = {**base, **_row_only_values(combos, seeds_of, origin, base)}
-    b = {k: tuple(v) if isinstance(v, list) else v for k, v in b.items()}
-    b.setdefault("map_select", "nll")  # runs from before the tempered choice of MAP's prior precision
-    seeds = sorted({s for v in seeds_of.values() for s in v})
-    checks = rep.bar_checks(combos)
-    devices = sorted({d for r, _ in runs + extra_runs for d in r.get("devices", ["cpu"])})
-    write_report(Path(output_dir), combos, checks, Budget(**b), seeds, probs0, targets0, seeds_of=seeds_of,
-                 devices=devices)
-    return {"combos": combos, "bar": checks}
+    run = {"merge": [str(Path(d).resolve()) for d in dirs], "rows_from": [str(Path(d).resolve()) for d in rows_from]}
+    refuse_to_replace(output_dir, run)
+    m = merge_results(dirs, rows_from)
+    write_report(Path(output_dir), m["combos"], m["bar"], m["budget"], m["seeds"], m["probs"], m["targets"],
+                 seeds_of=m["seeds_of"], devices=m["devices"], run=run)
+    return {"combos": m["combos"], "bar": m["bar"]}
 
 
 def run(args) -> int:
@@ -549,13 +424,15 @@ def run(args) -> int:
     datasets = args.datasets or list(DATASETS)
     networks = args.networks or list(NETWORKS)
     combos = [c for c in COMBOS if c[0] in datasets and c[1] in networks]
+    if args.quick and not args.datasets and not args.networks:
+        combos = list(QUICK_COMBOS)
     if not combos:
         raise SystemExit(f"pyro-fa classify: no dataset × network to run for --datasets {datasets} and "
                          f"--networks {networks} (the CNN runs on MNIST-1D only).")
     n_seeds = args.seeds if args.seeds is not None else (1 if args.quick else DEFAULT_SEEDS)
     if n_seeds < 1:
         raise SystemExit(f"pyro-fa classify: --seeds must be >= 1, got {n_seeds}.")
-    methods = args.methods or [m for m in METHODS if not (args.quick and m in QUICK_SKIPS)]
+    methods = args.methods or list(QUICK_METHODS if args.quick else METHODS)
     reuse = getattr(args, "prior_precision_from", None)
     if reuse is not None and "map" in methods:
         raise SystemExit("pyro-fa classify: --prior-precision-from reuses MAP's choice, so it makes no map row; "
@@ -578,10 +455,14 @@ def _run_locked(args, budget: Budget, combos, methods, n_seeds: int, missing: Li
     result = run_benchmark(combos, methods, budget, [args.seed + s for s in range(n_seeds)], args.output_dir,
                            progress=not args.no_progress, device=device, prior_precisions=prior)
     print()
-    print(rep.bar_summary(result["bar"]))
-    if not is_full_budget(budget) or n_seeds < DEFAULT_SEEDS:
-        print(f"\n{rep.SMALL_RUN_NOTE}")
+    if args.quick:  # the bars judge the full run only: a quick run's rows would say nothing
+        print(rep.QUICK_BARS_NOTE.format(n=len(result["bar"]), table=Path(args.output_dir) / "table.md"))
+    else:
+        print(rep.bar_summary(result["bar"]))
+        if not is_full_budget(budget) or n_seeds < DEFAULT_SEEDS:
+            print(f"\n{rep.SMALL_RUN_NOTE}")
     out = Path(args.output_dir)
     print(f"\n{time.perf_counter() - t0:.0f} s; wrote {out / 'table.md'}, {out / 'results.json'}, "
-          f"{out / 'front_*.png'}, {out / 'reliability.png'}, {out / 'entropy.png'}, {out / 'predictions.pt'}")
+          f"{out / 'front_*.png'}, {out / 'reliability.png'}, {out / 'entropy.png'}, {out / 'predictions.pt'}; "
+          f"each seed in {out / 'units'} (a rerun of this command reuses them)")
     return 0

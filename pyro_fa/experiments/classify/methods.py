@@ -134,9 +134,10 @@ class Budget:
 
     @classmethod
     def quick(cls) -> "Budget":
-        """12 epochs and one point per grid: every method runs, nothing is tuned (``--quick``)."""
+        """12 epochs, one point per grid and FactorLaplace at rank 20: every method runs, nothing is tuned
+        (``--quick``)."""
         return cls(epochs=12, swag_epochs=6, rank=4, samples=10, prior_precisions=(1.0,), dropouts=(0.1,),
-                   swag_lrs=(3e-3,), vi_lrs=(3e-3,), ivon_lrs=(0.1,), ivon_hess_inits=(0.5,))
+                   swag_lrs=(3e-3,), vi_lrs=(3e-3,), ivon_lrs=(0.1,), ivon_hess_inits=(0.5,), laplace_rank=20)
 
 
 def _nll(probs: Tensor, y: Tensor) -> float:

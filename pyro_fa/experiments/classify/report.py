@@ -125,11 +125,14 @@ def combo_table(combo: dict) -> str:
     header = ["method", "accuracy %", "NLL", "ECE", "Brier", *[f"AUROC {o} (H / MI)" for o in ood], "seconds",
               "chosen on validation"]
     rows = []
+    every = sorted({sd for name in combo["methods"] for sd in row_seeds(combo, name)})
     for name, r in combo["methods"].items():
         s = r["per_seed"]
+        held = row_seeds(combo, name)
         aurocs = [_fmt(s[f"auroc_{o}"], 2) + (f" / {_fmt(s[f'auroc_mi_{o}'], 2)}" if f"auroc_mi_{o}" in s else "")
                   for o in ood]
-        rows.append([label(name), _fmt(s["accuracy"], 1, 100), _fmt(s["nll"]), _fmt(s["ece"]),
+        fewer = f" (seed(s) {', '.join(map(str, held))} of {len(every)})" if len(held) < len(every) else ""
+        rows.append([label(name) + fewer, _fmt(s["accuracy"], 1, 100), _fmt(s["nll"]), _fmt(s["ece"]),
                      _fmt(s["brier"]), *aurocs, _fmt(r["seconds"], 1), _chosen(r.get("extra", []))])
     return markdown_table(header, rows)
 
@@ -154,6 +157,11 @@ SMALL_RUN_NOTE = ("(The bars are set for the full run, `pyro-fa classify`: 150 e
                   "nothing about the bar.)")
 
 
+#: printed by ``--quick`` instead of the bars (they are in its table.md, under :data:`SMALL_RUN_NOTE`)
+QUICK_BARS_NOTE = ("Bars: not judged on a quick run (12 epochs, one seed, no grids); they are set for the full run, "
+                   "`pyro-fa classify` (150 epochs, 5 seeds, every grid). This run's {n} checks are in {table}.")
+
+
 def versus(a: float, b: float, digits: int = 3, most: int = 6) -> str:
     """``"a vs b"`` with enough decimals to tell ``a`` from ``b`` (from ``digits`` up to ``most``).
 
@@ -170,13 +178,32 @@ def versus(a: float, b: float, digits: int = 3, most: int = 6) -> str:
     return f"{a:.{d}f} vs {b:.{d}f}"
 
 
+def row_seeds(combo, method) -> List[int]:
+    """The seeds of a row's values, in order (its ``seeds``; for rows written without them, 0, 1, ...)."""
+    m = combo["methods"][method]
+    n = len(m["seconds"]) if "seconds" in m else len(next(iter(m["per_seed"].values()), []))
+    return list(m.get("seeds", range(n)))
+
+
+def _aligned(combo, a: str, b: str, metric: str) -> Tuple[List[float], List[float], List[int]]:
+    """The values of rows ``a`` and ``b`` over the seeds both hold, lined up by seed, and those seeds."""
+    xa = dict(zip(row_seeds(combo, a), _seeds(combo, a, metric)))
+    xb = dict(zip(row_seeds(combo, b), _seeds(combo, b, metric)))
+    common = [s for s in xa if s in xb]
+    return [xa[s] for s in common], [xb[s] for s in common], common
+
+
 def _paired_detail(combo, a: str, b: str, metric: str, lower_is_better: bool = True) -> Tuple[str, str]:
-    """``("a vs b; diff ± se", verdict)`` over the seeds both ran."""
-    xa, xb = _seeds(combo, a, metric), _seeds(combo, b, metric)
+    """``("a vs b; diff ± se", verdict)`` over the seeds both ran (named when fewer than either row holds)."""
+    xa, xb, common = _aligned(combo, a, b, metric)
+    if not common:
+        return f"no seed in common ({row_seeds(combo, a)} against {row_seeds(combo, b)})", "tie"
     d, se = paired(xa, xb)
     digits = 2 if metric.startswith("auroc") else 3
     text = versus(mean_se(xa)[0], mean_se(xb)[0], digits)
     text += f"; paired diff {d:+.{digits + 1}f}" + ("" if math.isnan(se) else f" ± {se:.{digits + 1}f}")
+    if len(common) < max(len(row_seeds(combo, a)), len(row_seeds(combo, b))):
+        text += f" (over seed(s) {common} only)"
     return text, verdict(d, se, lower_is_better)
 
 
@@ -207,16 +234,18 @@ def bar_checks(combos: Dict[str, dict]) -> List[dict]:
             acc = _mean(combo, "map", "accuracy")
             add("MAP accuracy within 1 point of Greydanus (2020)", acc >= paper - 0.01,
                 f"{100 * acc:.1f} % vs {100 * paper:.0f} %")
-        if "swag-em" in have and "swa" in have:
-            em, swa = _seeds(combo, "swag-em", "nll"), _seeds(combo, "swa", "nll")
-            worst = max(a / b - 1 for a, b in zip(em, swa))
-            add("SWAG-EM NLL never > 1 % above SWA's on a seed", worst <= 0.01,
-                f"worst seed {100 * worst:+.1f} %; mean ratio {mean_se([a / b for a, b in zip(em, swa)])[0]:.3f}")
-        if "swag-em+T" in have and "swa+T" in have:  # the "+T" rows' scale: chosen by the tempered validation NLL
-            em, swa = _seeds(combo, "swag-em+T", "nll"), _seeds(combo, "swa+T", "nll")
-            worst = max(a / b - 1 for a, b in zip(em, swa))
-            add("SWAG-EM + T NLL never > 1 % above SWA + T's on a seed", worst <= 0.01,
-                f"worst seed {100 * worst:+.1f} %; mean ratio {mean_se([a / b for a, b in zip(em, swa)])[0]:.3f}")
+        for em_row, swa_row, name in (("swag-em", "swa", "SWAG-EM NLL never > 1 % above SWA's on a seed"),
+                                      ("swag-em+T", "swa+T", "SWAG-EM + T NLL never > 1 % above SWA + T's on a seed")):
+            # the "+T" rows' scale: chosen by the tempered validation NLL
+            if em_row in have and swa_row in have:
+                em, swa, common = _aligned(combo, em_row, swa_row, "nll")
+                if not common:
+                    continue
+                worst = max(a / b - 1 for a, b in zip(em, swa))
+                fewer = len(common) < max(len(row_seeds(combo, em_row)), len(row_seeds(combo, swa_row)))
+                add(name, worst <= 0.01,
+                    f"worst seed {100 * worst:+.1f} %; mean ratio {mean_se([a / b for a, b in zip(em, swa)])[0]:.3f}"
+                    + (f" (over seed(s) {common} only)" if fewer else ""))
         if "swag-em" in have and "map" in have:
             for o in combo["ood"]:
                 text, v = _paired_detail(combo, "swag-em", "map", f"auroc_{o}", lower_is_better=False)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 from pyro_fa.datasets import uci_n_splits
+from pyro_fa.experiments._io import read_record, unit_path
 from pyro_fa.experiments.uci.protocol import METHODS, Budget
 
 
@@ -56,12 +57,8 @@ def _unit_key(run_key: dict, dataset: str, unit: str, method_names: Sequence[str
 
 def _unit_path(out_dir, key: dict) -> Path:
     """``<out_dir>/units/<dataset>__<unit>__<hash of the key>.json``: runs of other budgets, seeds, splits or
-    SWAG method sets keep their own files in the same folder."""
-    import hashlib
-    import json
-
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    return Path(out_dir) / "units" / f"{key['dataset']}__{key['unit']}__{digest}.json"
+    SWAG method sets keep their own files in the same folder (:func:`pyro_fa.experiments._io.unit_path`)."""
+    return unit_path(out_dir, key, f"{key['dataset']}__{key['unit']}")
 
 
 def _legacy_path(out_dir, dataset: str, unit: str) -> Path:
@@ -90,22 +87,10 @@ def read_unit(path, data_dir=None) -> Optional[dict]:
     """The record of a unit file, or None (with a warning naming the file) when it is not a readable unit
     file: empty, truncated, not JSON, not UTF-8, or a JSON file of another kind. A file written before
     units were keyed gets its key from its content (:func:`_legacy_key`)."""
-    import json
-    import warnings
-
-    try:
-        record = json.loads(Path(path).read_bytes().decode("utf-8"))
-        if not isinstance(record, dict):
-            raise ValueError(f"a JSON {type(record).__name__}, not an object")
-        missing = [k for k, t in _UNIT_FIELDS.items() if not isinstance(record.get(k), t)]
-        if missing or not isinstance(record.get("key", {}), dict):
-            raise ValueError(f"no valid {', '.join(missing or ['key'])}")
-        if "key" not in record:
-            record["key"] = _legacy_key(record, data_dir)
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        warnings.warn(f"pyro-fa uci: ignoring {path}, which is not a readable unit file ({err}); its unit, "
-                      "if this run asks for it, is trained again.", stacklevel=2)
-        return None
+    record = read_record(path, _UNIT_FIELDS, "pyro-fa uci", "unit file",
+                         "its unit, if this run asks for it, is trained again.", optional={"key": dict})
+    if record is not None and "key" not in record:
+        record["key"] = _legacy_key(record, data_dir)
     return record
 
 

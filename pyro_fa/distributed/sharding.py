@@ -10,7 +10,7 @@ a few numbers per row: the E-step's projection :math:`F^\top\Psi^{-1}(\theta - c
 checks). Those are the only collectives, and the ones an update needs are packed into
 one ``all_reduce`` (:meth:`Sharding.reduce`).
 
-This module needs only torch; :mod:`pyro_fa.distributed` is its public face.
+This module needs only torch.
 """
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 from pyro_fa import _random
-
-from pyro_fa.fa._sharded_normal import ShardedLowRankNormal  # re-exported (pyro_fa.distributed's public name)
+from pyro_fa._random import draw_seed  # re-exported: what every sharded object seeds itself with
 
 __all__ = [
     "shard_bounds",
@@ -37,7 +36,6 @@ __all__ = [
     "check_loadable",
     "flatten_slice",
     "sharded_orthogonal_init",
-    "ShardedLowRankNormal",
     "checksum",
 ]
 
@@ -368,22 +366,6 @@ def agree_on_group(process_group, cls: str, fields: Dict[str, Any], shard=None) 
     proposal = draw_seed() if fields.get("seed") is None else None  # only a seedless object draws
     owns = agree(group, cls, fields, own={"shard": shard, "seed": proposal})
     return group, [o["shard"] for o in owns], owns[0]["seed"]
-
-
-def draw_seed() -> int:
-    """A seed for an object built with ``seed=None``: one number from torch's global generator.
-
-    torch's convention (``DataLoader`` seeds its workers so): no seed means the global
-    generator, so that ``torch.manual_seed`` makes a run repeatable, and the global stream
-    moves by one draw whatever the object's size. Sharded objects use rank 0's draw, so
-    the ranks agree however their global generators were seeded.
-
-    Returns
-    -------
-    int
-        In :math:`[0, 2^{62})`.
-    """
-    return int(torch.empty((), dtype=torch.int64).random_(0, 2 ** 62))
 
 
 def make_sharding(group, cls: str, dim: int, shards, seed: Optional[int] = None) -> "Sharding":

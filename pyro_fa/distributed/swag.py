@@ -3,7 +3,7 @@ r"""SWAG over ``torch.distributed`` ranks: each rank collects one coordinate sha
 Under data parallelism (``DistributedDataParallel``) every rank holds the same
 :math:`\theta \in \mathbb{R}^D` after each step. Collecting it on every rank would store
 the posterior :math:`W` times; instead rank :math:`r` collects rows :math:`[lo_r, hi_r)`
-(:func:`~pyro_fa.fa._sharding.shard_bounds`) and fits them with a sharded
+(:func:`~pyro_fa.distributed.shard_bounds`) and fits them with a sharded
 :class:`~pyro_fa.OnlineFactorAnalysis` (or keeps its rows of classic SWAG's deviations),
 so the posterior's memory per rank is :math:`O(DK/W)`. Sampled weights are assembled by
 an all-gather, so every rank runs the same sampled network.
@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 from pyro_fa import _random
 
-from pyro_fa.fa._sharding import (agree, check_loadable, check_shard_state, checksum, draw_seed, flatten_slice,
-                                  make_sharding, resolve_group, weak_group)
+from pyro_fa.distributed.sharding import (agree, check_loadable, check_shard_state, checksum, draw_seed,
+                                          flatten_slice, make_sharding, resolve_group, weak_group)
 
 __all__ = ["ShardedSWAG", "unwrap_ddp", "flatten_slice"]
 

@@ -3,7 +3,7 @@ r"""This rank's rows of a factor-analysis normal over a sharded :math:`\theta \i
 The distribution :meth:`~pyro_fa.OnlineFactorAnalysis.get_posterior` and
 :meth:`~pyro_fa.SWAG.get_posterior` return under a ``process_group``: the algebra of
 :class:`torch.distributions.LowRankMultivariateNormal` with its sums over :math:`D` all-reduced
-by a :class:`~pyro_fa.fa._sharding.Sharding` (:mod:`pyro_fa.fa._sharding`).
+by a :class:`~pyro_fa.distributed.Sharding` (:mod:`pyro_fa.distributed.sharding`).
 """
 from __future__ import annotations
 
@@ -14,11 +14,19 @@ import torch
 from torch import Tensor
 from torch.distributions import LowRankMultivariateNormal
 
+from pyro_fa.distributions import FactorNormal
+
 __all__ = ["ShardedLowRankNormal"]
 
 
-class ShardedLowRankNormal:
+class ShardedLowRankNormal(FactorNormal):
     r"""This rank's rows of :math:`N(c, FF^\top + \Psi)` over a sharded :math:`\theta \in \mathbb{R}^D`.
+
+    The sharded covariance form of the family :class:`~pyro_fa.distributions.FactorNormal`: its
+    ``event_shape`` is the whole ``(D,)``, while :attr:`mean`, :attr:`variance`, :attr:`cov_factor`,
+    :attr:`cov_diag`, the draws and the values :meth:`log_prob` takes are this rank's rows (last dimension
+    :math:`D_r`); :meth:`log_prob`, :meth:`entropy`, :meth:`rsample` and :meth:`covariance_matvec` are
+    collective, :attr:`covariance_matrix` is refused (the whole matrix is on no rank).
 
     What :meth:`~pyro_fa.OnlineFactorAnalysis.get_posterior` and
     :meth:`~pyro_fa.SWAG.get_posterior` return under a ``process_group``: the same
@@ -34,10 +42,13 @@ class ShardedLowRankNormal:
     sharding : Sharding
     """
 
+    arg_constraints = {}  # this rank's rows: torch's argument and sample checks would expect all D
+    has_rsample = True
+
     def __init__(self, loc: Tensor, cov_factor: Tensor, cov_diag: Tensor, sharding):
         self.loc, self.cov_factor, self.cov_diag = loc, cov_factor, cov_diag
         self.sharding = sharding
-        self.event_shape = torch.Size([sharding.dim])
+        super().__init__(torch.Size(), torch.Size([sharding.dim]), validate_args=False)
 
     @property
     def mean(self) -> Tensor:
@@ -93,7 +104,23 @@ class ShardedLowRankNormal:
         logdet = logdet_psi + 2 * L.diagonal().log().sum()
         return (0.5 * self.sharding.dim * (1.0 + math.log(2 * math.pi)) + 0.5 * logdet).to(self.loc.dtype)
 
-    def sample(self, sample_shape=torch.Size(), generator: Optional[torch.Generator] = None) -> Tensor:
+    def covariance_matvec(self, v: Tensor) -> Tensor:
+        r"""This rank's rows of :math:`\Sigma v` from this rank's rows of ``v`` (..., D_r).
+
+        Collective: one all-reduce of :math:`F^\top v` (K numbers per vector); every rank passes the same
+        batch shape.
+        """
+        B = self.cov_factor
+        _, (low,) = self.sharding.reduce((), (v.unsqueeze(-2) @ B).squeeze(-2))
+        return v * self.cov_diag + (B @ low.unsqueeze(-1)).squeeze(-1)
+
+    @property
+    def covariance_matrix(self) -> Tensor:
+        """Refused: the whole D x D matrix is on no rank (:meth:`marginal` has this rank's block)."""
+        raise RuntimeError(f"{type(self).__name__}: covariance_matrix needs the whole D x D matrix, got a "
+                           "distribution sharded over a process group. Use marginal() for this rank's block.")
+
+    def rsample(self, sample_shape=torch.Size(), generator: Optional[torch.Generator] = None) -> Tensor:
         r"""This rank's rows of draws :math:`c + Fh + \Psi^{1/2}\varepsilon`, shape ``sample_shape + (D_r,)``.
 
         One :math:`h` per draw, shared by all ranks (see :meth:`Sharding.shared_normal`),
@@ -104,8 +131,7 @@ class ShardedLowRankNormal:
         S, K = int(shape.numel()), self.cov_factor.shape[-1]
         self.sharding.agree_sizes("ShardedLowRankNormal", "number of draws", S)
         ref = self.loc
-        with torch.no_grad():
-            h, gen = self.sharding.shared_normal(S, K, generator, ref.dtype, ref.device)
-            eps = torch.randn(S, ref.shape[-1], generator=gen, dtype=ref.dtype, device=ref.device)
-            out = eps.mul_(self.cov_diag.sqrt()).add_(h @ self.cov_factor.T).add_(ref)
+        h, gen = self.sharding.shared_normal(S, K, generator, ref.dtype, ref.device)
+        eps = torch.randn(S, ref.shape[-1], generator=gen, dtype=ref.dtype, device=ref.device)
+        out = eps.mul_(self.cov_diag.sqrt()).add_(h @ self.cov_factor.T).add_(ref)
         return out.reshape(shape + ref.shape)

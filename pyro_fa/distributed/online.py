@@ -1,4 +1,7 @@
-r"""The sharded update of :class:`~pyro_fa.fa.online.OnlineFactorAnalysis` (``process_group=...``).
+r"""Online factor analysis sharded by coordinates: what ``OnlineFactorAnalysis(..., process_group=...)`` builds.
+
+:class:`ShardedOnlineFactorAnalysis` is the single-process :class:`~pyro_fa.fa.OnlineFactorAnalysis` (any
+registered fitter that supports sharding) with the fit's sums over :math:`D` all-reduced.
 
 Each rank holds rows ``[lo, hi)`` of every :math:`D`-length and :math:`D\times K` array and
 is fed the same rows of each observation. The M-step, the running moments and the
@@ -20,35 +23,76 @@ So online EM of one vector per update costs one all-reduce of
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from pyro_fa.fa._sharding import agree_on_group, check_loadable, check_shard_state, make_sharding
+from pyro_fa.distributed.normal import ShardedLowRankNormal
+from pyro_fa.distributed.sharding import (agree_on_group, check_loadable, check_shard_state, make_sharding,
+                                          raise_agreed, sharded_orthogonal_init)
+from pyro_fa.fa import OnlineFactorAnalysis
+from pyro_fa.fa.fitters import cholesky
 
-__all__ = ["OnlineSharded"]
+__all__ = ["ShardedOnlineFactorAnalysis"]
+
+_SIGNATURE = inspect.signature(OnlineFactorAnalysis.__init__)
 
 
-class OnlineSharded:
-    """The collectives of a sharded :class:`~pyro_fa.fa.online.OnlineFactorAnalysis` (a mixin over its state).
+class ShardedOnlineFactorAnalysis(OnlineFactorAnalysis):
+    r"""This rank's rows of an :class:`~pyro_fa.fa.OnlineFactorAnalysis` fitted over ``torch.distributed`` ranks.
 
-    Without a process group every hook does what the single-process code did in place.
+    ``OnlineFactorAnalysis(dim, rank, ..., process_group=group, shard=None)`` builds one (as does this class
+    with the same arguments). The ranks first agree on every argument (one ``all_gather_object``: a mismatch
+    raises on every rank), then each holds rows ``[lo, hi)`` (:func:`~pyro_fa.distributed.shard_bounds`, or
+    ``shard``) of every length-D and D x K array and is fed the same rows of each observation. The fit equals
+    the single-process fit on the whole vectors to rounding; online EM of one vector per update costs one
+    all-reduce of :math:`6W + 1 + K + K^2` numbers. :meth:`update`, :meth:`log_prob`, :meth:`sample` and
+    ``load_state_dict`` are collective; :meth:`get_posterior` is a
+    :class:`~pyro_fa.distributed.ShardedLowRankNormal`; :meth:`covariance` is refused.
+
+    Parameters
+    ----------
+    *args, **kwargs
+        Those of :class:`~pyro_fa.fa.OnlineFactorAnalysis`.
+    process_group : torch.distributed.ProcessGroup or Sharding
+        The ranks (a :class:`~pyro_fa.distributed.Sharding` from an owner that already agreed, e.g. SWAG).
+    shard : (int, int), optional
+        This rank's rows; they must tile ``[0, dim)`` in rank order.
     """
 
-    _sharding = None
     _cap_pending = False  # EM: _cap holds this rank's partial sum of F^T Psi^-1 F (no identity)
     _sga_cap_pending = False  # SGA: the cached capacitance is this rank's partial sum
     _sq_dev_total = 0.0  # sum over all D of the running squared deviations, as of the last update
     _stash_u: Optional[Tuple[int, Tensor]] = None  # EM: the reduced projection of this update
 
-    # ------------------------------------------------------------- set-up and state
-    def _agree_sharding(self, process_group, shard, fields):
-        return agree_on_group(process_group, type(self).__name__, fields, shard)
+    def __init__(self, *args, process_group=None, shard=None, **kwargs):
+        bound = _SIGNATURE.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
+        # the ranks agree on every argument before any is checked: a bad one then raises alike on every rank
+        fields = {k: v for k, v in arguments.items() if k not in ("process_group", "shard", "device")}
+        fields["dtype"] = arguments["dtype"] or torch.get_default_dtype()
+        device = arguments["device"]
+        fields["device_type"] = torch.device(device).type if device is not None else "cpu"
+        group, shards, seed = agree_on_group(process_group, type(self).__name__, fields, shard)
+        if arguments["seed"] is None:
+            arguments["seed"] = seed  # one seed for all ranks: the initial factor is that of the whole vector
+        self.__dict__["_agreed"] = (group, shards, seed)  # read by _rows, once the arguments are checked
+        super().__init__(**arguments)
 
-    def _make_sharding(self, dim: int, group, shards, seed):
-        return make_sharding(group, type(self).__name__, dim, shards, seed)
+    # ------------------------------------------------------------- set-up and state
+    def _rows(self, dim: int) -> int:
+        group, shards, seed = self.__dict__.pop("_agreed")
+        self._sharding = make_sharding(group, type(self).__name__, dim, shards, seed)
+        return self._sharding.size
+
+    def _initial_factor(self, rank, init_scale, generator, dtype, device) -> Tensor:
+        # this rank's rows of the single-process initial factor
+        return sharded_orthogonal_init(self._sharding, rank, scale=init_scale, generator=generator, dtype=dtype,
+                                       device=device)
 
     def _check_shard_state(self, state) -> None:
         check_shard_state(type(self).__name__, state, self._sharding)
@@ -56,12 +100,44 @@ class OnlineSharded:
     def _check_loadable(self, state_dict, strict: bool) -> Optional[float]:
         return check_loadable(self, state_dict, strict, self._sharding)
 
+    def _agreed(self, check) -> None:
+        raise_agreed(self._sharding, type(self).__name__, check)
+
+    def _check_values(self, state_dict, prefix: str = "", owner: Optional[str] = None) -> None:
+        # a saved capacitance may be this rank's partial sum (cap_pending): not checked for definiteness
+        super()._check_values({k: v for k, v in state_dict.items() if k != "_cap"}, prefix, owner)
+
+    def _rows_note(self) -> str:
+        return f" (this rank's rows {self._sharding.lo}:{self._sharding.hi})"
+
+    def get_extra_state(self):
+        state = super().get_extra_state()
+        state.update(shard=self._sharding.descriptor(), cap_pending=self._cap_pending)
+        return state
+
+    def set_extra_state(self, state):
+        super().set_extra_state(state)
+        self._cap_pending = bool(state.get("cap_pending", False))
+        self._stash_u = None
+
+    def get_posterior(self) -> ShardedLowRankNormal:
+        r"""This rank's rows of the fitted :math:`N(c, FF^\top + \Psi)` (its methods that sum over D are collective)."""
+        self._check_fitted("get_posterior()")
+        F, psi = self._estimate()
+        return ShardedLowRankNormal(self.loc, F, psi, self._sharding)
+
+    def covariance(self) -> Tensor:
+        """Refused: the whole D x D matrix is on no rank."""
+        raise RuntimeError(f"{type(self).__name__}: covariance() needs the whole D x D matrix, got a model "
+                           "sharded over a process group. Use get_posterior().marginal() for this rank's block.")
+
+    def _sq_dev_sum(self) -> float:
+        return self._sq_dev_total  # all-reduced by the last update
+
     # ------------------------------------------------------------- hooks
     def _cap_done(self, cap: Tensor, sga: bool = False) -> None:
-        """A capacitance summed over this rank's rows: add the identity, or leave the sum for the next E-step."""
-        if self._sharding is None:
-            cap.diagonal().add_(1.0)
-        elif sga:
+        """A capacitance summed over this rank's rows: leave the sum for the next E-step's all-reduce."""
+        if sga:
             self._sga_cap_pending = True
         else:
             self._cap_pending = True
@@ -73,23 +149,15 @@ class OnlineSharded:
 
     def _var_mean(self, var: Tensor) -> Tensor:
         """Mean over all D of the running variances (the relative noise floor's scale)."""
-        if self._sharding is None:
-            return var.mean()
         return var.new_tensor(self._sq_dev_total / (max(self._n, 1) * self.dim))
 
     def _mean_over_dim(self, v: Tensor) -> Tensor:
-        """Mean over all D of a per-row quantity (collective when sharded)."""
-        if self._sharding is None:
-            return v.mean()
+        """Mean over all D of a per-row quantity (collective)."""
         _, (total,) = self._sharding.reduce((), v.sum().reshape(1))
         return total[0] / self.dim
 
     def _e_step_inputs(self, d: Tensor) -> Tuple[Tensor, Tensor]:
         r"""EM's E-step inputs: the capacitance's Cholesky factor and :math:`F^\top\Psi^{-1}d^\top` (K, B)."""
-        from pyro_fa.fa.fitters import cholesky
-
-        if self._sharding is None:
-            return cholesky(self._cap), self._F.T @ (d / self._psi).T
         stash, self._stash_u = self._stash_u, None
         if stash is not None and stash[0] == self._n and not self._cap_pending:
             return cholesky(self._cap), stash[1]
@@ -103,8 +171,6 @@ class OnlineSharded:
 
     def _sga_reduce(self, u: Tensor, cap: Tensor) -> Tuple[Tensor, Tensor]:
         """SGA's E-step inputs summed over the ranks: the projection (B, K) and the capacitance."""
-        if self._sharding is None:
-            return u, cap
         if not self._sga_cap_pending:
             _, (u,) = self._sharding.reduce((), u)
             return u, cap
@@ -115,18 +181,21 @@ class OnlineSharded:
         return u, total
 
     def _exact_range(self, t: Tensor) -> Tuple[float, float]:
-        r"""The exact range bounds: :math:`4\max_b \sum_d t_{bd}^2/\psi_d` and :math:`4\max|t/s|^2`."""
-        rows = (t.square() / self._noise_now()).sum(-1).reshape(-1)
-        scale = self._fitter.range_scale(self)
-        tm = float((t / (scale if scale is not None else 1.0)).abs().max())
-        if self._sharding is not None:
-            table, (rows,) = self._sharding.reduce([tm], rows)
-            tm = max(row[0] for row in table)
+        r"""The exact range bounds over all ranks' rows (collective)."""
+        rows, tm = self._range_terms(t)
+        table, (rows,) = self._sharding.reduce([tm], rows)
+        tm = max(row[0] for row in table)
         return float(rows.max()) * 4.0, 4.0 * tm ** 2
 
     # ------------------------------------------------------------- update
     @torch.no_grad()
-    def _sharded_update(self, x: Tensor) -> None:
+    def update(self, x: Tensor) -> None:
+        """Update the fit with this rank's rows of one observation or a batch, shape (D_r,) or (B, D_r) (collective).
+
+        Every rank validates its rows, then one all-reduce shares the outcome with the sums over D: a refusal
+        on any rank (non-finite input, a shape, a batch size that differs) raises on every rank before
+        anything changes.
+        """
         sh = self._sharding
         cls = type(self).__name__
         error: Optional[Exception] = None
@@ -210,3 +279,6 @@ class OnlineSharded:
         self._sq_dev_total = float(out[0][0])
         self._fitter.shard_reduced(self, out[1:], n, context)
         self._fit_step(d, n_old, B, spread_before)
+
+
+OnlineFactorAnalysis.sharded_class = ShardedOnlineFactorAnalysis  # what process_group= builds

@@ -2,7 +2,7 @@ r"""A Laplace approximation sharded by coordinates over ``torch.distributed`` ra
 
 With ``FactorLaplace(..., process_group=...)`` rank :math:`r` of :math:`W` holds rows :math:`[lo_r, hi_r)` of
 :math:`\theta_*`, :math:`F` and :math:`\psi` (the layout of ``OnlineFactorAnalysis(process_group=...)``,
-:func:`pyro_fa.fa._sharding.shard_bounds`), :math:`D_r \approx D/W` rows, never the whole :math:`D\times K`
+:func:`~pyro_fa.distributed.shard_bounds`), :math:`D_r \approx D/W` rows, never the whole :math:`D\times K`
 factor. Everything the posterior computes is row-local or a sum over :math:`D` of a few numbers per row:
 
 * the capacitance :math:`C = I + U^\top A^{-1} U` (:math:`K\times K`) and :math:`\sum_d \log a_d`: one
@@ -23,16 +23,17 @@ ends with the gradient of the whole objective.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from pyro_fa.fa.moments import wide_dtype
+from pyro_fa.distributed.sharding import Sharding, resolve_group, shard_bounds
+from pyro_fa.distributions.numerics import wide_dtype
+from pyro_fa.distributions import FactorNormal
 from pyro_fa.distributions.precision import woodbury_quadratic as _woodbury_quadratic
 
-__all__ = ["ShardedLowRankPrecisionNormal", "all_reduce_sum", "replicated", "make_laplace_sharding",
-           "sharded_glm_moments"]
+__all__ = ["ShardedLowRankPrecisionNormal", "all_reduce_sum", "replicated", "make_laplace_sharding"]
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -76,14 +77,12 @@ def replicated(x: Tensor, sharding) -> Tensor:
 
 
 def make_laplace_sharding(process_group, dim: int, owner: str):
-    """The :class:`~pyro_fa.fa._sharding.Sharding` of ``dim`` rows over ``process_group`` (even blocks in rank order).
+    """The :class:`~pyro_fa.distributed.Sharding` of ``dim`` rows over ``process_group`` (even blocks in rank order).
 
     Raises (on every rank alike) when ``torch.distributed`` is not initialised, ``process_group`` is not a
     group of this process, or ``dim`` is smaller than the world size.
     """
     import torch.distributed as dist
-
-    from pyro_fa.fa._sharding import Sharding, resolve_group, shard_bounds
 
     group = resolve_group(process_group, owner)
     W = dist.get_world_size(group)
@@ -93,11 +92,14 @@ def make_laplace_sharding(process_group, dim: int, owner: str):
     return Sharding(group, dim, [shard_bounds(dim, W, r) for r in range(W)])
 
 
-class ShardedLowRankPrecisionNormal:
+class ShardedLowRankPrecisionNormal(FactorNormal):
     r"""This rank's rows of :math:`N(\mu, P^{-1})`, :math:`P = \mathrm{diag}(a) + UU^\top`, over a sharded :math:`\theta`.
 
     The algebra of :class:`~pyro_fa.distributions.LowRankPrecisionNormal` with its sums over :math:`D`
     all-reduced; every method that needs one is collective (all ranks call it, with the same arguments).
+    The sharded precision form of the family :class:`~pyro_fa.distributions.FactorNormal`
+    (:math:`\Sigma = \mathrm{diag}(1/a) - BB^\top`, ``factor_sign`` -1): ``event_shape`` is the whole
+    ``(D,)``, the tensors it returns and takes are this rank's rows; :attr:`covariance_matrix` is refused.
 
     Parameters
     ----------
@@ -105,7 +107,7 @@ class ShardedLowRankPrecisionNormal:
     prec_factor : Tensor of shape (D_r, K)
     prec_diag : Tensor of shape (D_r,), positive
         This rank's rows of :math:`\mu`, :math:`U` and :math:`a`.
-    sharding : pyro_fa.fa._sharding.Sharding
+    sharding : pyro_fa.distributed.Sharding
     """
 
     def __init__(self, loc: Tensor, prec_factor: Tensor, prec_diag: Tensor, sharding):
@@ -115,8 +117,12 @@ class ShardedLowRankPrecisionNormal:
             raise ValueError(f"{name}: loc, prec_factor and prec_diag must hold this rank's {sharding.size} rows, "
                              f"got shapes {tuple(loc.shape)}, {tuple(prec_factor.shape)}, {tuple(prec_diag.shape)}.")
         self.loc, self.prec_factor, self.prec_diag, self.sharding = loc, prec_factor, prec_diag, sharding
-        self.event_shape = torch.Size([sharding.dim])
         self._cached: Optional[Tuple[Tensor, Tensor]] = None
+        super().__init__(torch.Size(), torch.Size([sharding.dim]), validate_args=False)
+
+    arg_constraints = {}  # this rank's rows: torch's argument and sample checks would expect all D
+    has_rsample = True
+    factor_sign = -1.0
 
     def _reduced(self) -> Tuple[Tensor, Tensor]:
         r""":math:`\sum_d \log a_d` and the Cholesky factor of the capacitance, float64 (one all-reduce, cached)."""
@@ -170,6 +176,21 @@ class ShardedLowRankPrecisionNormal:
         B = self.cov_factor.to(torch.float64)
         return (self.prec_diag.to(torch.float64).reciprocal() - B.pow(2).sum(-1)).to(self.loc.dtype)
 
+    def covariance_matvec(self, v: Tensor) -> Tensor:
+        r"""This rank's rows of :math:`P^{-1}v = v/a - B(B^\top v)` from this rank's rows of ``v`` (..., D_r).
+
+        Collective (one all-reduce of K numbers per vector; differentiable).
+        """
+        B = self.cov_factor
+        low = all_reduce_sum((v.unsqueeze(-2) @ B).squeeze(-2), self.sharding)
+        return v / self.prec_diag - (B @ low.unsqueeze(-1)).squeeze(-1)
+
+    @property
+    def covariance_matrix(self) -> Tensor:
+        """Refused: the whole D x D matrix is on no rank."""
+        raise RuntimeError(f"{type(self).__name__}: covariance_matrix needs the whole D x D matrix, got a "
+                           "distribution sharded over a process group.")
+
     def rsample(self, sample_shape=torch.Size(), generator: Optional[torch.Generator] = None) -> Tensor:
         r"""This rank's rows of draws :math:`\mu + P^{-1}z`, shape ``sample_shape + (D_r,)`` (collective).
 
@@ -207,31 +228,3 @@ class ShardedLowRankPrecisionNormal:
     def entropy(self) -> Tensor:
         r""":math:`\tfrac D2(1 + \log 2\pi) - \tfrac12\log\det P`, a scalar (collective)."""
         return 0.5 * self.sharding.dim * (1.0 + math.log(2 * math.pi)) - 0.5 * self.log_det_precision()
-
-
-def sharded_glm_moments(f: Callable[[Tensor, Tensor], Tensor], theta: Tensor, x: Tensor,
-                        posterior: ShardedLowRankPrecisionNormal, chunk_size: int) -> Tuple[Tensor, Tensor]:
-    r"""Mean (N, C) and covariance (N, C, C) of the linearised network's outputs under a sharded posterior.
-
-    :math:`J\Sigma J^\top = J\,\mathrm{diag}(1/a)\,J^\top - (JB)(JB)^\top` with :math:`J` the per-example
-    Jacobians at the whole :math:`\theta_*` (every rank holds the network), of which each rank contracts its
-    own columns with its rows of :math:`1/a` and :math:`B`: per chunk of examples one all-reduce of
-    :math:`C^2 + CK` numbers per example. Equal to :func:`pyro_fa.predictive.glm.linearized_moments` on the
-    whole posterior. Collective: every rank passes the same ``x``.
-    """
-    from pyro_fa.laplace.curvature import _jacobians
-
-    sh = posterior.sharding
-    sh.agree_sizes("FactorLaplace", "number of inputs to predict", int(x.shape[0]))
-    c, B = posterior.cov_diag, posterior.cov_factor
-    means, covs = [], []
-    for lo in range(0, x.shape[0], chunk_size):
-        out, J = _jacobians(f, theta.detach(), x[lo:lo + chunk_size])  # (b, C), (b, C, D)
-        Jr = J[..., sh.lo:sh.hi]
-        b, C = out.shape
-        local = torch.cat([((Jr * c) @ Jr.transpose(-1, -2)).reshape(b, -1), (Jr @ B).reshape(b, -1)], -1)
-        total = all_reduce_sum(local.detach(), sh)
-        JB = total[:, C * C:].reshape(b, C, -1)
-        covs.append(total[:, :C * C].reshape(b, C, C) - JB @ JB.transpose(-1, -2))
-        means.append(out.detach())
-    return torch.cat(means), torch.cat(covs)

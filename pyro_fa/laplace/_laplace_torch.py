@@ -1,0 +1,101 @@
+"""laplace-torch's argument names, as a user of ``laplace.Laplace(model, likelihood, subset_of_weights,
+hessian_structure, ...)`` (Daxberger et al. 2021) would pass them to :class:`~pyro_fa.laplace.FactorLaplace`.
+
+A name that means what one of ours means is mapped to it (:func:`translate`); one that has no counterpart here is
+refused with a message naming what to use instead (:func:`raise_laplace_torch_only`), never a bare
+``TypeError: unexpected keyword argument``.
+
+======================================  ==========================================================================
+laplace-torch                           FactorLaplace
+======================================  ==========================================================================
+``subset_of_weights="all"``             ``subset="all"`` (our default; laplace-torch's is ``"last_layer"``)
+``subset_of_weights="last_layer"``      ``subset="last_layer"``
+``subset_of_weights="subnetwork"``      refused: ``subset=[the parameters]``
+``hessian_structure="lowrank"``         ours: low rank plus diagonal, ``rank=K``
+``hessian_structure="full"``            ``rank=D``: the curvature kept exactly (small D)
+``hessian_structure="kron"/"diag"``     refused: ``rank=K``
+``prior_structure="scalar"``            ``prior_precision`` of shape (1,)
+``prior_structure="layerwise"``         ``prior_precision`` of shape (L,), one per parameter tensor
+``prior_structure="diag"``              refused
+``grid_size``, ``log_prior_prec_min``   ``optimize_prior_precision(grid_size=..., ...)`` (both accepted)
+``link_approx="bridge"``                refused: ``"probit"`` or ``"mc"``
+``posterior_precision`` / ``_covariance``  the dense (D, D) matrices, small D only
+======================================  ==========================================================================
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+__all__ = ["translate", "raise_laplace_torch_only", "HESSIAN_STRUCTURES", "PRIOR_STRUCTURES"]
+
+#: laplace-torch's ``hessian_structure`` values this library has: low rank plus diagonal, or the exact curvature
+HESSIAN_STRUCTURES = ("lowrank", "full")
+#: laplace-torch's ``prior_structure`` values this library has
+PRIOR_STRUCTURES = ("scalar", "layerwise")
+
+#: laplace-torch's keywords with no counterpart here -> what to use instead
+_ONLY_THERE: Dict[str, str] = {
+    "temperature": "the likelihood's temperature is not available (FactorLaplace's temperature is the one "
+                   "optimize_prior_precision(method='gridsearch', temperature=True) fits after the fact)",
+    "prior_mean": "the prior mean is 0 here; a non-zero prior mean is not available",
+    "enable_backprop": "gradients to the inputs through the predictive are not available",
+    "backend": "the curvature is computed by torch.func here: choose it with curvature='ggn' or 'mc' and "
+               "its fit with curvature_fit=...",
+    "backend_kwargs": "the curvature is computed by torch.func here: mc_samples=... and chunk_size=... set it",
+    "asdl_fisher_kwargs": "the curvature is computed by torch.func here: curvature='mc', mc_samples=...",
+    "dict_key_x": "dict (Hugging Face) batches are not read here: inputs must be a Tensor or a tuple of Tensors "
+                  "(model(*x)); wrap a model that takes a dict",
+    "dict_key_y": "dict (Hugging Face) batches are not read here: batches must be (inputs, targets) pairs",
+    "last_layer_name": "use subset='last_layer' (the last module holding parameters) or subset=[its parameters]",
+    "subnetwork_indices": "use subset=[the parameters] (whole parameter tensors)",
+    "init_prior_prec": "the search starts from the stored prior_precision: set it with "
+                       "FactorLaplace(prior_precision=...)",
+    "prior_structure": "its shape is the stored prior_precision's: FactorLaplace(prior_precision=...) of shape "
+                       "(1,) or (L,) (or prior_structure= at construction)",
+    "loss": "gridsearch scores the validation negative log-likelihood of the predictive",
+    "verbose": "no progress output here",
+    "progress_bar": "no progress output here",
+}
+
+
+def raise_laplace_torch_only(owner: str, where: str, kwargs: dict) -> None:
+    """Raise for the first of ``kwargs``: a ``ValueError`` for laplace-torch's names with no counterpart (naming
+    what to use instead), else a ``TypeError`` as Python's for an unknown keyword."""
+    for key in kwargs:
+        if key in _ONLY_THERE:
+            raise ValueError(f"{owner}: {key} is laplace-torch's argument of {where}, not available here: "
+                             f"{_ONLY_THERE[key]}.")
+    raise TypeError(f"{owner}: {where}() got an unexpected keyword argument {next(iter(kwargs))!r}.")
+
+
+def translate(owner: str, subset, subset_of_weights, hessian_structure, prior_structure, kwargs: dict):
+    """laplace-torch's ``subset_of_weights``, ``hessian_structure`` and ``prior_structure`` checked and mapped:
+    ``(subset, full, layerwise)``, ``full`` True for ``hessian_structure="full"`` (the rank becomes D),
+    ``layerwise`` None, False (``"scalar"``) or True (``"layerwise"``).
+
+    Raises
+    ------
+    ValueError
+        A value with no counterpart (naming ours), or a clash with our own argument.
+    """
+    if kwargs:
+        raise_laplace_torch_only(owner, "__init__", kwargs)
+    if subset_of_weights is not None:
+        if subset_of_weights not in ("all", "last_layer"):
+            raise ValueError(f"{owner}: subset_of_weights={subset_of_weights!r} is not available; pass subset='all', "
+                             "subset='last_layer' or subset=[the parameters] (laplace-torch's subset_of_weights "
+                             "'all' and 'last_layer' are accepted).")
+        if not (isinstance(subset, str) and subset in ("all", subset_of_weights)):
+            raise ValueError(f"{owner}: subset and subset_of_weights (laplace-torch's name) must agree, got "
+                             f"subset={subset!r} and subset_of_weights={subset_of_weights!r}; pass one.")
+        subset = subset_of_weights
+    if hessian_structure is not None and hessian_structure not in HESSIAN_STRUCTURES:
+        raise ValueError(f"{owner}: hessian_structure={hessian_structure!r} is not available; pyro_fa's curvature is "
+                         "low-rank plus diagonal: use rank=K (the K leading directions, the rest in the diagonal; "
+                         "hessian_structure='lowrank', the default here) or hessian_structure='full' (rank=D, the "
+                         "curvature kept exactly, small D).")
+    if prior_structure is not None and prior_structure not in PRIOR_STRUCTURES:
+        raise ValueError(f"{owner}: prior_structure={prior_structure!r} is not available; use 'scalar' or "
+                         "'layerwise' (prior_precision of shape (1,) or one per parameter tensor, (L,)).")
+    layerwise = None if prior_structure is None else prior_structure == "layerwise"
+    return subset, hessian_structure == "full", layerwise

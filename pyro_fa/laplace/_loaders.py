@@ -1,0 +1,76 @@
+"""The loaders :class:`~pyro_fa.laplace.FactorLaplace` reads, and what a batch of them may hold.
+
+A fit by online EM or the randomized range finder passes over ``train_loader`` several times, and the grid search
+of the prior precision scores every grid value on all of ``val_loader``: a one-shot iterator (a generator,
+``iter(list)``, ``map(...)``) would give its batches to the first pass only and nothing to the others. Such an
+iterator is read into a list once (:func:`reiterable`); a loader that iterates afresh each time (a list, a
+``torch.utils.data.DataLoader``) is used as it is.
+
+Inputs are a Tensor of shape (B, ...) or a tuple of such Tensors, given to the network as ``model(*x)``
+(:func:`check_inputs`), as :func:`pyro_fa.predictive.glm.linearized_moments` takes them.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Tuple, Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["reiterable", "check_inputs", "slice_inputs", "n_examples"]
+
+Inputs = Union[Tensor, Tuple[Tensor, ...]]
+
+
+def reiterable(owner: str, loader, argument: str) -> Iterable:
+    """``loader`` if iterating it again starts afresh; a one-shot iterator (a ``collections.abc.Iterator``: a generator,
+    ``iter(list)``, ``map(...)``) read into a list (its batches then held in memory).
+
+    Raises
+    ------
+    TypeError
+        ``loader`` is not iterable.
+    """
+    if not isinstance(loader, Iterable):
+        raise TypeError(f"{owner}: {argument} must be an iterable of batches (a list or a DataLoader), got "
+                        f"{type(loader).__name__}.")
+    return list(loader) if isinstance(loader, Iterator) else loader  # not iterated here otherwise
+
+
+def check_inputs(owner: str, x, ref: Tensor) -> Inputs:
+    """``x`` on ``ref``'s device (floating Tensors in its dtype; inference tensors copied into ordinary ones, for
+    autograd): a Tensor, or a tuple of Tensors with one first dimension (the network's positional arguments).
+
+    Raises
+    ------
+    TypeError
+        A dict (laplace-torch passes a Hugging Face batch to the model whole: wrap such a model so that it takes
+        tensors) or anything else.
+    ValueError
+        Tuple members of different first dimensions.
+    """
+    if torch.is_tensor(x):
+        return _to(x, ref)
+    if isinstance(x, (tuple, list)) and x and all(torch.is_tensor(t) and t.dim() for t in x):
+        if len({t.shape[0] for t in x}) != 1:
+            raise ValueError(f"{owner}: the inputs of a tuple must share their first (batch) dimension, got shapes "
+                             f"{[tuple(t.shape) for t in x]!r}.")
+        return tuple(_to(t, ref) for t in x)
+    what = type(x).__name__ + (f" with keys {list(x)[:4]!r}" if isinstance(x, Mapping) else "")
+    raise TypeError(f"{owner}: inputs must be a Tensor or a tuple of Tensors (passed as model(*x)), got {what}; "
+                    "for a model taking a dict, wrap it in a module whose forward takes the tensors.")
+
+
+def _to(t: Tensor, ref: Tensor) -> Tensor:
+    t = t.to(ref.device, ref.dtype) if t.is_floating_point() else t.to(ref.device)
+    return t.clone() if t.is_inference() and not torch.is_inference_mode_enabled() else t
+
+
+def slice_inputs(x: Inputs, lo: int, hi: int) -> Inputs:
+    """Examples ``[lo, hi)`` of a Tensor or of each Tensor of a tuple."""
+    return x[lo:hi] if torch.is_tensor(x) else tuple(t[lo:hi] for t in x)
+
+
+def n_examples(x: Inputs) -> int:
+    """The batch size B of a Tensor or a tuple of them."""
+    return x.shape[0] if torch.is_tensor(x) else x[0].shape[0]
