@@ -377,3 +377,37 @@ def test_malformed_inputs_and_loaders_are_refused():
         FactorLaplace(net, "classification", rank=3).fit(3)
     with pytest.raises(TypeError, match=r"FactorLaplace: val_loader must be an iterable of batches"):
         la.optimize_prior_precision("gridsearch", val_loader=3)
+
+
+def test_get_posterior_and_sample_follow_the_scale_as_swags_do():
+    """At scale s the posterior is N(theta_*, s P^{-1}) (SWAG's convention), the mean's point mass at s = 0."""
+    from pyro_fa.distributions import PointMassNormal
+
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(40, 3, generator=g, dtype=torch.float64)
+    y = (X[:, 0] > 0).long()
+    net = nn.Linear(3, 2).double()
+    la = FactorLaplace(net, "classification", rank=2).fit([(X, y)])
+    dense = la.get_posterior().covariance_matrix
+    la.scale = 0.3
+    torch.testing.assert_close(la.get_posterior().covariance_matrix, 0.3 * dense)
+    draws = la.sample(40000, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(draws.var(0), 0.3 * dense.diagonal(), rtol=0.05, atol=1e-6)
+    la.scale = 0.0
+    assert isinstance(la.get_posterior(), PointMassNormal)
+    assert torch.equal(la.sample(3), la.loc.expand(3, -1))
+
+
+def test_optimize_prior_precision_takes_laplace_torchs_n_samples():
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(60, 3, generator=g, dtype=torch.float64)
+    y = (X[:, 0] > 0).long()
+    la = FactorLaplace(nn.Linear(3, 2).double(), "classification", rank=2).fit([(X[:40], y[:40])])
+    kw = dict(val_loader=[(X[40:], y[40:])], grid=[0.1, 1.0, 10.0], pred_type="nn")
+    torch.manual_seed(0)
+    a = la.optimize_prior_precision("gridsearch", num_samples=7, **kw).clone()
+    torch.manual_seed(0)
+    b = la.optimize_prior_precision("gridsearch", n_samples=7, **kw)
+    assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="pass num_samples or laplace-torch's n_samples, not both"):
+        la.optimize_prior_precision("gridsearch", num_samples=7, n_samples=7, **kw)

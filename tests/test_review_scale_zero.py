@@ -95,7 +95,7 @@ def test_laplace_gridsearch_scores_the_sampled_predictive_with_the_default_link_
     grid = [1e-2, 1.0, 1e2]
     torch.manual_seed(0)  # predict_proba('nn') draws from the global generator: the same draws below
     chosen = float(la.optimize_prior_precision("gridsearch", val_loader=[(X[40:], y[40:])], grid=grid,
-                                               pred_type="nn", n_samples=20))
+                                               pred_type="nn", num_samples=20))
     torch.manual_seed(0)
     nll = []
     for v in grid:  # the sampled predictive's NLL, by drawing weights from the dense posterior covariance

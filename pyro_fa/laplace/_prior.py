@@ -244,8 +244,8 @@ class PriorPrecisionSelection:
     @with_grad
     def optimize_prior_precision(self, method: str = "marglik", *, n_steps: int = 100, lr: float = 2.0,
                                  val_loader: Optional[Iterable] = None, grid: Optional[Sequence[float]] = None,
-                                 pred_type: str = "glm", link_approx: str = "probit",
-                                 n_samples: int = 100, temperature: bool = False, mode: str = "map",
+                                 pred_type: str = "glm", link_approx: Optional[str] = None,
+                                 num_samples: int = 100, temperature: bool = False, mode: str = "map",
                                  grid_size: Optional[int] = None, log_prior_prec_min: float = -4.0,
                                  log_prior_prec_max: float = 4.0, **laplace_torch) -> Tensor:
         r"""Choose the prior precision :math:`\delta` (scalar or per layer, the shape of :attr:`prior_precision`).
@@ -272,8 +272,10 @@ class PriorPrecisionSelection:
         grid_size, log_prior_prec_min, log_prior_prec_max : int, float, float
             laplace-torch's names for a grid: without ``grid``, ``grid_size`` values :math:`10^{\min}, \dots,
             10^{\max}` evenly spaced in the exponent.
-        pred_type, link_approx, n_samples
-            The predictive scored by ``"gridsearch"`` (see :meth:`predict_proba`).
+        pred_type, link_approx, num_samples
+            The predictive scored by ``"gridsearch"`` (see :meth:`predict_proba`; ``link_approx=None`` is
+            ``"probit"`` for ``"glm"`` and ``"mc"`` for ``"nn"``). laplace-torch's ``n_samples`` is accepted for
+            ``num_samples``.
         temperature : bool, default False
             ``"gridsearch"`` of a classifier only: score each grid value by the validation NLL *after* a
             temperature :math:`T` fitted there (:func:`pyro_fa.predictive.fit_temperature` on the log of the
@@ -323,6 +325,10 @@ class PriorPrecisionSelection:
         """
         name = type(self).__name__
         self._check_fitted("optimize_prior_precision()")
+        if "n_samples" in laplace_torch:  # laplace-torch's name for num_samples
+            if num_samples != 100:
+                raise TypeError(f"{name}: pass num_samples or laplace-torch's n_samples, not both.")
+            num_samples = laplace_torch.pop("n_samples")
         if laplace_torch:
             raise_laplace_torch_only(name, "optimize_prior_precision", laplace_torch)
         if method not in PRIOR_METHODS:
@@ -355,7 +361,7 @@ class PriorPrecisionSelection:
         if method == "marglik":
             best = self._marglik_prior_precision(n_steps, lr, mode)
         else:
-            best, chosen_t = self._gridsearch_prior_precision(val_loader, grid, pred_type, link_approx, n_samples,
+            best, chosen_t = self._gridsearch_prior_precision(val_loader, grid, pred_type, link_approx, num_samples,
                                                               temperature)
         # the choice is checked before it touches the fitted state: nothing changes when it is refused
         best = self._check_prior_precision(best, self.loc)

@@ -38,7 +38,7 @@ from pyro_fa.laplace._loaders import check_inputs, n_examples, reiterable, slice
 from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_network, select_parameters
 from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
 from pyro_fa.laplace._prior import PriorPrecisionSelection, positive_int as _positive_int, show as _show, with_grad
-from pyro_fa.distributions import BlockLowRankPrecisionNormal, LowRankPrecisionNormal
+from pyro_fa.distributions import BlockLowRankPrecisionNormal, LowRankPrecisionNormal, PointMassNormal
 from pyro_fa.distributed import ShardedLowRankPrecisionNormal, make_laplace_sharding
 from pyro_fa.laplace._sharded_glm import sharded_glm_moments
 from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_moments, linearized_network
@@ -486,10 +486,13 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         sg = self.sigma_noise if sigma_noise is None else self._check_sigma(sigma_noise, self.loc, differentiable=True)
         return pp.reshape(-1), sg.reshape(())
 
-    def _posterior(self, prior_precision=None, sigma_noise=None) -> LowRankPrecisionNormal:
+    def _posterior(self, prior_precision=None, sigma_noise=None, cov_scale: float = 1.0) -> LowRankPrecisionNormal:
+        """N(theta_*, cov_scale P^{-1}) (``cov_scale`` > 0): the precision P / cov_scale."""
         pp, sg = self._resolve(prior_precision, sigma_noise)
         scale = self.n_data.to(self.loc.dtype) / sg.pow(2)
         prec_diag = self._prior_diag(pp) + scale * self.cov_diag
+        if cov_scale != 1.0:
+            prec_diag, scale = prec_diag / cov_scale, scale / cov_scale
         # its own storage: neither a later fit() nor an in-place change of the posterior reaches the other
         if self._blocks is not None:
             blocks = [(a, e, F * scale.sqrt()) for a, e, F in self.block_factors]
@@ -500,7 +503,9 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         return LowRankPrecisionNormal(self.loc.clone(), prec_factor, prec_diag)
 
     def get_posterior(self) -> Union[LowRankPrecisionNormal, BlockLowRankPrecisionNormal, ShardedLowRankPrecisionNormal]:
-        r"""The Laplace approximation :math:`N(\theta_*, P^{-1})` at the current prior precision and noise.
+        r"""The Laplace approximation at :attr:`scale` :math:`s`, :math:`N(\theta_*, s P^{-1})`, at the current prior
+        precision and noise (:math:`s = 1`, the default, is the Laplace approximation itself; at :math:`s = 0` a
+        :class:`~pyro_fa.distributions.PointMassNormal` at :math:`\theta_*`).
 
         A snapshot: its tensors share no storage with this object's buffers, so a later :meth:`fit`,
         :meth:`optimize_prior_precision` or :meth:`load_state_dict` leaves a posterior already taken as it was.
@@ -518,7 +523,9 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
             Before :meth:`fit`.
         """
         self._check_fitted("get_posterior()")
-        return self._posterior()
+        if self.scale == 0.0:
+            return PointMassNormal(self.loc.clone())
+        return self._posterior(cov_scale=self.scale)
 
     @property
     def posterior_variance(self) -> Tensor:
@@ -607,7 +614,7 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
 
     def _deviations(self, num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
         r"""Unscaled draws :math:`\theta - \theta_*`, :math:`\theta \sim N(\theta_*, P^{-1})`, shape (S, D)."""
-        return self.sample(num_samples, generator=generator) - self.loc
+        return self._posterior().rsample((num_samples,), generator=generator) - self.loc
 
     def _draws(self, num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
         if self.scale == 1.0:
@@ -668,7 +675,7 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
     def _glm_moments(self, x: Tensor):
         if self._sharding is not None:  # refused before any collective, as linearized_moments refuses it
             check_eval_mode(type(self).__name__, self.model, "model")
-        post = self.get_posterior()
+        post = self._posterior()  # unscaled: the callers apply the scale
         if self._sharding is not None:
             # the whole linearisation point (D numbers, gathered) and each rank's rows of the posterior
             return sharded_glm_moments(self._f, self._sharding.all_gather(self.loc), x, post, self.chunk_size)
