@@ -271,6 +271,32 @@ class AutoLowRankFactorGuide(_GuideStateMixin, AutoContinuous):
             self.scale = PyroParam(loc.new_tensor(s0), constraint=self.scale_constraint)
         else:
             self.register_buffer("scale", loc.new_tensor(self._noise_scale))
+        self._warn_on_stored_shapes(loc)
+
+    def _warn_on_stored_shapes(self, loc: Tensor) -> None:
+        """Warn where Pyro's param store kept an earlier guide's parameter of another shape.
+
+        A parameter whose name is already in the param store takes the stored value, whatever this
+        guide created (Pyro's behaviour): a rank-2 guide built after a rank-1 guide of the same name
+        would silently go on with the rank-1 factor.
+        """
+        D = self.latent_dim
+        expected = {"factor": (D, self.rank)}
+        expected["whitened_loc" if self._loc_scale_option is not None else "loc"] = (D,)
+        if self._noise_scale is None:  # a fixed noise scale is a buffer, never stored
+            expected["scale"] = (D,) if self.noise == "diagonal" else ()
+        for attr, shape in expected.items():
+            try:
+                got = tuple(getattr(self, attr).shape)
+            except AttributeError:
+                continue
+            if got != shape:
+                warnings.warn(
+                    f"{type(self).__name__}: param {self._pyro_get_fullname(attr)!r} must have shape {shape} "
+                    f"(rank={self.rank}, noise={self.noise!r}, D={D}), got {got}: the param store already held "
+                    "that name from an earlier guide and keeps its value. Call pyro.clear_param_store() before "
+                    "building the new guide.",
+                    UserWarning, stacklevel=4)
 
     def __getattr__(self, name):
         if name == "loc" and "whitened_loc" in self._parameters:
