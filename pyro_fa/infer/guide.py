@@ -396,6 +396,22 @@ class AutoLowRankFactorGuide(_GuideStateMixin, AutoContinuous):
         scale = self._scale_vector()
         return LowRankAffine(self.loc, self.factor * scale.unsqueeze(-1), scale * scale)
 
+    def _unpack_latent(self, latent: Tensor):
+        """Pyro's unpacking, with a flat stack of draws of shape (S, D) put left of the model's plates.
+
+        Pyro asks that a batch of latents sit left of every plate dimension (``latent.unsqueeze(-2)`` for
+        one plate); a stack of MCMC draws, e.g. for ``NeuTraReparam.transform_sample``, is (S, D) and
+        failed to broadcast against a plated site. Here such a stack is read as
+        (S, 1, ..., 1, D), one 1 per plate dimension of the latent sites; a latent with no batch, or with
+        a batch already left of the plates (vectorised particles, ``unsqueeze(-2)``), is unpacked as Pyro does.
+        """
+        if latent.dim() == 2:
+            depth = max((-f.dim for _, site in self.prototype_trace.iter_stochastic_nodes()
+                         for f in site["cond_indep_stack"] if f.vectorized and f.dim is not None), default=0)
+            if depth:
+                latent = latent.reshape(latent.shape[:1] + (1,) * depth + latent.shape[-1:])
+        return super()._unpack_latent(latent)
+
     def _loc_scale(self, *args, **kwargs):
         self._check_setup("median() / quantiles()")
         scale = self._scale_vector() * (self.factor.pow(2).sum(-1) + 1).sqrt()
