@@ -59,7 +59,9 @@ class ScatterSketch(Fitter):
     :math:`C = \mathrm{diag}(\sqrt{\max(\lambda_k-1, 0)/\lambda_k})\,U_K^\top/\sqrt t`,
     :math:`\psi_d = s_d - \sum_k F_{dk}^2` (floored), until the log-likelihood gains less than
     0.01 (at most 1000 iterations, scikit-learn's defaults) or less than :math:`10^{-7}` of its
-    magnitude. A refit starts at the previous refit's :math:`\psi`.
+    magnitude. Every refit starts at :math:`\psi = s` (floored), so the fit depends on the stream
+    only, not on when or how often it was read before. Until the vectors differ (identical ones
+    have no scatter) the initial :math:`(F, \psi = 1)` stands, as for the other methods.
 
     State (buffers): ``_sketch`` (:math:`\ell+K`, D), ``_sketch_sq`` (:math:`\ell+K`,) float64,
     the squared singular values of the orthogonal leading rows, ``_sketch_used`` and
@@ -112,7 +114,8 @@ class ScatterSketch(Fitter):
 
     # ------------------------------------------------------------------ reading
     def factors(self, fa) -> Tuple[Tensor, Tensor]:
-        if int(fa._sketch_used) > 0 and int(fa._fit_at) != fa.n_updates:
+        # identical vectors have no scatter to fit: the initial (F, psi = 1) stands, as for EM and SGA
+        if int(fa._sketch_used) > 0 and int(fa._fit_at) != fa.n_updates and fa._has_spread():
             self._refit(fa)
         return fa._F, fa._psi
 
@@ -197,9 +200,11 @@ class ScatterSketch(Fitter):
         used = int(fa._sketch_used)
         sk = fa._sketch[:used]
         var = fa._moments.variance(n).to(torch.float64)
-        floor = fa._floor_values(var)
-        psi = fa._psi.double() if int(fa._fit_at) >= 0 else var.clone()
-        psi = torch.maximum(psi, floor)
+        # EM's floor, in the state's dtype (float64's would round to 0 in a float32 state)
+        floor = fa._floor_values(fa.variance).to(torch.float64)
+        # every refit starts at the running variances, never at an earlier read's psi: the fit is a function
+        # of the stream alone, the same whenever (and however often) the posterior is read
+        psi = torch.maximum(var, floor)
         blocks = list(self._col_blocks(fa))
         const = D * math.log(2 * math.pi) + K
         old_ll = -math.inf
