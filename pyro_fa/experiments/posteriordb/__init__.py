@@ -6,7 +6,7 @@ without one to the reason, and :func:`load_posterior` gives a :class:`PosteriorD
 (the model, D, the reference draws in ``AutoContinuous``'s unconstrained order, the log density).
 """
 from pyro_fa.experiments.posteriordb.ports import PORTS, LEFT_OUT, register_port
-from pyro_fa.experiments.posteriordb import ports_models  # noqa: F401  (registers its ports)
+from pyro_fa.experiments.posteriordb import ports_models, ports_ode  # noqa: F401  (register their ports)
 from pyro_fa.experiments.posteriordb.loader import (PosteriorDBPosterior, available_posteriors, data_folder,
                                                     load_posterior)
 from pyro_fa.experiments.posteriordb.identities import score_stein_identities

@@ -28,10 +28,7 @@ __all__ = ["PORTS", "LEFT_OUT", "register_port", "flat", "col"]
 PORTS = {}
 """The ports by posterior name (``"eight_schools-eight_schools_noncentered"``)."""
 
-LEFT_OUT = {
-    "hudson_lynx_hare-lotka_volterra": "an ODE model; see ports_ode for whether it is ported",
-    "one_comp_mm_elim_abs-one_comp_mm_elim_abs": "an ODE model; see ports_ode for whether it is ported",
-}
+LEFT_OUT = {}
 """Posteriors of the database that have no port, with the reason."""
 
 
