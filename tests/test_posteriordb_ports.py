@@ -13,7 +13,7 @@ import torch
 from scipy import stats
 
 import pyro
-from pyro.infer.autoguide import AutoDiagonalNormal
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.infer.mcmc.util import initialize_model
 
@@ -233,3 +233,12 @@ def test_garch_beta1_is_stans():
     values, _ = posterior.unpack(posterior.reference[:1000])
     trace = pyro.poutine.trace(pyro.poutine.condition(posterior.model, values)).get_trace()
     torch.testing.assert_close(trace.nodes["beta1"]["value"], stan["beta1"])
+
+
+def test_an_autoguide_starts_at_the_unconstrained_zero_of_the_flat_priors():
+    posterior = load_posterior("kidiq-kidscore_momiq", SHIPPED)  # flat beta, half-Cauchy sigma
+    guide = AutoNormal(posterior.model, init_loc_fn=init_to_median_or_zero)
+    guide()
+    torch.testing.assert_close(guide.locs.beta.detach(), torch.zeros(2))
+    with pytest.raises(NotImplementedError, match="ImproperUniform does not support sampling"):
+        AutoNormal(posterior.model)()  # Pyro's default init samples the prior
