@@ -242,3 +242,11 @@ def test_an_autoguide_starts_at_the_unconstrained_zero_of_the_flat_priors():
     torch.testing.assert_close(guide.locs.beta.detach(), torch.zeros(2))
     with pytest.raises(NotImplementedError, match="ImproperUniform does not support sampling"):
         AutoNormal(posterior.model)()  # Pyro's default init samples the prior
+
+
+def test_identity_table_reports_each_posterior():
+    from pyro_fa.experiments.posteriordb.identities import identity_table
+
+    table = identity_table(["sblrc-blr"], SHIPPED).splitlines()
+    assert table[0].startswith("| posterior | D |") and table[2].startswith("| sblrc-blr | 6 | ")
+    assert all(float(x) < TOL for x in table[2].split("|")[3:5])

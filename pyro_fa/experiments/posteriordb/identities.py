@@ -43,3 +43,24 @@ def score_stein_identities(posterior, z=None, chunk=1000):
     stein_z = (products.mean(0) + eye) / (products.std(0) / n ** 0.5)
     return {"score_z": score_z, "stein_z": stein_z, "max_score_z": float(score_z.abs().max()),
             "max_stein_z": float(stein_z.abs().max()), "n": n, "finite": finite}
+
+
+def identity_table(names=None, data_dir=None):
+    """The identities on every port (or ``names``) as a Markdown table: posterior, D, max |z| of the
+    score mean and of the Stein matrix, seconds; and the posteriors left out, with the reason."""
+    import time
+
+    from pyro_fa.experiments.posteriordb.loader import available_posteriors, load_posterior
+    from pyro_fa.experiments.posteriordb.ports import LEFT_OUT
+
+    names = available_posteriors(data_dir) if names is None else names
+    lines = ["| posterior | D | max abs z, score | max abs z, Stein | s |", "| --- | --- | --- | --- | --- |"]
+    for name in names:
+        start = time.perf_counter()
+        posterior = load_posterior(name, data_dir)
+        r = score_stein_identities(posterior)
+        lines.append(f"| {name} | {posterior.dim} | {r['max_score_z']:.2f} | {r['max_stein_z']:.2f} | "
+                     f"{time.perf_counter() - start:.1f} |")
+    lines += [f"| {name} | | left out: {why} | | |" for name, why in sorted(LEFT_OUT.items())]
+    return "\n".join(lines)
+
