@@ -8,6 +8,7 @@ folder is found (``PYRO_FA_POSTERIORDB``, or ``PYRO_FA_DATA/../posteriordb``) an
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from scipy import stats
@@ -250,3 +251,41 @@ def test_identity_table_reports_each_posterior():
     table = identity_table(["sblrc-blr"], SHIPPED).splitlines()
     assert table[0].startswith("| posterior | D |") and table[2].startswith("| sblrc-blr | 6 | ")
     assert all(float(x) < TOL for x in table[2].split("|")[3:5])
+
+
+@pytest.mark.slow
+def test_gauss_mix_log_density_against_scipy():
+    # the ordered, positive and unit-interval maps' Jacobians written out by hand
+    posterior = _load_full("low_dim_gauss_mix-low_dim_gauss_mix")
+    from pyro_fa.experiments.posteriordb.loader import _find, _read_zip_json
+    y = torch.tensor(_read_zip_json(_find(posterior.name, _full_folder())[1])["y"]).numpy()
+    assert posterior.names() == ["mu[1]", "mu[2]", "sigma[1]", "sigma[2]", "theta"]
+    for z in posterior.reference[[11, 8_888]]:
+        u = z.tolist()
+        mu = [u[0], u[0] + math.exp(u[1])]
+        sigma = [math.exp(u[2]), math.exp(u[3])]
+        theta = 1 / (1 + math.exp(-u[4]))
+        mix = np.logaddexp(math.log(theta) + stats.norm.logpdf(y, mu[0], sigma[0]),
+                           math.log1p(-theta) + stats.norm.logpdf(y, mu[1], sigma[1])).sum()
+        expected = (stats.norm.logpdf(mu, 0, 2).sum() + stats.halfnorm.logpdf(sigma, scale=2).sum()
+                    + stats.beta.logpdf(theta, 5, 5) + mix
+                    + u[1] + u[2] + u[3] + math.log(theta) + math.log1p(-theta))
+        assert posterior.log_density(z).item() == pytest.approx(expected, rel=1e-10)
+
+
+@pytest.mark.slow
+def test_hmm_example_forward_algorithm_against_scipy():
+    posterior = _load_full("hmm_example-hmm_example")
+    from scipy.special import logsumexp
+    from pyro_fa.experiments.posteriordb.loader import _find, _read_zip_json
+    y = np.array(_read_zip_json(_find(posterior.name, _full_folder())[1])["y"])
+    z = posterior.reference[4_321]
+    values, log_jac = posterior.unpack(z)
+    P = np.stack([values["theta1"].numpy(), values["theta2"].numpy()])
+    mu = values["mu"].numpy()
+    emission = stats.norm.logpdf(y[:, None], mu[None, :], 1.0)
+    gamma = emission[0]
+    for t in range(1, len(y)):
+        gamma = np.array([logsumexp(gamma + np.log(P[:, k])) for k in range(2)]) + emission[t]
+    expected = logsumexp(gamma) + stats.norm.logpdf(mu, [3.0, 10.0], 1.0).sum() + log_jac.item()
+    assert posterior.log_density(z).item() == pytest.approx(expected, rel=1e-10)

@@ -17,6 +17,9 @@ from pyro_fa.experiments.posteriordb.ports import LEFT_OUT, col, flat, register_
 __all__ = []
 
 RTOL, ATOL = 1e-8, 1e-10
+MAX_STEPS = 20_000
+"""The solver's step budget: at extreme parameter values (an optimizer's trial point far in the tails)
+the equations turn stiff, and the solve raises (an AssertionError from torchdiffeq) instead of hanging."""
 
 try:
     from torchdiffeq import odeint
@@ -49,7 +52,8 @@ if odeint is not None:
                 u, v = z[..., 0], z[..., 1]
                 return torch.stack([(alpha - beta * v) * u, (-gamma + delta * u) * v], -1)
 
-            z = odeint(dz_dt, z_init, times, rtol=RTOL, atol=ATOL, method="dopri5")[1:]  # (N, ..., 2)
+            z = odeint(dz_dt, z_init, times, rtol=RTOL, atol=ATOL, method="dopri5",
+                       options={"max_num_steps": MAX_STEPS})[1:]  # (N, ..., 2)
             z = pyro.deterministic("z", z.movedim(0, -2), event_dim=2)
             pyro.sample("y_init", dist.LogNormal(torch.log(z_init), sigma).to_event(1), obs=y_init)
             pyro.sample("y", dist.LogNormal(torch.log(z), sigma.unsqueeze(-2)).to_event(2), obs=y)
@@ -73,7 +77,7 @@ if odeint is not None:
                 return dose - (col(V_m) / V) * C / (col(K_m) + C)
 
             C = odeint(dC_dt, torch.zeros(k_a.shape + (1,), dtype=torch.float64), grid,
-                       rtol=RTOL, atol=ATOL, method="dopri5")[1:, ..., 0]  # (N_t, ...)
+                       rtol=RTOL, atol=ATOL, method="dopri5", options={"max_num_steps": MAX_STEPS})[1:, ..., 0]
             C = pyro.deterministic("C", C.movedim(0, -1), event_dim=1)
             pyro.sample("C_hat", dist.LogNormal(torch.log(C), col(sigma)).to_event(1), obs=C_hat)
 
