@@ -129,8 +129,7 @@ def test_log_density_is_pyros_potential_and_batches(name):
 
 def test_kidiq_log_density_against_scipy():
     posterior = load_posterior("kidiq-kidscore_momiq", SHIPPED)
-    from pyro_fa.experiments.posteriordb.loader import _find, _read_zip_json
-    data = _read_zip_json(_find("kidiq-kidscore_momiq", SHIPPED)[1])
+    data = posterior.data
     y, iq = torch.tensor(data["kid_score"]).numpy(), torch.tensor(data["mom_iq"]).numpy()
     for z in posterior.reference[[3, 4_000, 9_999]]:
         b0, b1, log_sigma = z.tolist()
@@ -152,9 +151,8 @@ def test_eight_schools_log_density_against_scipy_and_the_transformed_theta():
                     + stats.norm.logpdf(y, theta_trans * tau + mu, sd).sum())
         assert posterior.log_density(z).item() == pytest.approx(expected, rel=1e-10)
     # the reference holds Stan's transformed theta: the model's theta at a mapped draw gives it back
-    from pyro_fa.experiments.posteriordb.loader import _find, _read_zip_json, _stan_arrays
-    stan = _stan_arrays(_read_zip_json(_find(posterior.name, SHIPPED)[2])[0])
-    values, _ = posterior.unpack(posterior.reference[:1000])
+    stan = posterior.stan_reference
+    values, _ = posterior.unpack(posterior.reference)
     trace = pyro.poutine.trace(pyro.poutine.condition(posterior.model, values)).get_trace()
     torch.testing.assert_close(trace.nodes["theta"]["value"], stan["theta"])
 
@@ -229,9 +227,8 @@ def test_every_port_matches_pyros_potential_and_autocontinuous(name):
 @pytest.mark.slow
 def test_garch_beta1_is_stans():
     posterior = _load_full("garch-garch11")
-    from pyro_fa.experiments.posteriordb.loader import _find, _read_zip_json, _stan_arrays
-    stan = _stan_arrays(_read_zip_json(_find(posterior.name, _full_folder())[2])[0])
-    values, _ = posterior.unpack(posterior.reference[:1000])
+    stan = posterior.stan_reference
+    values, _ = posterior.unpack(posterior.reference)
     trace = pyro.poutine.trace(pyro.poutine.condition(posterior.model, values)).get_trace()
     torch.testing.assert_close(trace.nodes["beta1"]["value"], stan["beta1"])
 
@@ -257,8 +254,7 @@ def test_identity_table_reports_each_posterior():
 def test_gauss_mix_log_density_against_scipy():
     # the ordered, positive and unit-interval maps' Jacobians written out by hand
     posterior = _load_full("low_dim_gauss_mix-low_dim_gauss_mix")
-    from pyro_fa.experiments.posteriordb.loader import _find, _read_zip_json
-    y = torch.tensor(_read_zip_json(_find(posterior.name, _full_folder())[1])["y"]).numpy()
+    y = np.array(posterior.data["y"])
     assert posterior.names() == ["mu[1]", "mu[2]", "sigma[1]", "sigma[2]", "theta"]
     for z in posterior.reference[[11, 8_888]]:
         u = z.tolist()
@@ -277,8 +273,7 @@ def test_gauss_mix_log_density_against_scipy():
 def test_hmm_example_forward_algorithm_against_scipy():
     posterior = _load_full("hmm_example-hmm_example")
     from scipy.special import logsumexp
-    from pyro_fa.experiments.posteriordb.loader import _find, _read_zip_json
-    y = np.array(_read_zip_json(_find(posterior.name, _full_folder())[1])["y"])
+    y = np.array(posterior.data["y"])
     z = posterior.reference[4_321]
     values, log_jac = posterior.unpack(z)
     P = np.stack([values["theta1"].numpy(), values["theta2"].numpy()])

@@ -23,7 +23,8 @@ from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 
 from pyro_fa.experiments.posteriordb.ports import PORTS, LEFT_OUT
 
-__all__ = ["PosteriorDBPosterior", "load_posterior", "init_to_median_or_zero", "data_folder", "available_posteriors", "SHIPPED"]
+__all__ = ["PosteriorDBPosterior", "load_posterior", "init_to_median_or_zero", "data_folder", "available_posteriors",
+           "SHIPPED"]
 
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "posteriordb"
 """The few posteriors that ship with the package (data, reference draws, the licence)."""
@@ -126,6 +127,11 @@ class PosteriorDBPosterior:
         ``AutoContinuous``'s order (10 chains of 1 000 draws, chain by chain).
     sites : list of (str, torch.Size, torch.Size)
         each latent site's name, constrained shape and unconstrained shape, in order.
+    stan_reference : dict
+        the reference draws as posteriordb holds them (the Stan program's constrained parameters,
+        transformed parameters included), by name, each ``(n_draws, *shape)`` float64.
+    data : dict
+        the data the Stan program reads (posteriordb's ``data/DATA.json``).
     """
 
     name: str
@@ -133,6 +139,8 @@ class PosteriorDBPosterior:
     dim: int
     reference: torch.Tensor
     sites: list
+    stan_reference: dict = field(repr=False, default_factory=dict)
+    data: dict = field(repr=False, default_factory=dict)
     _supports: dict = field(repr=False, default_factory=dict)
 
     def names(self):
@@ -235,7 +243,8 @@ def load_posterior(name, data_dir=None):
         why = f" ({LEFT_OUT[name]})" if name in LEFT_OUT else ""
         raise KeyError(f"load_posterior: name must be a ported posterior, got {name!r}{why}.")
     _, data_path, reference_path = _find(name, data_dir)
-    model = PORTS[name](_read_zip_json(data_path))
+    data = _read_zip_json(data_path)
+    model = PORTS[name](data)
     sites, supports = _prototype(model)
     chains = _read_zip_json(reference_path)
     stan = [_stan_arrays(chain) for chain in chains]
@@ -249,4 +258,4 @@ def load_posterior(name, data_dir=None):
         parts.append(biject_to(supports[site]).inv(x).reshape(n, -1))
     reference = torch.cat(parts, dim=-1)
     return PosteriorDBPosterior(name=name, model=model, dim=reference.shape[-1], reference=reference,
-                                sites=sites, _supports=supports)
+                                sites=sites, stan_reference=stan, data=data, _supports=supports)
