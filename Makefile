@@ -13,6 +13,10 @@ SHARED_UCI := $(abspath ../shared/data/uci)
 ifneq ($(wildcard $(SHARED_UCI)),)
 export PYRO_FA_DATA ?= $(SHARED_UCI)
 endif
+SHARED_POSTERIORDB := $(abspath ../shared/data/posteriordb)
+ifneq ($(wildcard $(SHARED_POSTERIORDB)),)
+export PYRO_FA_POSTERIORDB ?= $(SHARED_POSTERIORDB)
+endif
 
 .PHONY: setup demo test test-fast docs bench clean
 
