@@ -147,6 +147,9 @@ class Pathfinder:
         Initial points are uniform in ``[-init_radius, init_radius]^D`` (Stan's default), unless ``init`` is given.
     init : Tensor, optional
         A fixed initial point (D,) for every path.
+    init_loc_fn : callable, optional
+        A Pyro init strategy used only to trace the model once (its shapes); needed where the default
+        (``init_to_median``) cannot run, e.g. a model with ``ImproperUniform`` priors.
     tol_rel_obj, tol_grad : float
         L-BFGS stops when the relative change of :math:`\log p` is below ``tol_rel_obj`` or the largest gradient
         entry below ``tol_grad``.
@@ -173,7 +176,7 @@ class Pathfinder:
                  dim: Optional[int] = None, num_paths: int = 1, history_size: int = 6, max_iters: int = 1000,
                  num_elbo_draws: int = 25, num_draws_per_path: int = 1000, init_radius: float = 2.0,
                  init: Optional[Tensor] = None, tol_rel_obj: float = 1e-12, tol_grad: float = 1e-8,
-                 dtype: torch.dtype = torch.float64):
+                 init_loc_fn: Optional[Callable] = None, dtype: torch.dtype = torch.float64):
         name = type(self).__name__
         if (model is None) == (log_density is None):
             raise ValueError(f"{name}: exactly one of model and log_density must be given, got "
@@ -194,6 +197,7 @@ class Pathfinder:
         self.init = init
         self.tol_rel_obj = float(tol_rel_obj)
         self.tol_grad = float(tol_grad)
+        self.init_loc_fn = init_loc_fn
         self.dtype = dtype
         self.paths_: Optional[List[_Gaussian]] = None
 
@@ -204,11 +208,13 @@ class Pathfinder:
         from pyro.infer.autoguide import AutoDiagonalNormal
         from pyro.infer.mcmc.util import initialize_model
 
-        proto = AutoDiagonalNormal(self.model)
+        init = {} if self.init_loc_fn is None else {"init_loc_fn": self.init_loc_fn}
+        proto = AutoDiagonalNormal(self.model, **init)
         proto._setup_prototype(*args, **kwargs)
         shapes = dict(proto._unconstrained_shapes)
         self.dim = sum(int(torch.Size(s).numel()) for s in shapes.values())
-        _, potential_fn, _, _ = initialize_model(self.model, model_args=args, model_kwargs=kwargs)
+        strategy = {} if self.init_loc_fn is None else {"init_strategy": self.init_loc_fn}
+        _, potential_fn, _, _ = initialize_model(self.model, model_args=args, model_kwargs=kwargs, **strategy)
 
         def log_density(z: Tensor) -> Tensor:
             params, i = {}, 0
