@@ -218,11 +218,14 @@ def run(args) -> int:
     n_seeds = args.seeds or (2 if args.quick else 10)
     seeds = [args.seed + i for i in range(n_seeds)]
     with OutputFolder(args.output_dir, COMMAND, subfolders=("units",)):
-        records = run_units(posteriors, methods, seeds, budget, args.output_dir, args.data_dir,
-                            progress=not args.no_progress)
-        atomic_write_json(f"{args.output_dir}/results.json",
-                          _finite_json({"budget": asdict(budget), "units": records}))
-        report = tables(records)
-        atomic_write_text(f"{args.output_dir}/report.md", f"# {COMMAND}\n\n{report}")
-        print(report)
+        return _run_locked(args, budget, posteriors, methods, seeds)
+
+
+def _run_locked(args, budget, posteriors, methods, seeds) -> int:
+    records = run_units(posteriors, methods, seeds, budget, args.output_dir, args.data_dir,
+                        progress=not args.no_progress)
+    atomic_write_json(f"{args.output_dir}/results.json", _finite_json({"budget": asdict(budget), "units": records}))
+    report = tables(records)
+    atomic_write_text(f"{args.output_dir}/report.md", f"# {COMMAND}\n\n{report}")
+    print(report)
     return 0
