@@ -88,6 +88,12 @@ def test_init_guide_sets_the_factor_guide_to_the_pathfinder_posterior():
     small(X, y)
     pf.init_guide(small)
     torch.testing.assert_close(small.get_posterior().variance, q.variance)
+    # to_guide: the same in one call, a guide for Predictive
+    pyro.clear_param_store()
+    built = pf.to_guide(r, X, y)
+    torch.testing.assert_close(built.get_posterior().covariance_matrix, q.covariance_matrix)
+    draws = pyro.infer.Predictive(model, guide=built, num_samples=4000)(X, y)["w"]
+    torch.testing.assert_close(draws.mean(0), q.mean, atol=0.05, rtol=0)
 
 
 def test_pathfinder_refuses_bad_arguments_and_unfitted_use():
@@ -101,6 +107,15 @@ def test_pathfinder_refuses_bad_arguments_and_unfitted_use():
     with pytest.raises(RuntimeError, match=r"Pathfinder: get_posterior\(\) needs a fitted Pathfinder"):
         pf.get_posterior()
     pf.fit(generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match=r"Pathfinder: to_guide\(\) needs a model"):
+        pf.to_guide(1)
+    model, X, y, _, _ = _linreg()
+    fitted = Pathfinder(model).fit(X, y, generator=torch.Generator().manual_seed(0))
+    pyro.clear_param_store()
+    other = AutoLowRankFactorGuide(lambda: pyro.sample("v", dist.Normal(torch.zeros(3), 1.0).to_event(1)), rank=1)
+    other()
+    with pytest.raises(ValueError, match="Pathfinder: the guide's latent dimension must be 8, got 3"):
+        fitted.init_guide(other)
     with pytest.raises(ValueError, match="Pathfinder: num_samples must be an integer >= 1, got 0"):
         pf.sample(0)
 

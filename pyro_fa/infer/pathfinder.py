@@ -454,6 +454,28 @@ class Pathfinder:
         idx = torch.multinomial(w / w.sum(), n, replacement=True, generator=generator)
         return pool[idx]
 
+    def to_guide(self, rank: Optional[int] = None, *args, **kwargs):
+        """A new :class:`~pyro_fa.infer.AutoLowRankFactorGuide` of ``self.model`` set to this posterior
+        (:meth:`init_guide`): SVI with :class:`~pyro_fa.infer.FactorELBO` can go on from it, and it is a guide for
+        Pyro's ``Predictive``. ``args``/``kwargs`` are the model's (the guide is run once on them).
+
+        Raises
+        ------
+        RuntimeError
+            Before :meth:`fit`, or when the Pathfinder was built on a ``log_density`` (no model).
+        """
+        from pyro_fa.infer.guide import AutoLowRankFactorGuide
+
+        self._check_fit("to_guide()")
+        if self.model is None:
+            raise RuntimeError(f"{type(self).__name__}: to_guide() needs a model, got a Pathfinder built on "
+                               "log_density; build an AutoLowRankFactorGuide of your model and call init_guide().")
+        init = {} if self.init_loc_fn is None else {"init_loc_fn": self.init_loc_fn}
+        guide = AutoLowRankFactorGuide(self.model, rank=rank, **init)
+        guide(*args, **kwargs)
+        self.init_guide(guide)
+        return guide
+
     def init_guide(self, guide) -> None:
         """Set an :class:`~pyro_fa.infer.AutoLowRankFactorGuide` (already set up, rank K) to :meth:`get_posterior`.
 

@@ -105,7 +105,9 @@ def score(fit, posterior, seed: int) -> Dict[str, float]:
     m = marginal_errors(draws, ref.numpy())
     out.update(max_mean_error=m["max_mean_error"], min_sd_ratio=float(m["sd_ratio"].min()),
                max_sd_ratio=float(m["sd_ratio"].max()))
-    if fit.log_q is not None:
+    if fit.log_q is None:  # multi-path Pathfinder's resampled draws: k-hat of its pooled proposal instead
+        out["khat"] = fit.extra.get("khat_resampling", float("nan"))
+    else:
         with torch.no_grad():
             log_p = posterior.log_density(fit.draws)
         out["khat"] = pareto_khat((log_p - fit.log_q.to(log_p)).numpy())
@@ -198,6 +200,44 @@ def tables(records: List[dict]) -> str:
     return "\n\n".join(out) + "\n"
 
 
+def figure(records: List[dict], path) -> None:
+    """Debiased W1 against log-density gradient evaluations, every method (one point per seed), a panel per
+    posterior."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401
+
+    from pyro_fa.experiments._io import atomic_savefig
+
+    names = list(dict.fromkeys(r["posterior"] for r in records))
+    cols = min(3, len(names))
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(max(6.5, 4.5 * cols), 3.5 * rows + 0.8), squeeze=False)
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    colours = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
+    for ax, name in zip(axes.flat, names):
+        for m in methods:
+            pts = [(r["grad_evals"], r["scores"].get("w1_debiased")) for r in records
+                   if r["posterior"] == name and r["method"] == m and not r.get("error")]
+            pts = [(g, w) for g, w in pts if w is not None and math.isfinite(w)]
+            if pts:
+                ax.scatter(*zip(*pts), s=14, color=colours[m], label=m)
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("gradient evaluations")
+        ax.set_ylabel("debiased W1")
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8)
+    fig.tight_layout(rect=(0, 0.16 / rows, 1, 1))
+    atomic_savefig(fig, path, dpi=120)
+    plt.close(fig)
+
+
 def budget_from_args(args):
     from pyro_fa.experiments.posteriordb.methods import Budget
 
@@ -226,6 +266,8 @@ def _run_locked(args, budget, posteriors, methods, seeds) -> int:
                         progress=not args.no_progress)
     atomic_write_json(f"{args.output_dir}/results.json", _finite_json({"budget": asdict(budget), "units": records}))
     report = tables(records)
-    atomic_write_text(f"{args.output_dir}/report.md", f"# {COMMAND}\n\n{report}")
+    figure(records, f"{args.output_dir}/w1_vs_gradient_evaluations.png")
+    atomic_write_text(f"{args.output_dir}/report.md", f"# {COMMAND}\n\n{report}\n"
+                      "![debiased W1 against gradient evaluations](w1_vs_gradient_evaluations.png)\n")
     print(report)
     return 0
