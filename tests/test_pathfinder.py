@@ -145,3 +145,10 @@ def test_pathfinder_logistic_regression_close_to_nuts():
     floor = wasserstein1_floor(ref)
     assert w1 < 0.5 * floor  # within the noise of the reference against itself
     assert pf.num_grad_evals_ < 100
+
+
+def test_pathfinder_without_a_curvature_step_fails():
+    # log p = -|z|: every L-BFGS pair along a ray has s^T y = 0 (no curvature); a path from 0 has no descent at all
+    flat = Pathfinder(log_density=lambda z: -(z.pow(2).sum() + 1e-300).sqrt(), dim=2, init=torch.zeros(2))
+    with pytest.raises(RuntimeError, match="Pathfinder: L-BFGS made no accepted step with positive curvature"):
+        flat.fit()

@@ -157,6 +157,8 @@ class Pathfinder:
     Attributes
     ----------
     paths_ : list of the chosen Gaussian per path; ``elbo_`` (the best path's ELBO);
+    num_failed_paths_ : int
+        Paths that made no step with positive curvature (left out of the pool).
     num_grad_evals_, num_density_evals_ : int
         Costs of the last :meth:`fit` (value-and-gradient, value-only evaluations of :math:`\log p`).
     clipped_ : Tensor
@@ -364,19 +366,25 @@ class Pathfinder:
         Raises
         ------
         RuntimeError
-            If a path makes no step with positive curvature.
+            If no path makes a step with positive curvature.
         """
         self._lp = self._setup(args, kwargs)
         self._ngrad = 0
         self._ndens = 0
         D = self.dim
-        paths = []
+        paths, failures = [], []
         for _ in range(self.num_paths):
             if self.init is not None:
                 x0 = torch.as_tensor(self.init, dtype=self.dtype).detach().clone().reshape(D)
             else:
                 x0 = (torch.rand(D, dtype=self.dtype, generator=generator) * 2 - 1) * self.init_radius
-            paths.append(self._path(x0, generator))
+            try:
+                paths.append(self._path(x0, generator))
+            except RuntimeError as err:  # multi-path goes on without a path that made no step
+                failures.append(err)
+        if not paths:
+            raise failures[0]
+        self.num_failed_paths_ = len(failures)
         self.paths_ = paths
         self.best_ = max(paths, key=lambda p: p.elbo)
         self.elbo_ = self.best_.elbo
