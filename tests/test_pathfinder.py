@@ -152,3 +152,11 @@ def test_pathfinder_without_a_curvature_step_fails():
     flat = Pathfinder(log_density=lambda z: -(z.pow(2).sum() + 1e-300).sqrt(), dim=2, init=torch.zeros(2))
     with pytest.raises(RuntimeError, match="Pathfinder: L-BFGS made no accepted step with positive curvature"):
         flat.fit()
+
+
+def test_pathfinder_docstring_example():
+    import doctest
+
+    import pyro_fa.infer.pathfinder as module
+
+    assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
