@@ -88,6 +88,14 @@ def test_init_guide_sets_the_factor_guide_to_the_pathfinder_posterior():
     small(X, y)
     pf.init_guide(small)
     torch.testing.assert_close(small.get_posterior().variance, q.variance)
+    # a guide with a whitened mean measures it in the Pathfinder posterior's marginal s.d.
+    pyro.clear_param_store()
+    whitened = AutoLowRankFactorGuide(model, rank=r, loc_scale=1.0)
+    whitened(X, y)
+    pf.init_guide(whitened)
+    torch.testing.assert_close(whitened.loc_scale, q.stddev)
+    torch.testing.assert_close(whitened.get_posterior().loc, q.loc)
+    torch.testing.assert_close(whitened.get_posterior().covariance_matrix, q.covariance_matrix)
     # to_guide: the same in one call, a guide for Predictive
     pyro.clear_param_store()
     built = pf.to_guide(r, X, y)

@@ -491,6 +491,9 @@ class Pathfinder:
         columns are kept and the dropped columns' diagonal is added to :math:`\\Psi` (the marginal variances stay);
         if r < K, small random columns (1e-2 of the scale) fill the rest. Then ``scale`` = :math:`\\sqrt{\\Psi}`
         (its mean for ``noise="isotropic"``) and ``factor`` = :math:`\\operatorname{diag}(s)^{-1} F`.
+        A guide built with ``loc_scale=`` (a whitened mean) gets ``loc_scale`` = the marginal s.d. of
+        :meth:`get_posterior`: SVI from there then steps the mean in posterior s.d. (recommended: Adam's step is
+        about its rate whatever the scale, which on a tight posterior undoes the initialisation).
 
         Raises
         ------
@@ -523,6 +526,9 @@ class Pathfinder:
                 extra = torch.randn(D, K - G.shape[1], dtype=G.dtype) * 1e-2
                 G = torch.cat([G, extra], dim=1)
             if "whitened_loc" in guide._parameters:
+                # the guide's loc is whitened: measure it in this posterior's marginal s.d., so that an
+                # optimizer's steps on the mean (Adam's: about its rate, whatever the gradient) are s.d.-sized
+                guide.loc_scale.copy_(q.variance.sqrt().to(like))
                 guide.whitened_loc.data.copy_((q.loc / guide.loc_scale).to(like))
             else:
                 guide.loc.data.copy_(q.loc.to(like))

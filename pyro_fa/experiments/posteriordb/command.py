@@ -114,9 +114,17 @@ def score(fit, posterior, seed: int) -> Dict[str, float]:
     return out
 
 
+#: bumped per method when a change alters what that method computes (its older unit files are then not reused);
+#: pathfinder-guide 2: the guide's mean whitened by Pathfinder's marginal s.d.
+METHOD_VERSIONS = {"pathfinder-guide": 2}
+
+
 def _key(budget, posterior: str, method: str, seed: int) -> dict:
-    return json.loads(json.dumps({"protocol": UNIT_PROTOCOL, "budget": asdict(budget), "posterior": posterior,
-                                  "method": method, "seed": seed}))
+    key = {"protocol": UNIT_PROTOCOL, "budget": asdict(budget), "posterior": posterior, "method": method,
+           "seed": seed}
+    if method in METHOD_VERSIONS:
+        key["method_version"] = METHOD_VERSIONS[method]
+    return json.loads(json.dumps(key))
 
 
 def run_units(posteriors, methods, seeds, budget, output_dir, data_dir=None, progress=True) -> List[dict]:

@@ -158,9 +158,9 @@ def fit_method(method: str, posterior, budget: Budget, seed: int) -> Fit:
             extra["khat_resampling"] = pf.khat_
             fit = Fit(z, None, pf.num_grad_evals_, pf.num_density_evals_, extra=extra)
         else:
-            guide = AutoLowRankFactorGuide(model, init_loc_fn=init, rank=rank)
+            guide = AutoLowRankFactorGuide(model, init_loc_fn=init, rank=rank, loc_scale=1.0)
             guide()
-            pf.init_guide(guide)
+            pf.init_guide(guide)  # loc_scale: Pathfinder's marginal s.d.
             _svi(model, guide, budget.guide_steps_after_pathfinder, budget.lr, FactorELBO())
             z, lq = _continuous_fit(guide, n, gen)
             fit = Fit(z, lq, pf.num_grad_evals_ + budget.guide_steps_after_pathfinder, pf.num_density_evals_,
