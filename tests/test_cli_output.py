@@ -22,6 +22,7 @@ CHEAP = {
     "uci": ["--quick"],
     "classify": ["--quick", "--datasets", "digits"],
     "revrand": ["--quick", "--tables", "3"],
+    "posteriordb": ["--quick", "--methods", "pathfinder"],
 }
 
 

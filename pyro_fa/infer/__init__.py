@@ -9,12 +9,15 @@
   log-density under :math:`q` :class:`FactorELBO` knows in closed form; a new one subclasses
   :class:`FactorisedPrior` and plugs in with :func:`register_prior` and
   :func:`register_expected_log_prob` (:mod:`pyro_fa.infer.priors`);
+* :class:`Pathfinder` — Gaussians along the L-BFGS path chosen by the ELBO (Zhang et al. 2022), a fast
+  factor-analysis posterior on its own or the starting point of the guide (:meth:`Pathfinder.init_guide`);
 * :class:`LowRankAffine` — the map from N(0, I) onto :math:`q` that the guide's
   ``get_transform`` returns, for Pyro's ``NeuTraReparam``.
 """
 from pyro_fa.infer._jit_elbo import JitFactorELBO
 from pyro_fa.infer.elbo import FactorELBO
 from pyro_fa.infer.guide import AutoLowRankFactorGuide
+from pyro_fa.infer.pathfinder import Pathfinder
 from pyro_fa.infer.priors import (
     FactorisedPrior,
     GaussianPrior,
@@ -26,6 +29,7 @@ from pyro_fa.infer.transforms import LowRankAffine
 
 __all__ = [
     "AutoLowRankFactorGuide",
+    "Pathfinder",
     "FactorELBO",
     "JitFactorELBO",
     "FactorisedPrior",
