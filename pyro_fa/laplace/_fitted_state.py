@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 from pyro_fa._state import check_state_dict
-from pyro_fa.laplace._blocks import check_layout
 from pyro_fa.laplace._prior import show
 
 __all__ = ["FittedState"]
@@ -40,23 +39,15 @@ class FittedState:
             old = self._buffers[key]
             self._buffers[key] = value.detach().to(dtype=old.dtype, device=old.device).reshape(old.shape)
 
-    def _replace_block_factors(self, factors: List[Tensor]) -> None:
-        """Rebind each ``block_factor_b`` to ``factors[b]`` (D_b, K_b), whose K_b may differ from the buffer's."""
-        for key, F in zip(self._blocks.factor_names, factors):
-            old = self._buffers[key]
-            self._buffers[key] = F.detach().to(dtype=old.dtype, device=old.device)
-
     @property
     def cov_factor(self) -> Tensor:
         r""":math:`F`, shape (D, K): the buffer. With a rank per block, the dense (D, sum of the ranks) with zeros
         off the blocks, *formed on each access* from :attr:`block_factors` (:math:`O(D\sum_b K_b)` memory; it is
         neither held nor saved, and writing into it changes nothing)."""
-        buffers = self.__dict__["_buffers"]
-        if "cov_factor" in buffers:
-            return buffers["cov_factor"]
-        if self.__dict__.get("_blocks") is None:  # while __init__ registers the buffer
+        structure = self.__dict__.get("_structure")
+        if structure is None:  # while __init__ registers the buffers
             raise AttributeError("cov_factor")
-        return self._blocks.dense([F for _, _, F in self.block_factors], self.loc)
+        return structure.cov_factor(self.__dict__["_buffers"], self.loc)
 
     @property
     def block_factors(self) -> List[Tuple[int, int, Tensor]]:
@@ -68,10 +59,7 @@ class FittedState:
         ValueError
             With an int ``rank`` (use :attr:`cov_factor`).
         """
-        if self._blocks is None:
-            raise ValueError(f"{type(self).__name__}: block_factors needs a rank per block (a list, dict or "
-                             f"'auto'), got rank={self.rank}; use cov_factor.")
-        return [(a, e, self._buffers[key]) for key, (a, e) in zip(self._blocks.factor_names, self._blocks.bounds)]
+        return self._structure.block_factors(type(self).__name__, self._buffers, self.rank)
 
     # ------------------------------------------------------------------ what the state came from
     def _parameter_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
@@ -129,17 +117,15 @@ class FittedState:
         """
         name = type(self).__name__
         if isinstance(state_dict, Mapping):
-            check_layout(name, self._blocks, self.rank, state_dict)
+            self._structure.check_layout(name, state_dict, self.rank)
             if _LAYOUT in state_dict:
                 self._check_parameter_layout(state_dict[_LAYOUT])
             else:  # saved before the parameters' names and shapes were: not checkable on this point
                 state_dict = {**state_dict, _LAYOUT: self._buffers[_LAYOUT]}
         kept = dict(self._buffers)
         try:  # the block factors take the shapes of the state's ranks ("auto"), back as they were when refused
-            if self._blocks is not None and isinstance(state_dict, Mapping):
-                self._blocks.check_state(name, state_dict)
-                for key, shape in self._blocks.saved_factor_shapes(state_dict).items():
-                    self._buffers[key] = self._buffers[key].new_empty(shape)
+            if isinstance(state_dict, Mapping):
+                self._structure.prepare_load(name, self._buffers, state_dict)
             self._check_state(state_dict, strict)
         except BaseException:
             self._buffers.update(kept)

@@ -234,7 +234,7 @@ class PriorPrecisionSelection:
         sums = torch.stack([delta.log().sum(), (delta * self.loc.pow(2)).sum()])
         if self._sharding is not None:  # this rank's weights: the sums over D all-reduced
             sums = all_reduce_sum(sums, self._sharding)
-        log_det_ratio = post.log_det_precision() - sums[0]
+        log_det_ratio = self._structure.log_det(post) - sums[0]
         lml = log_lik - 0.5 * (log_det_ratio + sums[1])
         if mode == "linearized":
             grad = self.loss_grad if self.likelihood == "classification" else self.loss_grad / (2 * sg.pow(2))

@@ -31,17 +31,16 @@ from typing import Dict, Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from pyro_fa.laplace._blocks import assemble as _assemble_blocks, block_ranks as _block_ranks, fit_blocks
 from pyro_fa.laplace._fitted_state import FittedState
 from pyro_fa.laplace._laplace_torch import translate as _translate
 from pyro_fa.laplace._loaders import check_inputs, n_examples, reiterable, slice_inputs
 from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_network, select_parameters
-from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
+from pyro_fa.laplace.moment import MOMENT_FITS
+from pyro_fa.laplace.structures import get_structure
 from pyro_fa.laplace._prior import PriorPrecisionSelection, positive_int as _positive_int, show as _show, with_grad
 from pyro_fa.distributions import BlockLowRankPrecisionNormal, LowRankPrecisionNormal, PointMassNormal
 from pyro_fa.distributed import ShardedLowRankPrecisionNormal, make_laplace_sharding
-from pyro_fa.laplace._sharded_glm import sharded_glm_moments
-from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_moments, linearized_network
+from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_network
 from pyro_fa.predictive.likelihood import LIKELIHOODS, normalize_likelihood
 from pyro_fa.predictive.posterior import Posterior
 from pyro_fa.predictive.sampled import SampledPredictive
@@ -208,7 +207,7 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
                  sigma_noise: float = 1.0, curvature: str = "ggn", curvature_fit: str = "auto", mc_samples: int = 1,
                  num_passes: Optional[int] = None,
                  chunk_size: int = 32, seed: int = 0, process_group=None, rank_budget: Optional[int] = None,
-                 rank_max: Optional[int] = None, subset_of_weights: Optional[str] = None,
+                 rank_max: Optional[int] = None, structure: Optional[str] = None, subset_of_weights: Optional[str] = None,
                  hessian_structure: Optional[str] = None, prior_structure: Optional[str] = None, **laplace_torch):
         super().__init__()
         name = type(self).__name__
@@ -237,9 +236,10 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         named = select_parameters(model, subset, name)
         if full:
             rank = self.rank = sum(p.numel() for _, p in named)
-        self._blocks = _block_ranks(name, rank, rank_budget, named, curvature_fit, process_group, rank_max)
-        if self._blocks is not None:  # per-block ranks: F is (D, the total), block diagonal
-            self.rank = self._blocks.width
+        self._structure = get_structure(name, structure, rank).build(
+            name, rank, named, curvature_fit=curvature_fit, process_group=process_group, rank_budget=rank_budget,
+            rank_max=rank_max)
+        self.rank = self._structure.width  # the columns of the whole factor F
         object.__setattr__(self, "model", model)  # not a submodule: the network's weights stay out of state_dict
         self.likelihood, self.curvature, self.curvature_fit = likelihood, curvature, curvature_fit
         self._named = named
@@ -252,11 +252,7 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         self._sharding = None if process_group is None else make_laplace_sharding(process_group, D, name)
         lo, hi = self._rows
         self.register_buffer("loc", torch.zeros(hi - lo, **dd))
-        if self._blocks is None:
-            self.register_buffer("cov_factor", torch.zeros(hi - lo, min(self.rank, D), **dd))
-        else:  # each block's factor (D_b, K_b) on its own (K_b = 0 before a fit with rank="auto")
-            for key, (a, e), k in zip(self._blocks.factor_names, self._blocks.bounds, self._blocks.initial):
-                self.register_buffer(key, torch.zeros(e - a, k, **dd))
+        self._structure.register_factor(self, hi - lo, self.loc)
         self.register_buffer("cov_diag", torch.zeros(hi - lo, **dd))
         if self._sharding is not None:
             sh = self._sharding
@@ -277,8 +273,7 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         self.register_buffer("fitted_temperature", torch.zeros((), **dd))
         self.register_buffer("n_outputs", torch.zeros((), dtype=torch.int64, device=ref.device))
         self.register_buffer("parameter_layout", self._layout_tensor(ref.device))
-        if self._blocks is not None:
-            self.register_buffer("block_ranks", torch.tensor(self._blocks.initial, device=ref.device))
+        self._structure.register_extra(self, self.loc)
         self._f = flat_network(model, named)
 
     # ------------------------------------------------------------------ checks
@@ -427,13 +422,9 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
                     yield curvature_vectors(self._f, theta, xc, self.likelihood, self.curvature,
                                             num_samples=self.mc_samples, generator=generator)
 
-        if self._blocks is not None:  # every block's fitter fed from the one stream
-            F, psi, info = fit_blocks(passes, self._blocks, num_passes=self.num_passes, seed=self.seed,
-                                      dtype=theta.dtype, device=theta.device, owner=name)
-        else:
-            F, psi, info = fit_second_moment(passes, self.dim, self.rank, method=self.curvature_fit,
-                                             num_passes=self.num_passes, seed=self.seed, dtype=theta.dtype,
-                                             device=theta.device, owner=name, process_group=self.process_group)
+        F, psi, info = self._structure.fit(passes, self.dim, method=self.curvature_fit, num_passes=self.num_passes,
+                                           seed=self.seed, dtype=theta.dtype, device=theta.device, owner=name,
+                                           process_group=self.process_group)
         if self.process_group is not None:
             import torch.distributed as dist
 
@@ -453,17 +444,10 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         if not bool(torch.isfinite(totals["grad"]).all()):
             raise ValueError(f"{name}: the gradient of the loss at the MAP must be finite, got NaN or inf.")
         ratio = info["n_vectors"] / n_data  # F F^T + psi fits G / V: rescale to G / N
-        factor = {}
-        if self._blocks is None:
-            factor["cov_factor"] = F * ratio ** 0.5
-        else:  # each block's factor kept on its own (allocated first for rank="auto"), rescaled
-            F, psi, ranks, info["values"] = _assemble_blocks(self._blocks, F, psi, ratio, self._prior_diag(
-                self.prior_precision), n_data / float(self.sigma_noise) ** 2)
-            ratio = 1.0
-            self._replace(block_ranks=ranks)
-            self._replace_block_factors(F)
+        self._replace(**self._structure.store(self._buffers, F, psi, ratio, self._prior_diag(self.prior_precision),
+                                              n_data / float(self.sigma_noise) ** 2, info))
         lo, hi = self._rows
-        self._replace(loc=theta[lo:hi], **factor, cov_diag=psi * ratio, loss=totals["loss"],
+        self._replace(loc=theta[lo:hi], loss=totals["loss"],
                       loss_grad=totals["grad"][lo:hi], n_data=torch.tensor(n_data),
                       n_outputs=torch.tensor(totals["outputs"]))
         self.fit_info = info
@@ -494,13 +478,7 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         if cov_scale != 1.0:
             prec_diag, scale = prec_diag / cov_scale, scale / cov_scale
         # its own storage: neither a later fit() nor an in-place change of the posterior reaches the other
-        if self._blocks is not None:
-            blocks = [(a, e, F * scale.sqrt()) for a, e, F in self.block_factors]
-            return BlockLowRankPrecisionNormal(self.loc.clone(), blocks, prec_diag)
-        prec_factor = self.cov_factor * scale.sqrt()
-        if self._sharding is not None:
-            return ShardedLowRankPrecisionNormal(self.loc.clone(), prec_factor, prec_diag, self._sharding)
-        return LowRankPrecisionNormal(self.loc.clone(), prec_factor, prec_diag)
+        return self._structure.posterior(self._buffers, self.loc.clone(), prec_diag, scale, self._sharding)
 
     def get_posterior(self) -> Union[LowRankPrecisionNormal, BlockLowRankPrecisionNormal, ShardedLowRankPrecisionNormal]:
         r"""The Laplace approximation at :attr:`scale` :math:`s`, :math:`N(\theta_*, s P^{-1})`, at the current prior
@@ -673,15 +651,10 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         return network
 
     def _glm_moments(self, x: Tensor):
-        if self._sharding is not None:  # refused before any collective, as linearized_moments refuses it
-            check_eval_mode(type(self).__name__, self.model, "model")
-        post = self._posterior()  # unscaled: the callers apply the scale
-        if self._sharding is not None:
-            # the whole linearisation point (D numbers, gathered) and each rank's rows of the posterior
-            return sharded_glm_moments(self._f, self._sharding.all_gather(self.loc), x, post, self.chunk_size)
-        factor = post.cov_factor if self._blocks is None else post.cov_factors  # blocks: never densified
-        return linearized_moments(self.model, self.loc, x, cov_diag=post.cov_diag, cov_factor=factor,
-                                  factor_sign=-1.0, chunk_size=self.chunk_size, params=self._params)
+        # the posterior unscaled (the callers apply the scale)
+        return self._structure.glm_moments(self._posterior, x, owner=type(self).__name__, model=self.model, f=self._f,
+                                           loc=self.loc, params=self._params, chunk_size=self.chunk_size,
+                                           sharding=self._sharding)
 
     def _linearized_marginals(self, inputs, chunk_size):
         r""":math:`f(x; \theta_*)` and :math:`s\,\mathrm{diag}(J_x P^{-1} J_x^\top)`, in the model output's shape."""
@@ -705,4 +678,4 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
     def extra_repr(self) -> str:
         return (f"likelihood={self.likelihood!r}, dim={self.dim}, rank={self.rank}, curvature={self.curvature!r}, "
                 f"curvature_fit={self.curvature_fit!r}" + (f", rows={self._rows}" if self._sharding else "")
-                + ("" if self._blocks is None else f", blocks={dict(zip(self._blocks.names, self.block_ranks.tolist()))}"))
+                + self._structure.describe(self._buffers))
