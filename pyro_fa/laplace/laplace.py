@@ -26,18 +26,19 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Mapping
-from typing import Dict, Iterable, Optional, Sequence, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from pyro_fa.laplace._fitted_state import FittedState
-from pyro_fa.laplace._laplace_torch import translate as _translate
-from pyro_fa.laplace._loaders import check_inputs, n_examples, reiterable, slice_inputs
+from pyro_fa.laplace import _fit as fitting, _fitted_state as state, _prior as evidence
+from pyro_fa.laplace._fitted_state import layout_tensor, replace
+from pyro_fa.laplace._laplace_torch import dense_covariance, dense_precision, translate as _translate
+from pyro_fa.laplace._loaders import batch_loss, check_batch, check_inputs, n_examples, reiterable, slice_inputs
 from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_network, select_parameters
 from pyro_fa.laplace.moment import MOMENT_FITS
 from pyro_fa.laplace.structures import get_structure
-from pyro_fa.laplace._prior import PriorPrecisionSelection, positive_int as _positive_int, show as _show, with_grad
+from pyro_fa.laplace._prior import check_prior_precision, check_sigma, method, positive_int as _positive_int, with_grad
 from pyro_fa.distributions import BlockLowRankPrecisionNormal, LowRankPrecisionNormal, PointMassNormal
 from pyro_fa.distributed import ShardedLowRankPrecisionNormal, make_laplace_sharding
 from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_network
@@ -47,12 +48,10 @@ from pyro_fa.predictive.sampled import SampledPredictive
 
 __all__ = ["FactorLaplace", "LIKELIHOODS"]
 
-#: the largest D whose dense (D, D) posterior precision or covariance is formed
-_MAX_DENSE_DIM = 20_000
 
 
 
-class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
+class FactorLaplace(Posterior, nn.Module):
     r"""Laplace approximation :math:`N(\theta_*, P^{-1})` with a factor-analysis (low-rank plus diagonal) curvature.
 
     .. math::
@@ -272,7 +271,7 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         self.register_buffer("loss_grad", torch.zeros(hi - lo, **dd))
         self.register_buffer("fitted_temperature", torch.zeros((), **dd))
         self.register_buffer("n_outputs", torch.zeros((), dtype=torch.int64, device=ref.device))
-        self.register_buffer("parameter_layout", self._layout_tensor(ref.device))
+        self.register_buffer("parameter_layout", layout_tensor(self, ref.device))
         self._structure.register_extra(self, self.loc)
         self._f = flat_network(model, named)
 
@@ -287,171 +286,52 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         """L, the number of parameter tensors in the subset."""
         return len(self._named)
 
-    def _check_prior_precision(self, value, ref: Tensor, differentiable: bool = False) -> Tensor:
-        """``value`` as a Tensor of shape (1,) or (L,), checked (positive, finite); a detached copy unless
-        ``differentiable`` and ``value`` requires grad (then reshaped only, its graph kept)."""
-        name = type(self).__name__
-        if isinstance(value, bool) or not (isinstance(value, (int, float)) or torch.is_tensor(value)):
-            raise TypeError(f"{name}: prior_precision must be a positive float or a Tensor of shape (1,) or "
-                            f"({self.n_layers},), got {type(value).__name__}.")
-        keep = differentiable and torch.is_tensor(value) and value.requires_grad
-        t = value.reshape(-1) if keep else torch.as_tensor(value, dtype=ref.dtype).to(ref.device).detach().reshape(-1).clone()
-        if t.numel() not in (1, self.n_layers):
-            raise ValueError(f"{name}: prior_precision must be a scalar or have one value per parameter tensor "
-                             f"(shape (1,) or ({self.n_layers},)), got shape {tuple(torch.as_tensor(value).shape)!r}.")
-        if not bool(torch.isfinite(t.detach()).all() and (t.detach() > 0).all()):
-            raise ValueError(f"{name}: prior_precision must be positive and finite, got {_show(value)}.")
-        return t
+    _check_prior_precision, _check_sigma = method(check_prior_precision), method(check_sigma)
 
-    def _check_sigma(self, value, ref: Tensor, differentiable: bool = False) -> Tensor:
-        """``value`` as a Tensor of shape (), checked (positive, finite, 1 for classification); a detached copy
-        unless ``differentiable`` and ``value`` requires grad."""
-        name = type(self).__name__
-        if isinstance(value, bool) or not (isinstance(value, (int, float)) or torch.is_tensor(value)):
-            raise TypeError(f"{name}: sigma_noise must be a positive float, got {type(value).__name__}.")
-        keep = differentiable and torch.is_tensor(value) and value.requires_grad
-        t = value if keep else torch.as_tensor(value, dtype=ref.dtype).to(ref.device).detach().clone()
-        if t.numel() != 1 or not bool(torch.isfinite(t.detach()).all() and (t.detach() > 0).all()):
-            raise ValueError(f"{name}: sigma_noise must be a positive finite scalar, got {_show(value)}.")
-        if self.likelihood == "classification" and float(t.detach()) != 1.0:
-            raise ValueError(f"{name}: sigma_noise must be 1 for likelihood='classification', got {_show(value)}.")
-        return t.reshape(())
+    _replace = method(replace)
+    load_state_dict = method(state.load_state_dict)
+
+    @property
+    def cov_factor(self) -> Tensor:
+        r""":math:`F`, shape (D, K): the buffer. With a rank per block, the dense (D, sum of the ranks) with zeros
+        off the blocks, *formed on each access* from :attr:`block_factors` (:math:`O(D\sum_b K_b)` memory; it is
+        neither held nor saved, and writing into it changes nothing)."""
+        structure = self.__dict__.get("_structure")
+        if structure is None:  # while __init__ registers the buffers
+            raise AttributeError("cov_factor")
+        return structure.cov_factor(self.__dict__["_buffers"], self.loc)
+
+    @property
+    def block_factors(self) -> List[Tuple[int, int, Tensor]]:
+        """With a rank per block: ``(lo, hi, F_b)`` per block, :math:`F_b` of shape (hi - lo, K_b), the buffer
+        ``block_factor_b`` (what the posterior and the state hold); ``ValueError`` with an int ``rank``."""
+        return self._structure.block_factors(type(self).__name__, self._buffers, self.rank)
+
+    @property
+    def temperature(self) -> Optional[float]:
+        """The temperature of the last prior-precision choice (:meth:`optimize_prior_precision`), None without one;
+        saved in :meth:`state_dict` as ``fitted_temperature`` (0 for None)."""
+        t = float(self.fitted_temperature)
+        return None if t == 0.0 else t
+
+    @temperature.setter
+    def temperature(self, value: Optional[float]) -> None:
+        self._replace(fitted_temperature=torch.tensor(0.0 if value is None else float(value)))
 
     def _check_fitted(self, what: str) -> None:
         if int(self.n_data) == 0:
             raise RuntimeError(f"{type(self).__name__}: {what} needs a fitted Laplace approximation; call "
                                "fit(train_loader) first (or load_state_dict).")
 
-    def _batch(self, batch, what: str):
-        name = type(self).__name__
-        if isinstance(batch, Mapping):  # laplace-torch's Hugging Face batches: refused as inputs, in one line
-            check_inputs(name, batch, self.loc)
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise ValueError(f"{name}: {what} must yield (inputs, targets) pairs, got "
-                             f"{type(batch).__name__}{'' if not isinstance(batch, (tuple, list)) else f' of length {len(batch)}'}.")
-        x, y = batch
-        x = check_inputs(name, x, self.loc)
-        y = y.to(self.loc.device)
-        if y.is_inference() and not torch.is_inference_mode_enabled():
-            y = y.clone()
-        if n_examples(x) != y.shape[0]:
-            raise ValueError(f"{name}: inputs and targets of a batch must have the same length, got "
-                             f"{n_examples(x)} and {y.shape[0]}.")
-        return x, y
-
-    def _batch_loss(self, out: Tensor, y: Tensor) -> Tensor:
-        name = type(self).__name__
-        if out.dim() > 2:  # the curvature would count every output, the evidence only the last dimension's
-            raise ValueError(f"{name}: the model's outputs must have shape (B, C) or (B,), got {tuple(out.shape)!r}; "
-                             "flatten them (end the model with nn.Flatten()) and the targets alike.")
-        out = out.unsqueeze(-1) if out.dim() == 1 else out
-        C = out.shape[-1]
-        if self.likelihood == "regression":
-            y = y.to(out.dtype)
-            y = y.unsqueeze(-1) if y.dim() == 1 else y
-            if y.shape != out.shape:
-                raise ValueError(f"{name}: regression targets must have the outputs' shape {tuple(out.shape)!r} "
-                                 f"(or ({out.shape[0]},) for one output), got {tuple(y.shape)!r}.")
-            return (y - out).pow(2).sum()
-        if y.is_floating_point() and bool((y != y.round()).any()):
-            raise ValueError(f"{name}: classification targets must be integer class labels, got non-integer values.")
-        y = y.long().reshape(-1)
-        hi = 2 if C == 1 else C
-        if y.numel() != out.shape[0] or bool(((y < 0) | (y >= hi)).any()):
-            raise ValueError(f"{name}: classification targets must be labels in [0, {hi}) of shape "
-                             f"({out.shape[0]},), got values in [{int(y.min())}, {int(y.max())}].")
-        if C == 1:
-            return nn.functional.binary_cross_entropy_with_logits(out.reshape(-1), y.to(out.dtype), reduction="sum")
-        return nn.functional.cross_entropy(out, y, reduction="sum")
+    _batch, _batch_loss = method(check_batch), method(batch_loss)
 
     # ------------------------------------------------------------------ fit
-    def _theta(self) -> Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self._params])
+    fit = method(with_grad(fitting.fit))
 
-    @with_grad
-    def fit(self, train_loader: Iterable) -> "FactorLaplace":
-        """One pass over the data at the current (MAP) weights: the curvature, fitted by factor analysis.
-
-        Parameters
-        ----------
-        train_loader : iterable of (Tensor, Tensor)
-            Batches of inputs (B, ...), or a tuple of such Tensors (given to the network as ``model(*x)``), and
-            targets: labels (B,) for classification, values (B,) or (B, C) for regression (a
-            ``torch.utils.data.DataLoader`` or a list; a one-shot iterator such as a generator is read into a
-            list first, as the fit may pass over it more than once). Works under ``torch.no_grad()`` and
-            ``torch.inference_mode()`` (gradients are enabled inside).
-
-        Returns
-        -------
-        self
-
-        Raises
-        ------
-        ValueError
-            Malformed batches, targets, outputs of more than two dimensions, non-finite weights or curvature,
-            an empty loader, a dropout or batch-norm layer in train mode (nothing changed).
-        TypeError
-            Inputs that are neither a Tensor nor a tuple of Tensors (a dict).
-        """
-        name = type(self).__name__
-        check_eval_mode(name, self.model, "model")  # before any forward pass: its buffers stay as they are
-        train_loader = reiterable(name, train_loader, "train_loader")  # passed over more than once
-        theta = self._theta()
-        if not bool(torch.isfinite(theta).all()):
-            raise ValueError(f"{name}: the model's weights must be finite to fit a Laplace approximation, got "
-                             "NaN or inf.")
-        generator = torch.Generator(device=theta.device).manual_seed(self.seed)
-        totals = {"n": 0, "loss": theta.new_zeros(()), "grad": torch.zeros_like(theta), "outputs": 0, "first": True}
-        leaf = theta.clone().requires_grad_(True)
-
-        def passes():
-            count, totals["first"] = totals["first"], False
-            for batch in train_loader:
-                x, y = self._batch(batch, "train_loader")
-                for lo in range(0, n_examples(x), self.chunk_size):
-                    xc, yc = slice_inputs(x, lo, lo + self.chunk_size), y[lo:lo + self.chunk_size]
-                    if count:  # the loss and its gradient at theta (the linearised evidence's g)
-                        with torch.enable_grad():
-                            out = self._f(leaf, xc)
-                            loss = self._batch_loss(out, yc)
-                            totals["grad"] += torch.autograd.grad(loss, leaf)[0]
-                        totals["loss"] += loss.detach()
-                        out = out.detach()
-                        totals["n"] += n_examples(xc)
-                        totals["outputs"] = 1 if out.dim() == 1 else out.shape[-1]
-                    yield curvature_vectors(self._f, theta, xc, self.likelihood, self.curvature,
-                                            num_samples=self.mc_samples, generator=generator)
-
-        F, psi, info = self._structure.fit(passes, self.dim, method=self.curvature_fit, num_passes=self.num_passes,
-                                           seed=self.seed, dtype=theta.dtype, device=theta.device, owner=name,
-                                           process_group=self.process_group)
-        if self.process_group is not None:
-            import torch.distributed as dist
-
-            sums = torch.stack([totals["loss"].to(torch.float64), torch.tensor(float(totals["n"]), dtype=torch.float64,
-                                device=theta.device), torch.tensor(float(totals["outputs"]), dtype=torch.float64,
-                                device=theta.device)])
-            outputs = sums[2].clone()
-            dist.all_reduce(sums, group=self.process_group)
-            dist.all_reduce(outputs, op=dist.ReduceOp.MAX, group=self.process_group)
-            totals["loss"], totals["n"], totals["outputs"] = sums[0].to(theta.dtype), int(sums[1]), int(outputs)
-            dist.all_reduce(totals["grad"], group=self.process_group)
-        n_data = totals["n"]
-        if n_data == 0:
-            raise ValueError(f"{name}: train_loader must yield at least one example, got none.")
-        if not bool(torch.isfinite(totals["loss"])):
-            raise ValueError(f"{name}: the loss at the MAP must be finite, got {float(totals['loss'])!r}.")
-        if not bool(torch.isfinite(totals["grad"]).all()):
-            raise ValueError(f"{name}: the gradient of the loss at the MAP must be finite, got NaN or inf.")
-        ratio = info["n_vectors"] / n_data  # F F^T + psi fits G / V: rescale to G / N
-        self._replace(**self._structure.store(self._buffers, F, psi, ratio, self._prior_diag(self.prior_precision),
-                                              n_data / float(self.sigma_noise) ** 2, info))
-        lo, hi = self._rows
-        self._replace(loc=theta[lo:hi], loss=totals["loss"],
-                      loss_grad=totals["grad"][lo:hi], n_data=torch.tensor(n_data),
-                      n_outputs=torch.tensor(totals["outputs"]))
-        self.fit_info = info
-        return self
+    # ------------------------------------------------------------------ the evidence and the prior precision
+    train_log_likelihood = method(evidence.train_log_likelihood)
+    log_marginal_likelihood = method(evidence.log_marginal_likelihood)
+    optimize_prior_precision = method(evidence.optimize_prior_precision)
 
     # ------------------------------------------------------------------ the posterior
     def _prior_diag(self, prior_precision: Tensor) -> Tensor:
@@ -510,35 +390,8 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         """Marginal variances of the weights, shape (D,) (this rank's (D_r,) when sharded; collective)."""
         return self.get_posterior().variance
 
-    def _dense(self, what: str) -> LowRankPrecisionNormal:
-        name = type(self).__name__
-        if self._sharding is not None:
-            raise ValueError(f"{name}: {what} is a dense (D, D) matrix, which a sharded approximation (each rank "
-                             f"holding rows [lo, hi) of D={self.dim}) does not form; use get_posterior().")
-        if self.dim > _MAX_DENSE_DIM:
-            raise ValueError(f"{name}: {what} is a dense (D, D) matrix, here D={self.dim} > {_MAX_DENSE_DIM}; use "
-                             "get_posterior(), a distribution with O(DK) memory (its variance, precision_matvec, "
-                             "covariance_matvec, log_prob and rsample).")
-        self._check_fitted(what)
-        return self._posterior()
-
-    @property
-    def posterior_precision(self) -> Tensor:
-        r"""laplace-torch's ``posterior_precision``: :math:`P = \mathrm{diag}(\delta) + \frac{N}{\sigma^2}(FF^\top +
-        \Psi)` as a dense Tensor of shape (D, D), for D <= 20 000 (a new tensor on each access).
-
-        Raises
-        ------
-        ValueError
-            Larger D, or a sharded approximation: use the posterior distribution (``get_posterior()``).
-        """
-        return self._dense("posterior_precision").precision_matrix
-
-    @property
-    def posterior_covariance(self) -> Tensor:
-        r"""laplace-torch's ``posterior_covariance``: :math:`P^{-1}`, a dense Tensor of shape (D, D), for
-        D <= 20 000 (a new tensor on each access; see :attr:`posterior_precision`)."""
-        return self._dense("posterior_covariance").covariance_matrix
+    posterior_precision = property(method(dense_precision))
+    posterior_covariance = property(method(dense_covariance))
 
     def sample(self, num_samples: Optional[int] = None, *, generator: Optional[torch.Generator] = None) -> Tensor:
         """Weight vectors drawn from the Laplace approximation, shape (num_samples, D), or (D,) for ``None``.
