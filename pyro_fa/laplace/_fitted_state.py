@@ -19,7 +19,7 @@ from torch import Tensor
 from pyro_fa._state import check_state_dict
 from pyro_fa.laplace._prior import show
 
-__all__ = ["replace", "layout_tensor", "load_state_dict"]
+__all__ = ["replace", "layout_tensor", "load_state_dict", "temperature"]
 
 _LAYOUT = "parameter_layout"
 
@@ -129,3 +129,17 @@ def _check_state(la, state_dict, strict: bool) -> None:
         v = state_dict.get(key)
         if torch.is_tensor(v) and v.numel() and not bool((v > 0).all() if what == "positive" else (v >= 0).all()):
             raise ValueError(f"{name}: state_dict[{key!r}] must be {what}, got {show(v)}; nothing was loaded.")
+
+
+def _get_temperature(la) -> Optional[float]:
+    t = float(la.fitted_temperature)
+    return None if t == 0.0 else t
+
+
+def _set_temperature(la, value: Optional[float]) -> None:
+    replace(la, fitted_temperature=torch.tensor(0.0 if value is None else float(value)))
+
+
+#: the approximation's ``temperature``
+temperature = property(_get_temperature, _set_temperature, doc="""The temperature of the last prior-precision choice
+(``optimize_prior_precision``), None without one; saved in ``state_dict`` as ``fitted_temperature`` (0 for None).""")

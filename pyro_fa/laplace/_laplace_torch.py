@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-__all__ = ["translate", "raise_laplace_torch_only", "dense_precision", "dense_covariance", "HESSIAN_STRUCTURES", "PRIOR_STRUCTURES"]
+__all__ = ["translate", "raise_laplace_torch_only", "dense_precision", "dense_covariance", "shaped_prior", "HESSIAN_STRUCTURES", "PRIOR_STRUCTURES"]
 
 #: laplace-torch's ``hessian_structure`` values this library has: low rank plus diagonal, or the exact curvature
 HESSIAN_STRUCTURES = ("lowrank", "full")
@@ -134,3 +134,15 @@ def dense_covariance(la) -> Tensor:
     r"""laplace-torch's ``posterior_covariance``: :math:`P^{-1}`, a dense Tensor of shape (D, D), for
     D <= 20 000 (a new tensor on each access; see :attr:`posterior_precision`)."""
     return _dense(la, "posterior_covariance").covariance_matrix
+
+
+def shaped_prior(owner: str, prior_precision, layerwise, n_layers: int):
+    """``prior_precision`` (checked, shape (1,) or (L,)) in the shape ``prior_structure`` asks for: (L,) for
+    ``"layerwise"`` (a scalar repeated), (1,) for ``"scalar"``; as it is without one (``layerwise`` None)."""
+    if layerwise is not None and prior_precision.numel() != (n_layers if layerwise else 1):
+        if layerwise and prior_precision.numel() == 1:
+            return prior_precision.expand(n_layers).clone()
+        raise ValueError(f"{owner}: prior_precision must have shape ({n_layers if layerwise else 1},) "
+                         f"for prior_structure={'layerwise' if layerwise else 'scalar'!r}, got shape "
+                         f"{tuple(prior_precision.shape)!r}.")
+    return prior_precision

@@ -27,10 +27,12 @@ from pyro_fa.distributed import all_reduce_sum, replicated
 from pyro_fa.fa.batch import ConvergenceWarning
 from pyro_fa.laplace._laplace_torch import raise_laplace_torch_only
 from pyro_fa.laplace._loaders import n_examples, reiterable
+from pyro_fa.laplace.curvature import CURVATURES
+from pyro_fa.laplace.moment import MOMENT_FITS
 from pyro_fa.predictive.glm import check_pred_type
 
 __all__ = ["train_log_likelihood", "log_marginal_likelihood", "optimize_prior_precision", "check_prior_precision",
-           "check_sigma", "method", "PRIOR_METHODS", "EVIDENCE_MODES"]
+           "check_sigma", "check_options", "method", "PRIOR_METHODS", "EVIDENCE_MODES"]
 
 #: the ways of choosing the prior precision (:func:`optimize_prior_precision`)
 PRIOR_METHODS = ("marglik", "gridsearch")
@@ -168,6 +170,22 @@ def method(function):
 
 
 # ------------------------------------------------------------------ hyperparameters
+def check_options(owner: str, rank, full: bool, curvature: str, curvature_fit: str, process_group):
+    """``FactorLaplace``'s ``rank`` (default 20; an int checked positive) after its curvature options are checked."""
+    if curvature not in CURVATURES:
+        raise ValueError(f"{owner}: curvature must be one of {CURVATURES}, got {curvature!r}.")
+    if curvature_fit not in MOMENT_FITS:
+        raise ValueError(f"{owner}: curvature_fit must be one of {MOMENT_FITS}, got {curvature_fit!r}.")
+    if curvature_fit == "sketch" and process_group is not None:
+        raise ValueError(f"{owner}: curvature_fit='sketch' cannot be sharded; with a process_group use "
+                         "curvature_fit='online', 'randomized' or 'scatter', got curvature_fit='sketch'.")
+    if full and rank is not None:
+        raise ValueError(f"{owner}: hessian_structure='full' keeps the curvature exactly (rank=D); pass it or "
+                         f"rank, got rank={rank!r} too.")
+    rank = 20 if rank is None else rank
+    return positive_int(owner, "rank", rank) if isinstance(rank, int) else rank
+
+
 def check_prior_precision(la, value, ref: Tensor, differentiable: bool = False) -> Tensor:
     """``value`` as a Tensor of shape (1,) or (L,), checked (positive, finite); a detached copy unless
     ``differentiable`` and ``value`` requires grad (then reshaped only, its graph kept)."""

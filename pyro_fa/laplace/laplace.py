@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -33,12 +32,12 @@ from torch import Tensor, nn
 
 from pyro_fa.laplace import _fit as fitting, _fitted_state as state, _prior as evidence
 from pyro_fa.laplace._fitted_state import layout_tensor, replace
-from pyro_fa.laplace._laplace_torch import dense_covariance, dense_precision, translate as _translate
-from pyro_fa.laplace._loaders import batch_loss, check_batch, check_inputs, n_examples, reiterable, slice_inputs
-from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_network, select_parameters
-from pyro_fa.laplace.moment import MOMENT_FITS
+from pyro_fa.laplace._laplace_torch import dense_covariance, dense_precision, shaped_prior, translate as _translate
+from pyro_fa.laplace._loaders import batch_loss, check_batch, check_inputs, slice_inputs
+from pyro_fa.laplace.curvature import flat_network, select_parameters
 from pyro_fa.laplace.structures import get_structure
-from pyro_fa.laplace._prior import check_prior_precision, check_sigma, method, positive_int as _positive_int, with_grad
+from pyro_fa.laplace._prior import (check_options, check_prior_precision, check_sigma, method, positive_int as _positive_int,
+                                    with_grad)
 from pyro_fa.distributions import BlockLowRankPrecisionNormal, LowRankPrecisionNormal, PointMassNormal
 from pyro_fa.distributed import ShardedLowRankPrecisionNormal, make_laplace_sharding
 from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_network
@@ -47,8 +46,6 @@ from pyro_fa.predictive.posterior import Posterior
 from pyro_fa.predictive.sampled import SampledPredictive
 
 __all__ = ["FactorLaplace", "LIKELIHOODS"]
-
-
 
 
 class FactorLaplace(Posterior, nn.Module):
@@ -77,18 +74,12 @@ class FactorLaplace(Posterior, nn.Module):
         ``subset_of_weights`` (whose default is ``"last_layer"``; ours is every weight). Every argument after it
         is keyword-only.
     rank : int, list of int, dict or "auto", default 20
-        :math:`K \ge 1`; ``rank >= D`` keeps the curvature exactly (small D). Time and memory grow with K.
-        Where the predictive's spread matters (OOD detection, a small prior precision), take K larger
-        than the default: a small K under-states the dense GGN Laplace's spread there, while at a large prior
-        precision it already matches it (``benchmarks/bench_laplace_rank_ood.py`` measures both).
-        Per layer (block): a list with one rank per module owning parameters of the subset, in the subset's
-        order (``rank=[400, 100, 100]``), or a dict from those modules' names in ``model.named_modules()``
-        (``{"linear1": 400, ...}``): each block's curvature fitted on its own (one pass over the data for all),
-        block diagonal, each block's :math:`F_b` (D_b, K_b) held on its own (:attr:`block_factors`), the
-        posterior a :class:`~pyro_fa.distributions.BlockLowRankPrecisionNormal`: memory
-        :math:`O(\sum_b D_bK_b)` and :math:`O(\sum_b D_bK_b^2)` time instead of the total rank's; ``"auto"``:
-        ``rank_budget`` columns allocated over the blocks by the fitted spectrum (each fitted at ``rank_max``
-        first). See :mod:`pyro_fa.laplace._blocks`; attribute ``block_ranks``. Not with a ``process_group``.
+        :math:`K \ge 1`, the columns of :math:`F`; ``rank >= D`` keeps the curvature exactly (small D). A larger K
+        widens the predictive where its spread matters (OOD, a small prior precision;
+        ``benchmarks/bench_laplace_rank_ood.py``). A rank per layer: a list (one per module owning parameters of
+        the subset, in order), a dict from those modules' names, or ``"auto"`` (``rank_budget`` allocated by the
+        fitted spectrum): the ``"blocks"`` structure (:mod:`pyro_fa.laplace.structures.blocks`,
+        :attr:`block_factors`, ``block_ranks``), not with a ``process_group``.
     prior_precision : float or Tensor of shape (1,) or (L,), default 1.0
         :math:`\delta`: one value, or one per parameter tensor of the subset (L of them), positive.
     sigma_noise : float, default 1.0
@@ -96,20 +87,17 @@ class FactorLaplace(Posterior, nn.Module):
     curvature : {"ggn", "mc"}, default "ggn"
         Exact GGN factors (C vectors per example) or the Monte Carlo Fisher (``mc_samples`` per example).
     curvature_fit : {"auto", "exact", "scatter", "online", "sketch", "randomized"}, default "auto"
-        How the factor-analysis core fits the curvature (:func:`~pyro_fa.laplace.moment.fit_second_moment`):
-        ``"exact"``, the exact :math:`D\times D` curvature in one pass, then batch FA of its exact top
-        :math:`3K` eigenpairs and diagonal (``"randomized"``'s estimand without its sketching error;
-        :math:`O(D^2)` memory, one :math:`O(D^3)` eigendecomposition, :math:`O(DK^2)` per FA iteration), the
-        exact scatter and batch FA of all of it to convergence (``"scatter"``, :math:`O(D^2K)` per
-        iteration, tens of times slower), or in :math:`O(DK)` memory
-        online EM (``num_passes``, shardable), the core's scatter sketch refitted by batch FA (one pass), or
-        a randomized range finder and Nyström approximation of the uncentred moment refitted by batch FA
-        (``"randomized"``, ``num_passes`` passes, shardable; see :mod:`pyro_fa.laplace.moment`).
-        ``"auto"``: ``"exact"`` for D <= 1024, else ``"randomized"``. ``"sketch"`` is not shardable (refused
-        with a ``process_group``).
+        How the factor-analysis core fits the curvature (:func:`~pyro_fa.laplace.moment.fit_second_moment`, where
+        each is described): ``"exact"`` (:math:`O(D^2)` memory, one :math:`O(D^3)` eigendecomposition) and
+        ``"scatter"`` form the :math:`D\times D` curvature; ``"online"``, ``"sketch"`` and ``"randomized"`` hold
+        :math:`O(DK)`. ``"auto"``: ``"exact"`` for D <= 1024, else ``"randomized"``. ``"sketch"`` is not
+        shardable.
     rank_budget, rank_max : int, optional
-        Only with ``rank="auto"``: the total rank, and the rank each block is fitted at before the allocation
-        (default ``rank_budget``: any block may take it all; smaller costs less, warned where it binds).
+        Only with ``rank="auto"``: the total rank, and the rank each block is fitted at first (default
+        ``rank_budget``).
+    structure : str, optional
+        A curvature structure registered by name (:func:`~pyro_fa.laplace.structures.register_structure`); by
+        default ``"dense"`` for an int ``rank`` and ``"blocks"`` for a rank per layer.
     mc_samples : int, default 1
     num_passes : int, optional
         Passes over the data: default 4 for ``"online"``, 1 for ``"sketch"``, 2 for ``"randomized"``.
@@ -118,38 +106,23 @@ class FactorLaplace(Posterior, nn.Module):
     seed : int, default 0
         Seeds the sampled labels of ``"mc"`` and the factor-analysis initialisation.
     process_group : torch.distributed process group, optional
-        Data-parallel fit, sharded state: every rank holds the same model and passes its own part of the
-        data to :meth:`fit`; the counts and losses are all-reduced and the curvature is fitted from all
-        ranks' vectors (``"scatter"``: the D x D sums all-reduced, equal to one process on all the data;
-        ``"online"``: sharded by coordinates over the ranks, as ``OnlineFactorAnalysis(process_group=...)``;
-        ``"randomized"``: its D x 3K matrices held by rows, sums of 3K numbers per vector all-reduced).
-        Rank r of W then holds only its rows ``[lo, hi)`` (:func:`~pyro_fa.distributed.shard_bounds`, about
-        D/W) of :attr:`loc`, :attr:`cov_factor` and :attr:`cov_diag`, and its own :meth:`state_dict`; the
-        posterior is a :class:`~pyro_fa.distributed.ShardedLowRankPrecisionNormal` and every method
-        below is collective (all ranks call it with the same arguments): see :mod:`pyro_fa.distributed.laplace`.
+        Data-parallel fit, sharded state (:mod:`pyro_fa.distributed.laplace`): every rank passes its own part of
+        the data to :meth:`fit` and then holds only its rows ``[lo, hi)`` of :attr:`loc`, :attr:`cov_factor` and
+        :attr:`cov_diag` (:func:`~pyro_fa.distributed.shard_bounds`) and its own :meth:`state_dict`; the posterior
+        is a :class:`~pyro_fa.distributed.ShardedLowRankPrecisionNormal` and every method is collective.
     subset_of_weights, hessian_structure, prior_structure : str, optional
-        laplace-torch's names, mapped to ours (:mod:`pyro_fa.laplace._laplace_torch`):
-        ``subset_of_weights`` ``"all"`` / ``"last_layer"`` is ``subset``; ``hessian_structure="lowrank"`` is
-        this class's curvature (low rank plus diagonal, ``rank=K``) and ``"full"`` is ``rank=D`` (the curvature
-        kept exactly, small D), while ``"kron"``, ``"diag"`` and ``"gp"`` are refused naming ``rank``;
-        ``prior_structure`` ``"scalar"`` / ``"layerwise"`` gives :attr:`prior_precision` the shape (1,) / (L,)
-        (``"diag"`` is refused). laplace-torch's other keywords (``temperature``, ``prior_mean``, ``backend``,
-        ``dict_key_x``, ``last_layer_name``, ...) are refused naming what to use here. Likewise
-        ``optimize_prior_precision`` takes ``grid_size``, ``log_prior_prec_min`` and ``log_prior_prec_max``, and
-        :attr:`posterior_precision` / :attr:`posterior_covariance` are the dense (D, D) matrices (small D).
-        Not available: ``link_approx="bridge"`` (``"probit"`` or ``"mc"``), dict (Hugging Face) batches (inputs
-        are a Tensor or a tuple of Tensors, ``model(*x)``).
+        laplace-torch's names, mapped to ours or refused naming ours (the table of
+        :mod:`pyro_fa.laplace._laplace_torch`): ``hessian_structure="lowrank"`` is ``rank=K``, ``"full"`` is
+        ``rank=D``; ``prior_structure="layerwise"`` gives :attr:`prior_precision` the shape (L,). Likewise
+        :attr:`posterior_precision` / :attr:`posterior_covariance` (dense, small D).
 
     Attributes
     ----------
     loc : Tensor of shape (D,), or (D_r,) when sharded
         :math:`\theta_*` (this rank's rows when sharded, as the two below).
     cov_factor : Tensor of shape (D, K) or (D_r, K)
-        :math:`F` (curvature per example, :math:`\sigma = 1`). With a rank per block, the dense
-        :math:`\mathrm{blockdiag}(F_b)`, (D, sum of the ranks), formed on each access (not held).
-    block_factors : list of (int, int, Tensor), only with a rank per block
-        ``(lo, hi, F_b)``, :math:`F_b` of shape (hi - lo, K_b): the buffers ``block_factor_0``, ... that the
-        state holds instead of ``cov_factor``.
+        :math:`F` (curvature per example, :math:`\sigma = 1`); with a rank per layer the dense
+        :math:`\mathrm{blockdiag}(F_b)`, formed on each access (:attr:`block_factors` holds the blocks).
     cov_diag : Tensor of shape (D,) or (D_r,)
         :math:`\psi`, non-negative.
     shard : Tensor of shape (5,), int64, only when sharded
@@ -158,16 +131,12 @@ class FactorLaplace(Posterior, nn.Module):
     sigma_noise : Tensor of shape ()
     n_data : Tensor of shape (), int64
         :math:`N` (0 before :meth:`fit`).
-    loss : Tensor of shape ()
-        At :math:`\theta_*`: the summed cross-entropy (classification) or the sum of squared errors
-        (regression).
-    loss_grad : Tensor of shape (D,) or (D_r,)
-        The gradient of :attr:`loss` at :math:`\theta_*` (for ``log_marginal_likelihood(mode="linearized")``).
+    loss, loss_grad : Tensor of shape () and (D,) or (D_r,)
+        At :math:`\theta_*`: the summed cross-entropy (or sum of squared errors) and its gradient.
     fitted_temperature : Tensor of shape ()
         :attr:`temperature`, 0 for None.
     parameter_layout : Tensor of shape (L, 2 + the largest ndim), int64
-        Per parameter tensor of the subset: the CRC-32 of its name, its ndim and shape, so that
-        :meth:`load_state_dict` refuses the state of another network with as many weights.
+        The subset's parameter names (CRC-32) and shapes: :meth:`load_state_dict` refuses another network's state.
 
     Notes
     -----
@@ -178,9 +147,7 @@ class FactorLaplace(Posterior, nn.Module):
     :math:`\sigma^2` added. :attr:`scale` multiplies the predictive's covariance (:meth:`tune_scale`).
 
     :meth:`fit` costs :math:`C` reverse-mode products per example (``"ggn"``) or ``mc_samples`` gradients
-    (``"mc"``), then :math:`O(D^2)` memory, :math:`O(D^3)` once and :math:`O(DK^2)` per batch-FA iteration
-    (``"exact"``; :math:`O(D^2K)` for ``"scatter"``) or
-    :math:`O(DK)` memory and :math:`O(DK)` per vector (``"online"``). The posterior costs :math:`O(DK^2)`.
+    (``"mc"``), then the structure's fit (:mod:`pyro_fa.laplace.moment`); the posterior :math:`O(DK^2)`.
 
     References
     ----------
@@ -213,20 +180,10 @@ class FactorLaplace(Posterior, nn.Module):
         if not isinstance(model, nn.Module):
             raise TypeError(f"{name}: model must be a torch.nn.Module, got {type(model).__name__}.")
         likelihood = normalize_likelihood(name, likelihood)
-        if curvature not in CURVATURES:
-            raise ValueError(f"{name}: curvature must be one of {CURVATURES}, got {curvature!r}.")
-        if curvature_fit not in MOMENT_FITS:
-            raise ValueError(f"{name}: curvature_fit must be one of {MOMENT_FITS}, got {curvature_fit!r}.")
-        if curvature_fit == "sketch" and process_group is not None:
-            raise ValueError(f"{name}: curvature_fit='sketch' cannot be sharded; with a process_group use "
-                             "curvature_fit='online', 'randomized' or 'scatter', got curvature_fit='sketch'.")
         subset, full, layerwise = _translate(name, subset, subset_of_weights, hessian_structure, prior_structure,
                                              laplace_torch)
-        if full and rank is not None:
-            raise ValueError(f"{name}: hessian_structure='full' keeps the curvature exactly (rank=D); pass it or "
-                             f"rank, got rank={rank!r} too.")
-        rank = 20 if rank is None else rank
-        self.rank = _positive_int(name, "rank", rank) if isinstance(rank, int) else rank
+        rank = check_options(name, rank, full, curvature, curvature_fit, process_group)
+        self.rank = rank
         self.mc_samples = _positive_int(name, "mc_samples", mc_samples)
         self.num_passes = None if num_passes is None else _positive_int(name, "num_passes", num_passes)
         self.chunk_size = _positive_int(name, "chunk_size", chunk_size)
@@ -257,14 +214,7 @@ class FactorLaplace(Posterior, nn.Module):
             sh = self._sharding
             self.register_buffer("shard", torch.tensor([D, sh.world_size, sh.rank, lo, hi], device=ref.device))
         prior_precision = self._check_prior_precision(prior_precision, ref)
-        if layerwise is not None and prior_precision.numel() != (self.n_layers if layerwise else 1):
-            if layerwise and prior_precision.numel() == 1:
-                prior_precision = prior_precision.expand(self.n_layers).clone()
-            else:
-                raise ValueError(f"{name}: prior_precision must have shape ({self.n_layers if layerwise else 1},) "
-                                 f"for prior_structure={'layerwise' if layerwise else 'scalar'!r}, got shape "
-                                 f"{tuple(prior_precision.shape)!r}.")
-        self.register_buffer("prior_precision", prior_precision)
+        self.register_buffer("prior_precision", shaped_prior(name, prior_precision, layerwise, self.n_layers))
         self.register_buffer("sigma_noise", self._check_sigma(sigma_noise, ref))
         self.register_buffer("n_data", torch.zeros((), dtype=torch.int64, device=ref.device))
         self.register_buffer("loss", torch.zeros((), **dd))
@@ -293,9 +243,8 @@ class FactorLaplace(Posterior, nn.Module):
 
     @property
     def cov_factor(self) -> Tensor:
-        r""":math:`F`, shape (D, K): the buffer. With a rank per block, the dense (D, sum of the ranks) with zeros
-        off the blocks, *formed on each access* from :attr:`block_factors` (:math:`O(D\sum_b K_b)` memory; it is
-        neither held nor saved, and writing into it changes nothing)."""
+        """:math:`F`, shape (D, K), as its structure holds it (with a rank per block the dense (D, sum of the ranks),
+        formed on each access: writing into it changes nothing)."""
         structure = self.__dict__.get("_structure")
         if structure is None:  # while __init__ registers the buffers
             raise AttributeError("cov_factor")
@@ -307,16 +256,7 @@ class FactorLaplace(Posterior, nn.Module):
         ``block_factor_b`` (what the posterior and the state hold); ``ValueError`` with an int ``rank``."""
         return self._structure.block_factors(type(self).__name__, self._buffers, self.rank)
 
-    @property
-    def temperature(self) -> Optional[float]:
-        """The temperature of the last prior-precision choice (:meth:`optimize_prior_precision`), None without one;
-        saved in :meth:`state_dict` as ``fitted_temperature`` (0 for None)."""
-        t = float(self.fitted_temperature)
-        return None if t == 0.0 else t
-
-    @temperature.setter
-    def temperature(self, value: Optional[float]) -> None:
-        self._replace(fitted_temperature=torch.tensor(0.0 if value is None else float(value)))
+    temperature = state.temperature
 
     def _check_fitted(self, what: str) -> None:
         if int(self.n_data) == 0:
@@ -365,20 +305,11 @@ class FactorLaplace(Posterior, nn.Module):
         precision and noise (:math:`s = 1`, the default, is the Laplace approximation itself; at :math:`s = 0` a
         :class:`~pyro_fa.distributions.PointMassNormal` at :math:`\theta_*`).
 
-        A snapshot: its tensors share no storage with this object's buffers, so a later :meth:`fit`,
-        :meth:`optimize_prior_precision` or :meth:`load_state_dict` leaves a posterior already taken as it was.
-
-        Returns
-        -------
-        FactorNormal
-            A :class:`~pyro_fa.distributions.LowRankPrecisionNormal`; with a rank per layer a
-            :class:`~pyro_fa.distributions.BlockLowRankPrecisionNormal`; under a ``process_group`` this rank's rows
-            (:class:`~pyro_fa.laplace.ShardedLowRankPrecisionNormal`).
-
-        Raises
-        ------
-        RuntimeError
-            Before :meth:`fit`.
+        A snapshot (no storage shared with this object's buffers), a
+        :class:`~pyro_fa.distributions.FactorNormal` of the structure's form: a
+        :class:`~pyro_fa.distributions.LowRankPrecisionNormal` (sharded: this rank's rows,
+        :class:`~pyro_fa.distributed.ShardedLowRankPrecisionNormal`), with a rank per layer a
+        :class:`~pyro_fa.distributions.BlockLowRankPrecisionNormal`. ``RuntimeError`` before :meth:`fit`.
         """
         self._check_fitted("get_posterior()")
         if self.scale == 0.0:
@@ -453,30 +384,10 @@ class FactorLaplace(Posterior, nn.Module):
         return torch.add(self.loc, self._deviations(num_samples, generator), alpha=math.sqrt(self.scale))
 
     def predictive(self, pred_type: str = "nn", *, loader=None) -> SampledPredictive:
-        r"""The Laplace approximation's predictive: draws at :attr:`scale` run in the network, or in its linearisation.
-
-        Parameters
-        ----------
-        pred_type : {"nn", "glm"}, default "nn"
-            ``"nn"``: the network at each draw :math:`\theta`; ``"glm"``: the network linearised at
-            :math:`\theta_*`, :math:`f(x; \theta_*) + J_x(\theta - \theta_*)` (Immer, Korzepa & Bauer 2021, §3).
-        loader : None
-            Not used (the model is in eval mode: no batch-norm statistics to refresh); must be None.
-
-        Returns
-        -------
-        SampledPredictive
-            With ``loc`` :math:`\theta_*` and unscaled ``deviations``, for
-            :func:`~pyro_fa.predictive.tune_scale`, :class:`~pyro_fa.predictive.TemperatureScaling` and
-            :mod:`pyro_fa.metrics`.
-
-        Raises
-        ------
-        RuntimeError
-            Before :meth:`fit`.
-        ValueError
-            An unknown ``pred_type``; a ``loader``.
-        """
+        r"""The predictive (:class:`~pyro_fa.predictive.SampledPredictive`, with ``loc`` :math:`\theta_*` and unscaled
+        ``deviations``): draws at :attr:`scale` run in the network (``pred_type="nn"``) or in its linearisation at
+        :math:`\theta_*`, :math:`f(x; \theta_*) + J_x(\theta - \theta_*)` (``"glm"``, Immer, Korzepa & Bauer 2021,
+        §3). ``loader`` must be None (the model is in eval mode). ``RuntimeError`` before :meth:`fit`."""
         name = type(self).__name__
         check_pred_type(name, pred_type)
         if loader is not None:

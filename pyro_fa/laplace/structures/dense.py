@@ -6,8 +6,6 @@ shardable), held in the buffer ``cov_factor``; the posterior a :class:`~pyro_fa.
 """
 from __future__ import annotations
 
-import torch
-
 from pyro_fa.distributed import ShardedLowRankPrecisionNormal
 from pyro_fa.distributions import LowRankPrecisionNormal
 from pyro_fa.laplace._sharded_glm import sharded_glm_moments
