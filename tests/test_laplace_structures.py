@@ -99,5 +99,5 @@ def test_a_structure_added_outside_the_library_saves_its_own_buffers(diagonal):
     fresh.load_state_dict(state)
     assert torch.equal(fresh.log_marginal_likelihood(), la.log_marginal_likelihood())
     dense = FactorLaplace(net, "regression", rank=2)
-    with pytest.raises(ValueError, match=r"missing keys \[.cov_factor.\]; nothing was loaded|missing keys \[.cov_factor.\] and unexpected keys \[\]"):
+    with pytest.raises(ValueError, match=r"missing keys \[.cov_factor.\] and unexpected keys \[\]"):
         dense.load_state_dict(state)

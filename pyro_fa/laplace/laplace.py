@@ -36,8 +36,8 @@ from pyro_fa.laplace._laplace_torch import dense_covariance, dense_precision, sh
 from pyro_fa.laplace._loaders import batch_loss, check_batch, check_inputs, slice_inputs
 from pyro_fa.laplace.curvature import flat_network, select_parameters
 from pyro_fa.laplace.structures import get_structure
-from pyro_fa.laplace._prior import (check_options, check_prior_precision, check_sigma, method, positive_int as _positive_int,
-                                    with_grad)
+from pyro_fa.laplace._prior import (check_options, check_prior_precision, check_sigma, method,
+                                    positive_int as _positive_int, with_grad)
 from pyro_fa.distributions import BlockLowRankPrecisionNormal, LowRankPrecisionNormal, PointMassNormal
 from pyro_fa.distributed import ShardedLowRankPrecisionNormal, make_laplace_sharding
 from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_network
@@ -173,7 +173,8 @@ class FactorLaplace(Posterior, nn.Module):
                  sigma_noise: float = 1.0, curvature: str = "ggn", curvature_fit: str = "auto", mc_samples: int = 1,
                  num_passes: Optional[int] = None,
                  chunk_size: int = 32, seed: int = 0, process_group=None, rank_budget: Optional[int] = None,
-                 rank_max: Optional[int] = None, structure: Optional[str] = None, subset_of_weights: Optional[str] = None,
+                 rank_max: Optional[int] = None, structure: Optional[str] = None,
+                 subset_of_weights: Optional[str] = None,
                  hessian_structure: Optional[str] = None, prior_structure: Optional[str] = None, **laplace_torch):
         super().__init__()
         name = type(self).__name__

@@ -90,8 +90,8 @@ class Structure:
         """The posterior's covariance factor in the form :func:`~pyro_fa.predictive.glm.linearized_moments` takes."""
         return post.cov_factor
 
-    def glm_moments(self, posterior: Callable[[], object], x, *, owner: str, model, f, loc: Tensor, params, chunk_size: int,
-                    sharding=None):
+    def glm_moments(self, posterior: Callable[[], object], x, *, owner: str, model, f, loc: Tensor, params,
+                    chunk_size: int, sharding=None):
         r"""The GLM predictive's mean :math:`f(x; \theta_*)` and covariance :math:`J_x P^{-1} J_x^\top` (unscaled),
         ``posterior()`` the approximation's posterior."""
         post = posterior()
