@@ -87,7 +87,7 @@ def test_an_int_rank_is_the_core_fit_of_the_whole_stream_unchanged():
     X, y, data = _data()
     for fit in ("scatter", "randomized", "online"):
         la = FactorLaplace(net, "classification", rank=3, curvature_fit=fit, seed=2).fit(data)
-        assert "block_ranks" not in la.state_dict() and la._blocks is None
+        assert "block_ranks" not in la.state_dict() and "block_factor_0" not in la.state_dict()
         f = flat_network(net, list(net.named_parameters()))
         theta = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
         blocks = [curvature_vectors(f, theta, x[i:i + 32], "classification")
@@ -216,7 +216,7 @@ def test_blocks_follow_the_owning_modules_and_the_subset():
     lin = nn.Linear(3, 2).double()
     assert module_blocks(list(lin.named_parameters())) == ([""], [(0, 8)])
     la = FactorLaplace(net, "classification", rank={"2": 2}, subset=[net[2].weight, net[2].bias])
-    assert la._blocks.names == ["2"] and la.cov_factor.shape == (15, 2)
+    assert la._structure.layout.names == ["2"] and la.cov_factor.shape == (15, 2)
 
 
 def test_an_error_in_a_block_or_in_the_data_leaves_no_fitter_waiting():
@@ -254,7 +254,7 @@ def test_rank_max_caps_the_generous_fits_and_warns_where_it_binds():
     net = _net()
     X, y, data = _data()
     la = FactorLaplace(net, "classification", rank="auto", rank_budget=6, rank_max=3, curvature_fit="scatter")
-    assert la._blocks.fit_ranks == [3, 3] and la.cov_factor.shape == (31, 6)
+    assert la._structure.layout.fit_ranks == [3, 3] and la.cov_factor.shape == (31, 6)
     with pytest.warns(RuntimeWarning, match=r"rank='auto' gave blocks \['0', '2'\] every column"):
         la.fit(data)
     assert la.block_ranks.tolist() == [3, 3]

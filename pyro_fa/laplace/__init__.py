@@ -7,6 +7,8 @@ r"""Laplace approximation with a factor-analysis curvature: the third way to a l
   currency it hands to other layers (:class:`ShardedLowRankPrecisionNormal`: this rank's rows of it, what a
   fit with a ``process_group`` hands out; :class:`BlockLowRankPrecisionNormal`: its low-rank part block
   diagonal, held by blocks, what a fit with a rank per layer hands out);
+* :mod:`pyro_fa.laplace.structures` — how the curvature is laid out (``"dense"``: one rank; ``"blocks"``: a rank
+  per layer), a :class:`~pyro_fa.laplace.structures.Structure` registered by name;
 * :class:`PyroFactorLaplace` — the same for a Pyro model at its ``AutoDelta`` MAP, handing back a guide for
   ``pyro.infer.Predictive`` (the :math:`O(DK)` counterpart of ``AutoLaplaceApproximation``);
 * :func:`curvature_vectors`, :func:`select_parameters` — per-example GGN factors and Monte Carlo Fisher

@@ -13,7 +13,7 @@ its own rank :math:`K_b`. The curvature is then block diagonal,
     \in \mathbb R^{D\times\sum_b K_b},
 
 but :math:`F` is never formed: each :math:`F_b` is held on its own (:func:`assemble`,
-:class:`~pyro_fa.laplace._fitted_state.FittedState`), the posterior is a
+:class:`~pyro_fa.laplace.structures.Blocks`), the posterior is a
 :class:`~pyro_fa.distributions.BlockLowRankPrecisionNormal` (one capacitance per block,
 :math:`O(\sum_b D_bK_b^2)`) and the GLM predictive takes the factor by blocks, so everything downstream (marginal
 likelihood, prior precision, sampling, ``state_dict``) gives the dense layout's numbers in
@@ -64,7 +64,7 @@ from torch import Tensor
 
 from pyro_fa.laplace.moment import DENSE_FITS, fit_second_moment, resolve_fit
 
-__all__ = ["BlockRanks", "block_ranks", "check_layout", "module_blocks", "fit_blocks", "allocate", "assemble"]
+__all__ = ["BlockRanks", "block_ranks", "module_blocks", "fit_blocks", "allocate", "assemble"]
 
 #: ``fit_second_moment``'s ``dense_max_dim``: ``"auto"`` fits a block of at most this many weights by ``"exact"``
 _DENSE_MAX_DIM = 1024
@@ -147,22 +147,6 @@ class BlockRanks:
                 f"an allocation of {self.width} columns with at most {self.fit_ranks!r} per block")
             raise ValueError(f"{owner}: state_dict['block_ranks'] must be {want} for the blocks {self.names!r}, "
                              f"got {saved!r}; nothing was loaded. It comes from another rank configuration.")
-
-
-def check_layout(owner: str, blocks: Optional[BlockRanks], rank: int, state_dict) -> None:
-    """Refuse a state with a rank per block for an int rank, or the other way round, naming both."""
-    saved = state_dict.get("block_ranks")
-    if blocks is None and saved is not None:
-        got = saved.tolist() if torch.is_tensor(saved) else saved
-        raise ValueError(f"{owner}: state_dict must come from a fit with one rank for all weights, like this one "
-                         f"(rank={rank}), got a fit with a rank per block (block_ranks {got!r}); nothing was "
-                         "loaded. Construct it with the rank it was fitted with (a list, dict or 'auto').")
-    if blocks is not None and saved is None and "cov_factor" in state_dict:
-        shape = getattr(state_dict["cov_factor"], "shape", None)
-        raise ValueError(f"{owner}: state_dict must come from a fit with a rank per block, like this one (blocks "
-                         f"{blocks.names!r}), got a fit with one rank (cov_factor of shape "
-                         f"{tuple(shape) if shape is not None else shape!r}); nothing was loaded. Construct it with "
-                         "the int rank it was fitted with.")
 
 
 def block_ranks(owner: str, rank, rank_budget, named, curvature_fit: str, process_group=None,

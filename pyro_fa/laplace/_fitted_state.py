@@ -1,16 +1,11 @@
 r"""The fitted state of :class:`~pyro_fa.laplace.FactorLaplace`: its buffers' layout, their replacement in new
 storage and their checked loading.
 
-A mixin (kept apart, as :mod:`pyro_fa.laplace._prior`, so that the approximation's fit and predictives stay
-readable). The factor of the curvature is held in one of two layouts:
-
-* an int ``rank``: the buffer ``cov_factor``, :math:`F` of shape (D, K) (this rank's rows when sharded);
-* a rank per block (:mod:`pyro_fa.laplace._blocks`): one buffer per block, ``block_factor_0``, ...,
-  :math:`F_b` of shape (D_b, K_b), :math:`\sum_b D_bK_b` numbers and no :math:`D\times\sum_b K_b` matrix with
-  zeros off the blocks; ``block_ranks`` holds the :math:`K_b`. With ``rank="auto"`` the :math:`K_b` are known
-  only after :meth:`fit` (0 before), so the buffers take the shapes of a loaded state's ``block_ranks``.
-
-A state of one layout is refused by an approximation of the other, naming both.
+Plain functions of the approximation ``la`` (:func:`load_state_dict` is its method, bound by
+:func:`~pyro_fa.laplace._prior.method`). The factor's buffers are its curvature structure's
+(:mod:`pyro_fa.laplace.structures`: ``cov_factor`` for ``"dense"``; ``block_factor_0``, ... and ``block_ranks``
+for ``"blocks"``), which refuses the state of another layout naming both and gives its buffers the shapes a
+state holds (``rank="auto"``).
 """
 from __future__ import annotations
 
@@ -22,158 +17,129 @@ import torch
 from torch import Tensor
 
 from pyro_fa._state import check_state_dict
-from pyro_fa.laplace._blocks import check_layout
 from pyro_fa.laplace._prior import show
 
-__all__ = ["FittedState"]
+__all__ = ["replace", "layout_tensor", "load_state_dict", "temperature"]
 
 _LAYOUT = "parameter_layout"
 
 
-class FittedState:
-    """The buffers of :class:`~pyro_fa.laplace.FactorLaplace` (see there): layout, replacement, loading."""
+def replace(la, **values: Tensor) -> None:
+    """Rebind buffers to ``values`` (new tensors, never written in place): tensors handed out earlier
+    (``state_dict()``, attributes, a posterior) keep their values."""
+    for key, value in values.items():
+        old = la._buffers[key]
+        la._buffers[key] = value.detach().to(dtype=old.dtype, device=old.device).reshape(old.shape)
 
-    def _replace(self, **values: Tensor) -> None:
-        """Rebind buffers to ``values`` (new tensors, never written in place): tensors handed out earlier
-        (``state_dict()``, attributes, a posterior) keep their values."""
-        for key, value in values.items():
-            old = self._buffers[key]
-            self._buffers[key] = value.detach().to(dtype=old.dtype, device=old.device).reshape(old.shape)
 
-    def _replace_block_factors(self, factors: List[Tensor]) -> None:
-        """Rebind each ``block_factor_b`` to ``factors[b]`` (D_b, K_b), whose K_b may differ from the buffer's."""
-        for key, F in zip(self._blocks.factor_names, factors):
-            old = self._buffers[key]
-            self._buffers[key] = F.detach().to(dtype=old.dtype, device=old.device)
+# ------------------------------------------------------------------ what the state came from
 
-    @property
-    def cov_factor(self) -> Tensor:
-        r""":math:`F`, shape (D, K): the buffer. With a rank per block, the dense (D, sum of the ranks) with zeros
-        off the blocks, *formed on each access* from :attr:`block_factors` (:math:`O(D\sum_b K_b)` memory; it is
-        neither held nor saved, and writing into it changes nothing)."""
-        buffers = self.__dict__["_buffers"]
-        if "cov_factor" in buffers:
-            return buffers["cov_factor"]
-        if self.__dict__.get("_blocks") is None:  # while __init__ registers the buffer
-            raise AttributeError("cov_factor")
-        return self._blocks.dense([F for _, _, F in self.block_factors], self.loc)
 
-    @property
-    def block_factors(self) -> List[Tuple[int, int, Tensor]]:
-        r"""With a rank per block: ``(lo, hi, F_b)`` per block, :math:`F_b` of shape (hi - lo, K_b), the buffer
-        ``block_factor_b`` (what the posterior and the state hold).
+def _parameter_layout(la) -> List[Tuple[str, Tuple[int, ...]]]:
+    """``(name, shape)`` of each parameter tensor the approximation is over, in the order of :attr:`loc`."""
+    return [(n, tuple(p.shape)) for n, p in la._named]
 
-        Raises
-        ------
-        ValueError
-            With an int ``rank`` (use :attr:`cov_factor`).
-        """
-        if self._blocks is None:
-            raise ValueError(f"{type(self).__name__}: block_factors needs a rank per block (a list, dict or "
-                             f"'auto'), got rank={self.rank}; use cov_factor.")
-        return [(a, e, self._buffers[key]) for key, (a, e) in zip(self._blocks.factor_names, self._blocks.bounds)]
 
-    # ------------------------------------------------------------------ what the state came from
-    def _parameter_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
-        """``(name, shape)`` of each parameter tensor the approximation is over, in the order of :attr:`loc`."""
-        return [(n, tuple(p.shape)) for n, p in self._named]
+def layout_tensor(la, device) -> Tensor:
+    """The buffer ``parameter_layout``, int64 of shape (L, 2 + the largest ndim): per parameter tensor the
+    CRC-32 of its name, its ndim and its shape (padded with zeros)."""
+    layout = _parameter_layout(la)
+    width = max(1, max(len(shape) for _, shape in layout))
+    rows = [[zlib.crc32(n.encode()), len(shape), *shape] + [0] * (width - len(shape)) for n, shape in layout]
+    return torch.tensor(rows, dtype=torch.int64, device=device)
 
-    def _layout_tensor(self, device) -> Tensor:
-        """The buffer ``parameter_layout``, int64 of shape (L, 2 + the largest ndim): per parameter tensor the
-        CRC-32 of its name, its ndim and its shape (padded with zeros)."""
-        layout = self._parameter_layout()
-        width = max(1, max(len(shape) for _, shape in layout))
-        rows = [[zlib.crc32(n.encode()), len(shape), *shape] + [0] * (width - len(shape)) for n, shape in layout]
-        return torch.tensor(rows, dtype=torch.int64, device=device)
 
-    def _check_parameter_layout(self, saved) -> None:
-        """Refuse a saved ``parameter_layout`` of other parameters (another network or subset with as many weights)."""
-        name = type(self).__name__
-        mine = self._parameter_layout()
-        if not torch.is_tensor(saved) or saved.dim() != 2 or saved.shape[1] < 2 or saved.dtype != torch.int64:
-            raise ValueError(f"{name}: state_dict['parameter_layout'] must be an int64 Tensor of shape (L, 2 + ndim), "
-                             f"got {saved!r:.120}; nothing was loaded.")
-        theirs = []
-        for row in saved.tolist():
-            ndim = row[1]
-            if not 0 <= ndim <= len(row) - 2:
-                raise ValueError(f"{name}: state_dict['parameter_layout'] holds a row {row!r} with ndim out of range; "
-                                 "nothing was loaded.")
-            theirs.append((row[0], tuple(row[2:2 + ndim])))
-        ours = [(zlib.crc32(n.encode()), shape) for n, shape in mine]
-        if theirs == ours:
-            return
-        i = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-        here = f"{mine[i][0]!r} of shape {mine[i][1]!r}" if i < len(mine) else "none"
-        there = ("none" if i >= len(theirs) else f"shape {theirs[i][1]!r}"
-                 + ("" if i >= len(ours) or theirs[i][0] == ours[i][0] else " and another name"))
-        raise ValueError(f"{name}: state_dict must come from parameters named and shaped as this one's ({len(mine)} "
-                         f"tensors; at position {i}: {here}), got {there} ({len(theirs)} tensors): the state of "
-                         "another network or subset; nothing was loaded.")
+def _check_parameter_layout(la, saved) -> None:
+    """Refuse a saved ``parameter_layout`` of other parameters (another network or subset with as many weights)."""
+    name = type(la).__name__
+    mine = _parameter_layout(la)
+    if not torch.is_tensor(saved) or saved.dim() != 2 or saved.shape[1] < 2 or saved.dtype != torch.int64:
+        raise ValueError(f"{name}: state_dict['parameter_layout'] must be an int64 Tensor of shape (L, 2 + ndim), "
+                         f"got {saved!r:.120}; nothing was loaded.")
+    theirs = []
+    for row in saved.tolist():
+        ndim = row[1]
+        if not 0 <= ndim <= len(row) - 2:
+            raise ValueError(f"{name}: state_dict['parameter_layout'] holds a row {row!r} with ndim out of range; "
+                             "nothing was loaded.")
+        theirs.append((row[0], tuple(row[2:2 + ndim])))
+    ours = [(zlib.crc32(n.encode()), shape) for n, shape in mine]
+    if theirs == ours:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    here = f"{mine[i][0]!r} of shape {mine[i][1]!r}" if i < len(mine) else "none"
+    there = ("none" if i >= len(theirs) else f"shape {theirs[i][1]!r}"
+             + ("" if i >= len(ours) or theirs[i][0] == ours[i][0] else " and another name"))
+    raise ValueError(f"{name}: state_dict must come from parameters named and shaped as this one's ({len(mine)} "
+                     f"tensors; at position {i}: {here}), got {there} ({len(theirs)} tensors): the state of "
+                     "another network or subset; nothing was loaded.")
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a saved fit, checked whole first (keys, shapes, finite values, a positive prior precision and noise,
-        a non-negative diagonal and count, the factor's layout and the blocks' ranks): nothing loaded when it
-        does not fit.
 
-        The buffers get new storage (with ``assign=False``, the default): a ``state_dict()`` or posterior taken
-        earlier keeps its values. Likewise :meth:`fit` and :meth:`optimize_prior_precision` never write into a
-        tensor handed out, so ``torch.save(la.state_dict(), ...)`` of a fitted approximation stays that fit.
+def load_state_dict(la, state_dict, strict: bool = True, assign: bool = False):
+    """Load a saved fit, checked whole first (keys, shapes, finite values, a positive prior precision and noise,
+    a non-negative diagonal and count, the factor's layout and the blocks' ranks): nothing loaded when it
+    does not fit.
 
-        Raises
-        ------
-        ValueError
-            A state of another network or subset (the parameters' names and shapes, saved in ``parameter_layout``,
-            differ; a state saved without it is loaded unchecked on this point), a state of the other layout (a rank per block for an int rank or the other way round), other
-            ``block_ranks``, missing or unexpected keys, shapes, non-finite or out-of-range values.
-        """
-        name = type(self).__name__
+    The buffers get new storage (with ``assign=False``, the default): a ``state_dict()`` or posterior taken
+    earlier keeps its values. Likewise :meth:`fit` and :meth:`optimize_prior_precision` never write into a
+    tensor handed out, so ``torch.save(la.state_dict(), ...)`` of a fitted approximation stays that fit.
+
+    Raises
+    ------
+    ValueError
+        A state of another network or subset (the parameters' names and shapes, saved in ``parameter_layout``,
+        differ; a state saved without it is loaded unchecked on this point), a state of the other layout (a rank per block for an int rank or the other way round), other
+        ``block_ranks``, missing or unexpected keys, shapes, non-finite or out-of-range values.
+    """
+    name = type(la).__name__
+    if isinstance(state_dict, Mapping):
+        la._structure.check_layout(name, state_dict, la.rank)
+        if _LAYOUT in state_dict:
+            _check_parameter_layout(la, state_dict[_LAYOUT])
+        else:  # saved before the parameters' names and shapes were: not checkable on this point
+            state_dict = {**state_dict, _LAYOUT: la._buffers[_LAYOUT]}
+    kept = dict(la._buffers)
+    try:  # the block factors take the shapes of the state's ranks ("auto"), back as they were when refused
         if isinstance(state_dict, Mapping):
-            check_layout(name, self._blocks, self.rank, state_dict)
-            if _LAYOUT in state_dict:
-                self._check_parameter_layout(state_dict[_LAYOUT])
-            else:  # saved before the parameters' names and shapes were: not checkable on this point
-                state_dict = {**state_dict, _LAYOUT: self._buffers[_LAYOUT]}
-        kept = dict(self._buffers)
-        try:  # the block factors take the shapes of the state's ranks ("auto"), back as they were when refused
-            if self._blocks is not None and isinstance(state_dict, Mapping):
-                self._blocks.check_state(name, state_dict)
-                for key, shape in self._blocks.saved_factor_shapes(state_dict).items():
-                    self._buffers[key] = self._buffers[key].new_empty(shape)
-            self._check_state(state_dict, strict)
-        except BaseException:
-            self._buffers.update(kept)
-            raise
-        # new storage for every buffer: tensors handed out earlier (a previous state_dict()) are not overwritten
-        for key, buf in list(self._buffers.items()):
-            if buf is not None and key in state_dict:
-                self._buffers[key] = torch.empty_like(buf)
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+            la._structure.prepare_load(name, la._buffers, state_dict)
+        _check_state(la, state_dict, strict)
+    except BaseException:
+        la._buffers.update(kept)
+        raise
+    # new storage for every buffer: tensors handed out earlier (a previous state_dict()) are not overwritten
+    for key, buf in list(la._buffers.items()):
+        if buf is not None and key in state_dict:
+            la._buffers[key] = torch.empty_like(buf)
+    return torch.nn.Module.load_state_dict(la, state_dict, strict=strict, assign=assign)
 
-    def _check_state(self, state_dict, strict: bool) -> None:
-        """What :meth:`load_state_dict` checks besides the layout: keys, shapes, values, the shard."""
-        check_state_dict(self, state_dict, strict)
-        name = type(self).__name__
-        if self._sharding is not None and "shard" in state_dict:
-            saved, mine = [int(v) for v in state_dict["shard"]], [int(v) for v in self.shard]
-            if saved != mine:
-                raise ValueError(f"{name}: state_dict must come from rank {mine[2]} of world size {mine[1]} holding "
-                                 f"rows [{mine[3]}, {mine[4]}) of D={mine[0]}, like this one, got rank {saved[2]} "
-                                 f"of {saved[1]} holding [{saved[3]}, {saved[4]}) of D={saved[0]}; nothing was "
-                                 "loaded. Save and load each rank's own state_dict.")
-        for key, what in (("prior_precision", "positive"), ("sigma_noise", "positive"), ("cov_diag", "non-negative"),
-                          ("n_data", "non-negative"), ("fitted_temperature", "non-negative")):
-            v = state_dict.get(key)
-            if torch.is_tensor(v) and v.numel() and not bool((v > 0).all() if what == "positive" else (v >= 0).all()):
-                raise ValueError(f"{name}: state_dict[{key!r}] must be {what}, got {show(v)}; nothing was loaded.")
 
-    @property
-    def temperature(self) -> Optional[float]:
-        """The temperature of the last prior-precision choice (:meth:`optimize_prior_precision`), None without one;
-        saved in :meth:`state_dict` as ``fitted_temperature`` (0 for None)."""
-        t = float(self.fitted_temperature)
-        return None if t == 0.0 else t
+def _check_state(la, state_dict, strict: bool) -> None:
+    """What :meth:`load_state_dict` checks besides the layout: keys, shapes, values, the shard."""
+    check_state_dict(la, state_dict, strict)
+    name = type(la).__name__
+    if la._sharding is not None and "shard" in state_dict:
+        saved, mine = [int(v) for v in state_dict["shard"]], [int(v) for v in la.shard]
+        if saved != mine:
+            raise ValueError(f"{name}: state_dict must come from rank {mine[2]} of world size {mine[1]} holding "
+                             f"rows [{mine[3]}, {mine[4]}) of D={mine[0]}, like this one, got rank {saved[2]} "
+                             f"of {saved[1]} holding [{saved[3]}, {saved[4]}) of D={saved[0]}; nothing was "
+                             "loaded. Save and load each rank's own state_dict.")
+    for key, what in (("prior_precision", "positive"), ("sigma_noise", "positive"), ("cov_diag", "non-negative"),
+                      ("n_data", "non-negative"), ("fitted_temperature", "non-negative")):
+        v = state_dict.get(key)
+        if torch.is_tensor(v) and v.numel() and not bool((v > 0).all() if what == "positive" else (v >= 0).all()):
+            raise ValueError(f"{name}: state_dict[{key!r}] must be {what}, got {show(v)}; nothing was loaded.")
 
-    @temperature.setter
-    def temperature(self, value: Optional[float]) -> None:
-        self._replace(fitted_temperature=torch.tensor(0.0 if value is None else float(value)))
+
+def _get_temperature(la) -> Optional[float]:
+    t = float(la.fitted_temperature)
+    return None if t == 0.0 else t
+
+
+def _set_temperature(la, value: Optional[float]) -> None:
+    replace(la, fitted_temperature=torch.tensor(0.0 if value is None else float(value)))
+
+
+#: the approximation's ``temperature``
+temperature = property(_get_temperature, _set_temperature, doc="""The temperature of the last prior-precision choice
+(``optimize_prior_precision``), None without one; saved in ``state_dict`` as ``fitted_temperature`` (0 for None).""")

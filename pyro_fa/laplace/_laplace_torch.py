@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-__all__ = ["translate", "raise_laplace_torch_only", "HESSIAN_STRUCTURES", "PRIOR_STRUCTURES"]
+__all__ = ["translate", "raise_laplace_torch_only", "dense_precision", "dense_covariance", "shaped_prior", "HESSIAN_STRUCTURES", "PRIOR_STRUCTURES"]
 
 #: laplace-torch's ``hessian_structure`` values this library has: low rank plus diagonal, or the exact curvature
 HESSIAN_STRUCTURES = ("lowrank", "full")
@@ -99,3 +99,50 @@ def translate(owner: str, subset, subset_of_weights, hessian_structure, prior_st
                          "'layerwise' (prior_precision of shape (1,) or one per parameter tensor, (L,)).")
     layerwise = None if prior_structure is None else prior_structure == "layerwise"
     return subset, hessian_structure == "full", layerwise
+
+
+#: the largest D whose dense (D, D) posterior precision or covariance is formed
+MAX_DENSE_DIM = 20_000
+
+
+def _dense(la, what: str):
+    name = type(la).__name__
+    if la._sharding is not None:
+        raise ValueError(f"{name}: {what} is a dense (D, D) matrix, which a sharded approximation (each rank "
+                         f"holding rows [lo, hi) of D={la.dim}) does not form; use get_posterior().")
+    if la.dim > MAX_DENSE_DIM:
+        raise ValueError(f"{name}: {what} is a dense (D, D) matrix, here D={la.dim} > {MAX_DENSE_DIM}; use "
+                         "get_posterior(), a distribution with O(DK) memory (its variance, precision_matvec, "
+                         "covariance_matvec, log_prob and rsample).")
+    la._check_fitted(what)
+    return la._posterior()
+
+
+def dense_precision(la) -> Tensor:
+    r"""laplace-torch's ``posterior_precision``: :math:`P = \mathrm{diag}(\delta) + \frac{N}{\sigma^2}(FF^\top +
+    \Psi)` as a dense Tensor of shape (D, D), for D <= 20 000 (a new tensor on each access).
+
+    Raises
+    ------
+    ValueError
+        Larger D, or a sharded approximation: use the posterior distribution (``get_posterior()``).
+    """
+    return _dense(la, "posterior_precision").precision_matrix
+
+
+def dense_covariance(la) -> Tensor:
+    r"""laplace-torch's ``posterior_covariance``: :math:`P^{-1}`, a dense Tensor of shape (D, D), for
+    D <= 20 000 (a new tensor on each access; see :attr:`posterior_precision`)."""
+    return _dense(la, "posterior_covariance").covariance_matrix
+
+
+def shaped_prior(owner: str, prior_precision, layerwise, n_layers: int):
+    """``prior_precision`` (checked, shape (1,) or (L,)) in the shape ``prior_structure`` asks for: (L,) for
+    ``"layerwise"`` (a scalar repeated), (1,) for ``"scalar"``; as it is without one (``layerwise`` None)."""
+    if layerwise is not None and prior_precision.numel() != (n_layers if layerwise else 1):
+        if layerwise and prior_precision.numel() == 1:
+            return prior_precision.expand(n_layers).clone()
+        raise ValueError(f"{owner}: prior_precision must have shape ({n_layers if layerwise else 1},) "
+                         f"for prior_structure={'layerwise' if layerwise else 'scalar'!r}, got shape "
+                         f"{tuple(prior_precision.shape)!r}.")
+    return prior_precision

@@ -15,9 +15,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Tuple, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["reiterable", "check_inputs", "slice_inputs", "n_examples"]
+__all__ = ["reiterable", "check_inputs", "slice_inputs", "n_examples", "check_batch", "batch_loss"]
 
 Inputs = Union[Tensor, Tuple[Tensor, ...]]
 
@@ -74,3 +74,49 @@ def slice_inputs(x: Inputs, lo: int, hi: int) -> Inputs:
 def n_examples(x: Inputs) -> int:
     """The batch size B of a Tensor or a tuple of them."""
     return x.shape[0] if torch.is_tensor(x) else x[0].shape[0]
+
+
+def check_batch(la, batch, what: str):
+    """A batch of ``what`` as ``(inputs, targets)`` on ``la``'s device, checked."""
+    name = type(la).__name__
+    if isinstance(batch, Mapping):  # laplace-torch's Hugging Face batches: refused as inputs, in one line
+        check_inputs(name, batch, la.loc)
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ValueError(f"{name}: {what} must yield (inputs, targets) pairs, got "
+                         f"{type(batch).__name__}{'' if not isinstance(batch, (tuple, list)) else f' of length {len(batch)}'}.")
+    x, y = batch
+    x = check_inputs(name, x, la.loc)
+    y = y.to(la.loc.device)
+    if y.is_inference() and not torch.is_inference_mode_enabled():
+        y = y.clone()
+    if n_examples(x) != y.shape[0]:
+        raise ValueError(f"{name}: inputs and targets of a batch must have the same length, got "
+                         f"{n_examples(x)} and {y.shape[0]}.")
+    return x, y
+
+
+def batch_loss(la, out: Tensor, y: Tensor) -> Tensor:
+    """The loss of ``la``'s likelihood summed over a batch: cross-entropy, or the sum of squared errors."""
+    name = type(la).__name__
+    if out.dim() > 2:  # the curvature would count every output, the evidence only the last dimension's
+        raise ValueError(f"{name}: the model's outputs must have shape (B, C) or (B,), got {tuple(out.shape)!r}; "
+                         "flatten them (end the model with nn.Flatten()) and the targets alike.")
+    out = out.unsqueeze(-1) if out.dim() == 1 else out
+    C = out.shape[-1]
+    if la.likelihood == "regression":
+        y = y.to(out.dtype)
+        y = y.unsqueeze(-1) if y.dim() == 1 else y
+        if y.shape != out.shape:
+            raise ValueError(f"{name}: regression targets must have the outputs' shape {tuple(out.shape)!r} "
+                             f"(or ({out.shape[0]},) for one output), got {tuple(y.shape)!r}.")
+        return (y - out).pow(2).sum()
+    if y.is_floating_point() and bool((y != y.round()).any()):
+        raise ValueError(f"{name}: classification targets must be integer class labels, got non-integer values.")
+    y = y.long().reshape(-1)
+    hi = 2 if C == 1 else C
+    if y.numel() != out.shape[0] or bool(((y < 0) | (y >= hi)).any()):
+        raise ValueError(f"{name}: classification targets must be labels in [0, {hi}) of shape "
+                         f"({out.shape[0]},), got values in [{int(y.min())}, {int(y.max())}].")
+    if C == 1:
+        return nn.functional.binary_cross_entropy_with_logits(out.reshape(-1), y.to(out.dtype), reduction="sum")
+    return nn.functional.cross_entropy(out, y, reduction="sum")

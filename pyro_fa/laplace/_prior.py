@@ -1,10 +1,10 @@
 r"""The evidence of :class:`~pyro_fa.laplace.FactorLaplace` and the choice of its prior precision: marginal
 likelihood (at the MAP, or the linearised model's at its own mode) or validation grid.
 
-A mixin (kept apart so that the approximation's state, fit and predictives stay readable): it reads the
-approximation through its buffers (``prior_precision``, ``loc``, ``loss``, ``loss_grad``, ...), ``_posterior``,
-``predict_proba`` / ``predict`` and ``_check_prior_precision``, and stores its choice only once the choice is
-checked (positive and finite), in new storage (``_replace``).
+Plain functions of the approximation ``la`` (its methods are these, bound by :func:`method`): they read it
+through its buffers (``prior_precision``, ``loc``, ``loss``, ``loss_grad``, ...), ``_posterior``, its structure's
+``log_det`` and ``predict_proba`` / ``predict``, and store a choice only once it is checked (positive and
+finite, :func:`check_prior_precision`), in new storage (``_replace``).
 
 ``optimize_prior_precision("gridsearch", ..., temperature=True)`` scores each grid value *after* a temperature
 (Guo, Pleiss, Sun & Weinberger, "On calibration of modern neural networks", 2017) fitted on the validation points
@@ -27,13 +27,16 @@ from pyro_fa.distributed import all_reduce_sum, replicated
 from pyro_fa.fa.batch import ConvergenceWarning
 from pyro_fa.laplace._laplace_torch import raise_laplace_torch_only
 from pyro_fa.laplace._loaders import n_examples, reiterable
+from pyro_fa.laplace.curvature import CURVATURES
+from pyro_fa.laplace.moment import MOMENT_FITS
 from pyro_fa.predictive.glm import check_pred_type
 
-__all__ = ["PriorPrecisionSelection", "PRIOR_METHODS", "EVIDENCE_MODES"]
+__all__ = ["train_log_likelihood", "log_marginal_likelihood", "optimize_prior_precision", "check_prior_precision",
+           "check_sigma", "check_options", "method", "PRIOR_METHODS", "EVIDENCE_MODES"]
 
-#: the ways of choosing the prior precision (:meth:`PriorPrecisionSelection.optimize_prior_precision`)
+#: the ways of choosing the prior precision (:func:`optimize_prior_precision`)
 PRIOR_METHODS = ("marglik", "gridsearch")
-#: where the marginal likelihood's fit and prior terms are evaluated (:meth:`PriorPrecisionSelection.log_marginal_likelihood`)
+#: where the marginal likelihood's fit and prior terms are evaluated (:func:`log_marginal_likelihood`)
 EVIDENCE_MODES = ("map", "linearized")
 
 _DEFAULT_GRID = tuple(10.0 ** (k / 4) for k in range(-16, 17))  # 1e-4 ... 1e4
@@ -157,362 +160,429 @@ def positive_int(owner: str, arg: str, value, minimum: int = 1) -> int:
     return value
 
 
-class PriorPrecisionSelection:
-    """Prior-precision selection of :class:`~pyro_fa.laplace.FactorLaplace` (see there)."""
+def method(function):
+    """``function(la, ...)`` as a method of the approximation: its name, signature and docstring."""
+    @functools.wraps(function)
+    def bound(self, *args, **kwargs):
+        return function(self, *args, **kwargs)
 
-    # ------------------------------------------------------------------ evidence
-    def train_log_likelihood(self, sigma_noise=None) -> Tensor:
-        r""":math:`\log p(\mathcal D \mid \theta_*)` of the training data at the MAP, a scalar (differentiable in
-        ``sigma_noise``); laplace-torch's ``la.log_likelihood``. (``log_likelihood(inputs, targets, ...)`` is the
-        predictive's, every posterior's: :class:`~pyro_fa.predictive.Posterior`.)"""
-        self._check_fitted("train_log_likelihood()")
-        if self.likelihood == "classification":
-            return -self.loss
-        _, sg = self._resolve(None, sigma_noise)
-        n_out = self.n_outputs.to(self.loc.dtype)
-        N = self.n_data.to(self.loc.dtype)
-        return -self.loss / (2 * sg.pow(2)) - 0.5 * N * n_out * torch.log(2 * math.pi * sg.pow(2))
+    return bound
 
-    def log_marginal_likelihood(self, prior_precision=None, sigma_noise=None, mode: str = "map") -> Tensor:
-        r"""The Laplace approximation of the log evidence, a scalar, differentiable in both hyperparameters.
 
-        ``mode="map"`` (MacKay 1992, §4; Daxberger et al. 2021, eq. 5; laplace-torch's):
+# ------------------------------------------------------------------ hyperparameters
+def check_options(owner: str, rank, full: bool, curvature: str, curvature_fit: str, process_group):
+    """``FactorLaplace``'s ``rank`` (default 20; an int checked positive) after its curvature options are checked."""
+    if curvature not in CURVATURES:
+        raise ValueError(f"{owner}: curvature must be one of {CURVATURES}, got {curvature!r}.")
+    if curvature_fit not in MOMENT_FITS:
+        raise ValueError(f"{owner}: curvature_fit must be one of {MOMENT_FITS}, got {curvature_fit!r}.")
+    if curvature_fit == "sketch" and process_group is not None:
+        raise ValueError(f"{owner}: curvature_fit='sketch' cannot be sharded; with a process_group use "
+                         "curvature_fit='online', 'randomized' or 'scatter', got curvature_fit='sketch'.")
+    if full and rank is not None:
+        raise ValueError(f"{owner}: hessian_structure='full' keeps the curvature exactly (rank=D); pass it or "
+                         f"rank, got rank={rank!r} too.")
+    rank = 20 if rank is None else rank
+    return positive_int(owner, "rank", rank) if isinstance(rank, int) else rank
 
-        .. math::
 
-            \log p(\mathcal D) \approx \log p(\mathcal D \mid \theta_*) - \tfrac12\big(\log\det P
-            - \textstyle\sum_d \log \delta_d + \sum_d \delta_d \theta_{*d}^2\big),
+def check_prior_precision(la, value, ref: Tensor, differentiable: bool = False) -> Tensor:
+    """``value`` as a Tensor of shape (1,) or (L,), checked (positive, finite); a detached copy unless
+    ``differentiable`` and ``value`` requires grad (then reshaped only, its graph kept)."""
+    name = type(la).__name__
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) or torch.is_tensor(value)):
+        raise TypeError(f"{name}: prior_precision must be a positive float or a Tensor of shape (1,) or "
+                        f"({la.n_layers},), got {type(value).__name__}.")
+    keep = differentiable and torch.is_tensor(value) and value.requires_grad
+    t = value.reshape(-1) if keep else torch.as_tensor(value, dtype=ref.dtype).to(ref.device).detach().reshape(-1).clone()
+    if t.numel() not in (1, la.n_layers):
+        raise ValueError(f"{name}: prior_precision must be a scalar or have one value per parameter tensor "
+                         f"(shape (1,) or ({la.n_layers},)), got shape {tuple(torch.as_tensor(value).shape)!r}.")
+    if not bool(torch.isfinite(t.detach()).all() and (t.detach() > 0).all()):
+        raise ValueError(f"{name}: prior_precision must be positive and finite, got {show(value)}.")
+    return t
 
-        with :math:`\log\det P` by the matrix determinant lemma in :math:`O(DK^2)` and :math:`\theta_*` the
-        weights at :meth:`fit`. It assumes :math:`\theta_*` is the mode of the posterior under the prior
-        :math:`\delta` being scored, which a network trained with another weight decay (or not to convergence)
-        is not: the prior term :math:`\delta\|\theta_*\|^2` then counts the many weights the data do not
-        determine, and the chosen :math:`\delta` comes out small and the predictive underconfident.
 
-        ``mode="linearized"``: the evidence of the linearised model at *its own* mode (Antorán et al.,
-        *Adapting the linearised Laplace model evidence for modern deep learning*, ICML 2022, §3-4), the loss
-        taken to second order about :math:`\theta_*` with the fitted curvature
-        :math:`G = \tfrac{N}{\sigma^2}(FF^\top + \Psi)` and the loss's gradient :math:`g` at
-        :math:`\theta_*` (kept by :meth:`fit`):
+def check_sigma(la, value, ref: Tensor, differentiable: bool = False) -> Tensor:
+    """``value`` as a Tensor of shape (), checked (positive, finite, 1 for classification); a detached copy
+    unless ``differentiable`` and ``value`` requires grad."""
+    name = type(la).__name__
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) or torch.is_tensor(value)):
+        raise TypeError(f"{name}: sigma_noise must be a positive float, got {type(value).__name__}.")
+    keep = differentiable and torch.is_tensor(value) and value.requires_grad
+    t = value if keep else torch.as_tensor(value, dtype=ref.dtype).to(ref.device).detach().clone()
+    if t.numel() != 1 or not bool(torch.isfinite(t.detach()).all() and (t.detach() > 0).all()):
+        raise ValueError(f"{name}: sigma_noise must be a positive finite scalar, got {show(value)}.")
+    if la.likelihood == "classification" and float(t.detach()) != 1.0:
+        raise ValueError(f"{name}: sigma_noise must be 1 for likelihood='classification', got {show(value)}.")
+    return t.reshape(())
 
-        .. math::
 
-            \log p(\mathcal D) \approx \text{the above} + \tfrac12\, b^\top P^{-1} b, \qquad
-            b = g + \delta \odot \theta_*,
+# ------------------------------------------------------------------ evidence
 
-        which is :math:`-\mathcal L(\hat\theta) - \tfrac12\log\det P + \tfrac12\sum_d\log\delta_d` at the mode
-        :math:`\hat\theta = \theta_* - P^{-1}b` of :math:`\mathcal L(\theta) = -\log p(\mathcal D\mid\theta_*)
-        + g^\top(\theta-\theta_*) + \tfrac12(\theta-\theta_*)^\top G(\theta-\theta_*) +
-        \tfrac12\sum_d\delta_d\theta_d^2`. The prior term weighs :math:`\hat\theta`, whose weights the data
-        do not determine are shrunk to the prior. For a Gaussian likelihood of a model linear in its weights
-        (and a curvature of full rank) this is the exact evidence, whatever :math:`\theta_*` is; for a
-        categorical one the second-order model of the loss stands in for the linearised model's. Also
-        :math:`O(DK^2)`.
 
-        Parameters
-        ----------
-        prior_precision : float or Tensor of shape (1,) or (L,), optional
-            Default: :attr:`prior_precision`.
-        sigma_noise : float or Tensor of shape (), optional
-            Default: :attr:`sigma_noise`.
-        mode : {"map", "linearized"}, default "map"
-            Where the fit and prior terms are evaluated: at :math:`\theta_*`, or at the linearised model's mode.
+def train_log_likelihood(la, sigma_noise=None) -> Tensor:
+    r""":math:`\log p(\mathcal D \mid \theta_*)` of the training data at the MAP, a scalar (differentiable in
+    ``sigma_noise``); laplace-torch's ``la.log_likelihood``. (``log_likelihood(inputs, targets, ...)`` is the
+    predictive's, every posterior's: :class:`~pyro_fa.predictive.Posterior`.)"""
+    la._check_fitted("train_log_likelihood()")
+    if la.likelihood == "classification":
+        return -la.loss
+    _, sg = la._resolve(None, sigma_noise)
+    n_out = la.n_outputs.to(la.loc.dtype)
+    N = la.n_data.to(la.loc.dtype)
+    return -la.loss / (2 * sg.pow(2)) - 0.5 * N * n_out * torch.log(2 * math.pi * sg.pow(2))
 
-        Returns
-        -------
-        Tensor of shape ()
-        """
-        self._check_fitted("log_marginal_likelihood()")
-        if mode not in EVIDENCE_MODES:
-            raise ValueError(f"{type(self).__name__}: mode must be one of {EVIDENCE_MODES}, got {mode!r}.")
-        pp, sg = self._resolve(prior_precision, sigma_noise)
-        log_lik = self.train_log_likelihood(sg)
-        if self._sharding is not None:  # they enter this rank's partial sums: their gradients summed over ranks
-            pp, sg = replicated(pp, self._sharding), replicated(sg, self._sharding)
-        delta = self._prior_diag(pp)
-        post = self._posterior(pp, sg)
-        sums = torch.stack([delta.log().sum(), (delta * self.loc.pow(2)).sum()])
-        if self._sharding is not None:  # this rank's weights: the sums over D all-reduced
-            sums = all_reduce_sum(sums, self._sharding)
-        log_det_ratio = post.log_det_precision() - sums[0]
-        lml = log_lik - 0.5 * (log_det_ratio + sums[1])
-        if mode == "linearized":
-            grad = self.loss_grad if self.likelihood == "classification" else self.loss_grad / (2 * sg.pow(2))
-            lml = lml + 0.5 * post.covariance_quadratic(grad + delta * self.loc)
-        return lml
 
-    @with_grad
-    def optimize_prior_precision(self, method: str = "marglik", *, n_steps: int = 100, lr: float = 2.0,
-                                 val_loader: Optional[Iterable] = None, grid: Optional[Sequence[float]] = None,
-                                 pred_type: str = "glm", link_approx: Optional[str] = None,
-                                 num_samples: int = 100, temperature: bool = False, mode: str = "map",
-                                 grid_size: Optional[int] = None, log_prior_prec_min: float = -4.0,
-                                 log_prior_prec_max: float = 4.0, **laplace_torch) -> Tensor:
-        r"""Choose the prior precision :math:`\delta` (scalar or per layer, the shape of :attr:`prior_precision`).
+def log_marginal_likelihood(la, prior_precision=None, sigma_noise=None, mode: str = "map") -> Tensor:
+    r"""The Laplace approximation of the log evidence, a scalar, differentiable in both hyperparameters.
 
-        Parameters
-        ----------
-        method : {"marglik", "gridsearch"}, default "marglik"
-            ``"marglik"``: MacKay's fixed point then BFGS on :math:`u = \log\delta` maximising
-            :meth:`log_marginal_likelihood` (its ``mode``), from the stored :math:`\delta` or, where the evidence
-            is higher there, the common value :math:`10^{-8}, 10^{-7}, \dots, 10^{8}` of most evidence, until the gradient in :math:`u` is zero to
-            :math:`\sqrt{\epsilon}\,(1 + D_l/2)` per group of :math:`D_l` weights (each of the gradient's two terms
-            is at most :math:`D_l/2`), with a ``ConvergenceWarning`` naming the gradient where it stops short
-            (:func:`ascend_log_evidence`); from :math:`\delta = 10^{\pm 12}` it reaches the optimum in about 20
-            steps. ``"gridsearch"``: the scalar :math:`\delta` of ``grid`` with the lowest validation negative
-            log-likelihood of the predictive (``pred_type``, ``link_approx``).
-        n_steps, lr : int, float
-            ``"marglik"``: the most BFGS steps, and the most any :math:`\log\delta_l` changes in one step (a
-            trust radius in e-folds; the step is halved until the evidence rises).
-        val_loader : iterable of (Tensor, Tensor)
-            Needed by ``"gridsearch"``. Read once: a one-shot iterator (a generator) is read into a list, whose
-            batches every grid value is scored on.
-        grid : sequence of float, optional
-            Default :math:`10^{-4}, 10^{-3.75}, \dots, 10^4`.
-        grid_size, log_prior_prec_min, log_prior_prec_max : int, float, float
-            laplace-torch's names for a grid: without ``grid``, ``grid_size`` values :math:`10^{\min}, \dots,
-            10^{\max}` evenly spaced in the exponent.
-        pred_type, link_approx, num_samples
-            The predictive scored by ``"gridsearch"`` (see :meth:`predict_proba`; ``link_approx=None`` is
-            ``"probit"`` for ``"glm"`` and ``"mc"`` for ``"nn"``). laplace-torch's ``n_samples`` is accepted for
-            ``num_samples``.
-        temperature : bool, default False
-            ``"gridsearch"`` of a classifier only: score each grid value by the validation NLL *after* a
-            temperature :math:`T` fitted there (:func:`pyro_fa.predictive.fit_temperature` on the log of the
-            predictive's probabilities, :math:`T \in [0.01, 100]`), and keep the :math:`T` of the chosen value
-            in :attr:`temperature`. :meth:`predict_proba` itself is never tempered; apply it as
-            ``(la.predict_proba(x, pred_type="glm").log() / la.temperature).softmax(-1)``. The raw scores stay in
-            ``grid_scores_``; the tempered ones and the temperatures go to ``grid_tempered_`` (values, NLLs,
-            temperatures). :attr:`temperature` is saved by :meth:`state_dict` (``fitted_temperature``).
-        mode : {"map", "linearized"}, default "map"
-            ``"marglik"`` only: the evidence maximised, at :math:`\theta_*` (laplace-torch's) or at the
-            linearised model's own mode (Antorán et al. 2022), which does not take the weights the data leave
-            undetermined for evidence of a small prior precision (see :meth:`log_marginal_likelihood`).
+    ``mode="map"`` (MacKay 1992, §4; Daxberger et al. 2021, eq. 5; laplace-torch's):
 
-        Returns
-        -------
-        Tensor of shape (1,) or (L,)
-            The chosen :attr:`prior_precision` (also stored, in new storage: a tensor taken earlier keeps its
-            values).
+    .. math::
 
-        Raises
-        ------
-        ValueError
-            An unknown ``method``; bad ``n_steps``, ``lr``, ``grid`` (``grid_size``) or a missing or empty
-            ``val_loader``; a log marginal likelihood or gradient that is not finite where ``"marglik"`` starts
-            (trial points where it is not finite are stepped back from), or a non-finite validation NLL in
-            ``"gridsearch"``; laplace-torch's arguments with no counterpart here (``init_prior_prec``, ``loss``,
-            ...); ``temperature`` not a bool, or True with ``"marglik"`` or a
-            regression; an unknown ``mode``, or ``"linearized"`` with ``"gridsearch"``. Nothing is stored
-            then: :attr:`prior_precision` and :attr:`temperature` stay as they were.
+        \log p(\mathcal D) \approx \log p(\mathcal D \mid \theta_*) - \tfrac12\big(\log\det P
+        - \textstyle\sum_d \log \delta_d + \sum_d \delta_d \theta_{*d}^2\big),
 
-        Warns
-        -----
-        ConvergenceWarning
-            ``"marglik"`` stopped (``n_steps``, or no step raised the evidence) with its gradient in
-            :math:`\log\delta` above the tolerance: the message names the gradient and its ratio to it.
+    with :math:`\log\det P` by the matrix determinant lemma in :math:`O(DK^2)` and :math:`\theta_*` the
+    weights at :meth:`fit`. It assumes :math:`\theta_*` is the mode of the posterior under the prior
+    :math:`\delta` being scored, which a network trained with another weight decay (or not to convergence)
+    is not: the prior term :math:`\delta\|\theta_*\|^2` then counts the many weights the data do not
+    determine, and the chosen :math:`\delta` comes out small and the predictive underconfident.
 
-        Examples
-        --------
-        >>> net = torch.nn.Linear(3, 4)
-        >>> x, y = torch.randn(60, 3), torch.randint(4, (60,))
-        >>> la = FactorLaplace(net, "classification", rank=2).fit([(x[:40], y[:40])])
-        >>> delta = la.optimize_prior_precision("gridsearch", val_loader=[(x[40:], y[40:])], temperature=True)
-        >>> p = (la.predict_proba(x[40:], pred_type="glm").log() / la.temperature).softmax(-1)  # the tempered predictive
-        >>> p.shape
-        torch.Size([20, 4])
-        >>> delta = la.optimize_prior_precision("marglik", mode="linearized")  # the linearised model's evidence
-        """
-        name = type(self).__name__
-        self._check_fitted("optimize_prior_precision()")
-        if "n_samples" in laplace_torch:  # laplace-torch's name for num_samples
-            if num_samples != 100:
-                raise TypeError(f"{name}: pass num_samples or laplace-torch's n_samples, not both.")
-            num_samples = laplace_torch.pop("n_samples")
-        if laplace_torch:
-            raise_laplace_torch_only(name, "optimize_prior_precision", laplace_torch)
-        if method not in PRIOR_METHODS:
-            hint = (" (laplace-torch's first argument is pred_type: pass pred_type=... by keyword here)"
-                    if method in ("glm", "nn") else "")
-            raise ValueError(f"{name}: method must be one of {PRIOR_METHODS}, got {method!r}{hint}.")
-        if grid_size is not None:
-            if grid is not None:
-                raise ValueError(f"{name}: grid and grid_size are two ways of giving the grid; pass one, got both.")
-            positive_int(name, "grid_size", grid_size)
-            lo, hi = float(log_prior_prec_min), float(log_prior_prec_max)
-            if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi):
-                raise ValueError(f"{name}: log_prior_prec_min must be <= log_prior_prec_max, both finite, got "
-                                 f"{log_prior_prec_min!r} and {log_prior_prec_max!r}.")
-            grid = torch.logspace(lo, hi, grid_size, dtype=torch.float64).tolist()
-        if not isinstance(temperature, bool):
-            raise ValueError(f"{name}: temperature must be True or False, got {temperature!r}.")
-        if temperature and method != "gridsearch":
-            raise ValueError(f"{name}: temperature=True needs method='gridsearch' (the temperature is fitted on "
-                             f"val_loader at each grid value), got method={method!r}.")
-        if temperature and self.likelihood != "classification":
-            raise ValueError(f"{name}: temperature=True needs likelihood='classification' (a temperature divides "
-                             f"log class probabilities), got {self.likelihood!r}.")
-        if mode not in EVIDENCE_MODES:
-            raise ValueError(f"{name}: mode must be one of {EVIDENCE_MODES}, got {mode!r}.")
-        if mode != "map" and method != "marglik":
-            raise ValueError(f"{name}: mode={mode!r} chooses the evidence of method='marglik', got "
-                             f"method={method!r}.")
-        chosen_t = None
-        if method == "marglik":
-            best = self._marglik_prior_precision(n_steps, lr, mode)
-        else:
-            best, chosen_t = self._gridsearch_prior_precision(val_loader, grid, pred_type, link_approx, num_samples,
-                                                              temperature)
-        # the choice is checked before it touches the fitted state: nothing changes when it is refused
-        best = self._check_prior_precision(best, self.loc)
-        self._replace(prior_precision=best)
-        self.temperature = chosen_t
-        return self.prior_precision.clone()
+    ``mode="linearized"``: the evidence of the linearised model at *its own* mode (Antorán et al.,
+    *Adapting the linearised Laplace model evidence for modern deep learning*, ICML 2022, §3-4), the loss
+    taken to second order about :math:`\theta_*` with the fitted curvature
+    :math:`G = \tfrac{N}{\sigma^2}(FF^\top + \Psi)` and the loss's gradient :math:`g` at
+    :math:`\theta_*` (kept by :meth:`fit`):
 
-    def _marglik_prior_precision(self, n_steps: int, lr: float, mode: str = "map") -> Tensor:
-        """The maximiser of the evidence in :math:`u = \\log\\delta` by :func:`ascend_log_evidence`, from the stored
-        :math:`\\delta`; gradients enabled whatever the caller's context (``torch.no_grad``, ``inference_mode``)."""
-        name = type(self).__name__
-        positive_int(name, "n_steps", n_steps)
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
-            raise ValueError(f"{name}: lr must be a positive finite float, got {lr!r}.")
-        # each group's weights: the natural scale of its gradient (each of its two terms is at most D_l / 2)
-        pp0 = self.prior_precision.detach()
-        sizes = [self.dim] if pp0.numel() == 1 else list(self._sizes)
-        with torch.inference_mode(False), torch.enable_grad():
-            u0 = pp0.log().clone()
+    .. math::
 
-            def objective(u: Tensor):
-                leaf = u.detach().clone().requires_grad_(True)
-                pp = leaf.exp()
-                if not bool(torch.isfinite(pp).all() and (pp > 0).all()):
-                    return None
-                lml = self.log_marginal_likelihood(prior_precision=pp, mode=mode)
-                if not bool(torch.isfinite(lml)):
-                    return None
-                g, = torch.autograd.grad(lml, leaf)
-                if not bool(torch.isfinite(g).all()):
-                    return None
-                return float(lml.detach()), g.detach()
+        \log p(\mathcal D) \approx \text{the above} + \tfrac12\, b^\top P^{-1} b, \qquad
+        b = g + \delta \odot \theta_*,
 
-            start = objective(u0)
-            # the best of the start and one common value per decade: a local search cannot leave the plateau of
-            # the linearised evidence at a huge precision (its gradient there is 0 to rounding)
-            for e in _START_DECADES:
-                if start is None:
-                    break
-                trial = self._evidence_at(u0.new_full(u0.shape, e * math.log(10)), mode)
-                if trial is not None and trial > start[0]:
-                    u0, start = u0.new_full(u0.shape, e * math.log(10)), None
-                    start = objective(u0)
+    which is :math:`-\mathcal L(\hat\theta) - \tfrac12\log\det P + \tfrac12\sum_d\log\delta_d` at the mode
+    :math:`\hat\theta = \theta_* - P^{-1}b` of :math:`\mathcal L(\theta) = -\log p(\mathcal D\mid\theta_*)
+    + g^\top(\theta-\theta_*) + \tfrac12(\theta-\theta_*)^\top G(\theta-\theta_*) +
+    \tfrac12\sum_d\delta_d\theta_d^2`. The prior term weighs :math:`\hat\theta`, whose weights the data
+    do not determine are shrunk to the prior. For a Gaussian likelihood of a model linear in its weights
+    (and a curvature of full rank) this is the exact evidence, whatever :math:`\theta_*` is; for a
+    categorical one the second-order model of the loss stands in for the linearised model's. Also
+    :math:`O(DK^2)`.
+
+    Parameters
+    ----------
+    prior_precision : float or Tensor of shape (1,) or (L,), optional
+        Default: :attr:`prior_precision`.
+    sigma_noise : float or Tensor of shape (), optional
+        Default: :attr:`sigma_noise`.
+    mode : {"map", "linearized"}, default "map"
+        Where the fit and prior terms are evaluated: at :math:`\theta_*`, or at the linearised model's mode.
+
+    Returns
+    -------
+    Tensor of shape ()
+    """
+    la._check_fitted("log_marginal_likelihood()")
+    if mode not in EVIDENCE_MODES:
+        raise ValueError(f"{type(la).__name__}: mode must be one of {EVIDENCE_MODES}, got {mode!r}.")
+    pp, sg = la._resolve(prior_precision, sigma_noise)
+    log_lik = la.train_log_likelihood(sg)
+    if la._sharding is not None:  # they enter this rank's partial sums: their gradients summed over ranks
+        pp, sg = replicated(pp, la._sharding), replicated(sg, la._sharding)
+    delta = la._prior_diag(pp)
+    post = la._posterior(pp, sg)
+    sums = torch.stack([delta.log().sum(), (delta * la.loc.pow(2)).sum()])
+    if la._sharding is not None:  # this rank's weights: the sums over D all-reduced
+        sums = all_reduce_sum(sums, la._sharding)
+    log_det_ratio = la._structure.log_det(post) - sums[0]
+    lml = log_lik - 0.5 * (log_det_ratio + sums[1])
+    if mode == "linearized":
+        grad = la.loss_grad if la.likelihood == "classification" else la.loss_grad / (2 * sg.pow(2))
+        lml = lml + 0.5 * post.covariance_quadratic(grad + delta * la.loc)
+    return lml
+
+
+@with_grad
+
+
+def optimize_prior_precision(la, method: str = "marglik", *, n_steps: int = 100, lr: float = 2.0,
+                             val_loader: Optional[Iterable] = None, grid: Optional[Sequence[float]] = None,
+                             pred_type: str = "glm", link_approx: Optional[str] = None,
+                             num_samples: int = 100, temperature: bool = False, mode: str = "map",
+                             grid_size: Optional[int] = None, log_prior_prec_min: float = -4.0,
+                             log_prior_prec_max: float = 4.0, **laplace_torch) -> Tensor:
+    r"""Choose the prior precision :math:`\delta` (scalar or per layer, the shape of :attr:`prior_precision`).
+
+    Parameters
+    ----------
+    method : {"marglik", "gridsearch"}, default "marglik"
+        ``"marglik"``: MacKay's fixed point then BFGS on :math:`u = \log\delta` maximising
+        :meth:`log_marginal_likelihood` (its ``mode``), from the stored :math:`\delta` or, where the evidence
+        is higher there, the common value :math:`10^{-8}, 10^{-7}, \dots, 10^{8}` of most evidence, until the gradient in :math:`u` is zero to
+        :math:`\sqrt{\epsilon}\,(1 + D_l/2)` per group of :math:`D_l` weights (each of the gradient's two terms
+        is at most :math:`D_l/2`), with a ``ConvergenceWarning`` naming the gradient where it stops short
+        (:func:`ascend_log_evidence`); from :math:`\delta = 10^{\pm 12}` it reaches the optimum in about 20
+        steps. ``"gridsearch"``: the scalar :math:`\delta` of ``grid`` with the lowest validation negative
+        log-likelihood of the predictive (``pred_type``, ``link_approx``).
+    n_steps, lr : int, float
+        ``"marglik"``: the most BFGS steps, and the most any :math:`\log\delta_l` changes in one step (a
+        trust radius in e-folds; the step is halved until the evidence rises).
+    val_loader : iterable of (Tensor, Tensor)
+        Needed by ``"gridsearch"``. Read once: a one-shot iterator (a generator) is read into a list, whose
+        batches every grid value is scored on.
+    grid : sequence of float, optional
+        Default :math:`10^{-4}, 10^{-3.75}, \dots, 10^4`.
+    grid_size, log_prior_prec_min, log_prior_prec_max : int, float, float
+        laplace-torch's names for a grid: without ``grid``, ``grid_size`` values :math:`10^{\min}, \dots,
+        10^{\max}` evenly spaced in the exponent.
+    pred_type, link_approx, num_samples
+        The predictive scored by ``"gridsearch"`` (see :meth:`predict_proba`; ``link_approx=None`` is
+        ``"probit"`` for ``"glm"`` and ``"mc"`` for ``"nn"``). laplace-torch's ``n_samples`` is accepted for
+        ``num_samples``.
+    temperature : bool, default False
+        ``"gridsearch"`` of a classifier only: score each grid value by the validation NLL *after* a
+        temperature :math:`T` fitted there (:func:`pyro_fa.predictive.fit_temperature` on the log of the
+        predictive's probabilities, :math:`T \in [0.01, 100]`), and keep the :math:`T` of the chosen value
+        in :attr:`temperature`. :meth:`predict_proba` itself is never tempered; apply it as
+        ``(la.predict_proba(x, pred_type="glm").log() / la.temperature).softmax(-1)``. The raw scores stay in
+        ``grid_scores_``; the tempered ones and the temperatures go to ``grid_tempered_`` (values, NLLs,
+        temperatures). :attr:`temperature` is saved by :meth:`state_dict` (``fitted_temperature``).
+    mode : {"map", "linearized"}, default "map"
+        ``"marglik"`` only: the evidence maximised, at :math:`\theta_*` (laplace-torch's) or at the
+        linearised model's own mode (Antorán et al. 2022), which does not take the weights the data leave
+        undetermined for evidence of a small prior precision (see :meth:`log_marginal_likelihood`).
+
+    Returns
+    -------
+    Tensor of shape (1,) or (L,)
+        The chosen :attr:`prior_precision` (also stored, in new storage: a tensor taken earlier keeps its
+        values).
+
+    Raises
+    ------
+    ValueError
+        An unknown ``method``; bad ``n_steps``, ``lr``, ``grid`` (``grid_size``) or a missing or empty
+        ``val_loader``; a log marginal likelihood or gradient that is not finite where ``"marglik"`` starts
+        (trial points where it is not finite are stepped back from), or a non-finite validation NLL in
+        ``"gridsearch"``; laplace-torch's arguments with no counterpart here (``init_prior_prec``, ``loss``,
+        ...); ``temperature`` not a bool, or True with ``"marglik"`` or a
+        regression; an unknown ``mode``, or ``"linearized"`` with ``"gridsearch"``. Nothing is stored
+        then: :attr:`prior_precision` and :attr:`temperature` stay as they were.
+
+    Warns
+    -----
+    ConvergenceWarning
+        ``"marglik"`` stopped (``n_steps``, or no step raised the evidence) with its gradient in
+        :math:`\log\delta` above the tolerance: the message names the gradient and its ratio to it.
+
+    Examples
+    --------
+    >>> net = torch.nn.Linear(3, 4)
+    >>> x, y = torch.randn(60, 3), torch.randint(4, (60,))
+    >>> la = FactorLaplace(net, "classification", rank=2).fit([(x[:40], y[:40])])
+    >>> delta = la.optimize_prior_precision("gridsearch", val_loader=[(x[40:], y[40:])], temperature=True)
+    >>> p = (la.predict_proba(x[40:], pred_type="glm").log() / la.temperature).softmax(-1)  # the tempered predictive
+    >>> p.shape
+    torch.Size([20, 4])
+    >>> delta = la.optimize_prior_precision("marglik", mode="linearized")  # the linearised model's evidence
+    """
+    name = type(la).__name__
+    la._check_fitted("optimize_prior_precision()")
+    if "n_samples" in laplace_torch:  # laplace-torch's name for num_samples
+        if num_samples != 100:
+            raise TypeError(f"{name}: pass num_samples or laplace-torch's n_samples, not both.")
+        num_samples = laplace_torch.pop("n_samples")
+    if laplace_torch:
+        raise_laplace_torch_only(name, "optimize_prior_precision", laplace_torch)
+    if method not in PRIOR_METHODS:
+        hint = (" (laplace-torch's first argument is pred_type: pass pred_type=... by keyword here)"
+                if method in ("glm", "nn") else "")
+        raise ValueError(f"{name}: method must be one of {PRIOR_METHODS}, got {method!r}{hint}.")
+    if grid_size is not None:
+        if grid is not None:
+            raise ValueError(f"{name}: grid and grid_size are two ways of giving the grid; pass one, got both.")
+        positive_int(name, "grid_size", grid_size)
+        lo, hi = float(log_prior_prec_min), float(log_prior_prec_max)
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi):
+            raise ValueError(f"{name}: log_prior_prec_min must be <= log_prior_prec_max, both finite, got "
+                             f"{log_prior_prec_min!r} and {log_prior_prec_max!r}.")
+        grid = torch.logspace(lo, hi, grid_size, dtype=torch.float64).tolist()
+    if not isinstance(temperature, bool):
+        raise ValueError(f"{name}: temperature must be True or False, got {temperature!r}.")
+    if temperature and method != "gridsearch":
+        raise ValueError(f"{name}: temperature=True needs method='gridsearch' (the temperature is fitted on "
+                         f"val_loader at each grid value), got method={method!r}.")
+    if temperature and la.likelihood != "classification":
+        raise ValueError(f"{name}: temperature=True needs likelihood='classification' (a temperature divides "
+                         f"log class probabilities), got {la.likelihood!r}.")
+    if mode not in EVIDENCE_MODES:
+        raise ValueError(f"{name}: mode must be one of {EVIDENCE_MODES}, got {mode!r}.")
+    if mode != "map" and method != "marglik":
+        raise ValueError(f"{name}: mode={mode!r} chooses the evidence of method='marglik', got "
+                         f"method={method!r}.")
+    chosen_t = None
+    if method == "marglik":
+        best = _marglik_prior_precision(la, n_steps, lr, mode)
+    else:
+        best, chosen_t = _gridsearch_prior_precision(la, val_loader, grid, pred_type, link_approx, num_samples,
+                                                          temperature)
+    # the choice is checked before it touches the fitted state: nothing changes when it is refused
+    best = la._check_prior_precision(best, la.loc)
+    la._replace(prior_precision=best)
+    la.temperature = chosen_t
+    return la.prior_precision.clone()
+
+
+def _marglik_prior_precision(la, n_steps: int, lr: float, mode: str = "map") -> Tensor:
+    """The maximiser of the evidence in :math:`u = \\log\\delta` by :func:`ascend_log_evidence`, from the stored
+    :math:`\\delta`; gradients enabled whatever the caller's context (``torch.no_grad``, ``inference_mode``)."""
+    name = type(la).__name__
+    positive_int(name, "n_steps", n_steps)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"{name}: lr must be a positive finite float, got {lr!r}.")
+    # each group's weights: the natural scale of its gradient (each of its two terms is at most D_l / 2)
+    pp0 = la.prior_precision.detach()
+    sizes = [la.dim] if pp0.numel() == 1 else list(la._sizes)
+    with torch.inference_mode(False), torch.enable_grad():
+        u0 = pp0.log().clone()
+
+        def objective(u: Tensor):
+            leaf = u.detach().clone().requires_grad_(True)
+            pp = leaf.exp()
+            if not bool(torch.isfinite(pp).all() and (pp > 0).all()):
+                return None
+            lml = la.log_marginal_likelihood(prior_precision=pp, mode=mode)
+            if not bool(torch.isfinite(lml)):
+                return None
+            g, = torch.autograd.grad(lml, leaf)
+            if not bool(torch.isfinite(g).all()):
+                return None
+            return float(lml.detach()), g.detach()
+
+        start = objective(u0)
+        # the best of the start and one common value per decade: a local search cannot leave the plateau of
+        # the linearised evidence at a huge precision (its gradient there is 0 to rounding)
+        for e in _START_DECADES:
             if start is None:
-                raise ValueError(f"{name}: optimize_prior_precision('marglik'): the log marginal likelihood or its "
-                                 f"gradient is not finite at the prior precision {show(pp0)} it starts from; the "
-                                 "fitted curvature or loss is not usable. The prior precision was left as it was.")
-            tol = torch.finfo(u0.dtype).eps ** 0.5 * (1 + 0.5 * torch.tensor(sizes, dtype=u0.dtype, device=u0.device))
-            u, g, steps, stalled = ascend_log_evidence(objective, u0, start, n_steps, lr, tol, self._prior_sq(pp0))
-        excess = float((g.abs() / tol).max())
-        if excess > 1:
-            where = (f"after {steps} of n_steps={n_steps} steps: no step increased the evidence"
-                     if stalled else f"after n_steps={n_steps} steps")
-            warnings.warn(f"{name}: optimize_prior_precision('marglik') stopped {where}, with the gradient of the log "
-                          f"evidence in log(prior_precision) at {float(g.abs().max()):.3g}, {excess:.3g} times its "
-                          f"tolerance from zero; the choice {show(u.exp())} may be off the optimum. Raise n_steps or "
-                          "start from another prior_precision.", ConvergenceWarning, stacklevel=3)
-        return u.exp()
+                break
+            trial = _evidence_at(la, u0.new_full(u0.shape, e * math.log(10)), mode)
+            if trial is not None and trial > start[0]:
+                u0, start = u0.new_full(u0.shape, e * math.log(10)), None
+                start = objective(u0)
+        if start is None:
+            raise ValueError(f"{name}: optimize_prior_precision('marglik'): the log marginal likelihood or its "
+                             f"gradient is not finite at the prior precision {show(pp0)} it starts from; the "
+                             "fitted curvature or loss is not usable. The prior precision was left as it was.")
+        tol = torch.finfo(u0.dtype).eps ** 0.5 * (1 + 0.5 * torch.tensor(sizes, dtype=u0.dtype, device=u0.device))
+        u, g, steps, stalled = ascend_log_evidence(objective, u0, start, n_steps, lr, tol, _prior_sq(la, pp0))
+    excess = float((g.abs() / tol).max())
+    if excess > 1:
+        where = (f"after {steps} of n_steps={n_steps} steps: no step increased the evidence"
+                 if stalled else f"after n_steps={n_steps} steps")
+        warnings.warn(f"{name}: optimize_prior_precision('marglik') stopped {where}, with the gradient of the log "
+                      f"evidence in log(prior_precision) at {float(g.abs().max()):.3g}, {excess:.3g} times its "
+                      f"tolerance from zero; the choice {show(u.exp())} may be off the optimum. Raise n_steps or "
+                      "start from another prior_precision.", ConvergenceWarning, stacklevel=3)
+    return u.exp()
 
-    def _evidence_at(self, u: Tensor, mode: str) -> Optional[float]:
-        """The log evidence at :math:`\\delta = e^u` without its gradient, None where not finite."""
-        with torch.no_grad():
-            lml = float(self.log_marginal_likelihood(prior_precision=u.exp(), mode=mode))
-        return lml if math.isfinite(lml) else None
 
-    def _prior_sq(self, pp: Tensor) -> Tensor:
-        r""":math:`c_l = \sum_{d\in l}\theta_{*d}^2` for each prior precision (one, or one per parameter tensor),
-        shape of ``pp`` (summed over the ranks when sharded)."""
-        sq = self.loc.detach().pow(2)
-        if pp.numel() == 1:
-            sums = sq.sum().reshape(1)
-        else:  # each weight's group, read off the per-weight expansion of 0, 1, ..., L-1
-            group = self._prior_diag(torch.arange(pp.numel(), dtype=sq.dtype, device=sq.device)).round().long()
-            sums = sq.new_zeros(pp.numel()).index_add_(0, group, sq)
-        return sums if self._sharding is None else all_reduce_sum(sums, self._sharding)
+def _evidence_at(la, u: Tensor, mode: str) -> Optional[float]:
+    """The log evidence at :math:`\\delta = e^u` without its gradient, None where not finite."""
+    with torch.no_grad():
+        lml = float(la.log_marginal_likelihood(prior_precision=u.exp(), mode=mode))
+    return lml if math.isfinite(lml) else None
 
-    def _gridsearch_prior_precision(self, val_loader, grid, pred_type, link_approx, n_samples, temperature=False):
-        """``(the chosen prior precision, its temperature or None)``; the scores kept in ``grid_scores_`` (and
-        ``grid_tempered_`` with ``temperature``)."""
-        name = type(self).__name__
-        if val_loader is None:
-            raise ValueError(f"{name}: method='gridsearch' needs val_loader, got None.")
-        val_loader = reiterable(name, val_loader, "val_loader")  # every grid value scored on all of it
-        # link_approx as predict_proba reads it: only for a classifier's GLM ("nn" always samples)
-        check_pred_type(name, pred_type,
-                        link_approx if self.likelihood == "classification" and pred_type == "glm" else None)
-        values = list(_DEFAULT_GRID if grid is None else grid)
-        if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
-                             or not math.isfinite(v) for v in values):
-            raise ValueError(f"{name}: grid must be a non-empty sequence of positive finite floats, got {grid!r}.")
-        saved = self._buffers["prior_precision"]
-        scores, tempered = [], []
-        try:
-            for v in values:  # a fresh tensor per value: the saved one is never written
-                self._buffers["prior_precision"] = torch.full_like(saved, v)
-                if temperature:
-                    raw, t_nll, t = self._tempered_validation_nll(val_loader, pred_type, link_approx, n_samples)
-                    scores.append(raw)
-                    tempered.append((t_nll, t))
-                else:
-                    scores.append(self._validation_nll(val_loader, pred_type, link_approx, n_samples))
-        finally:
-            self._buffers["prior_precision"] = saved
-        bad = [v for v, sc in zip(values, scores) if not math.isfinite(sc)]
-        bad += [v for v, (sc, _) in zip(values, tempered) if not math.isfinite(sc) and v not in bad]
-        if bad:
-            raise ValueError(f"{name}: optimize_prior_precision('gridsearch'): the validation NLL is not finite at "
-                             f"prior precision(s) {bad!r} of grid (val_loader holds non-finite inputs or targets, "
-                             "or the predictive failed). The prior precision was left as it was.")
-        self.grid_scores_ = (values, scores)
-        if not temperature:
-            return saved.new_full(saved.shape, values[int(torch.tensor(scores).argmin())]), None
-        self.grid_tempered_ = (values, [sc for sc, _ in tempered], [t for _, t in tempered])
-        k = min(range(len(values)), key=lambda i: tempered[i][0])  # the first of equal scores, as argmin
-        return saved.new_full(saved.shape, values[k]), tempered[k][1]
 
-    def _tempered_validation_nll(self, loader, pred_type, link_approx, n_samples):
-        """``(raw NLL, tempered NLL, temperature)`` per validation point of the classifier's predictive: the
-        temperature of least NLL fitted to the log of its probabilities (float64, floored at 1e-300)."""
-        from pyro_fa.predictive.temperature import fit_temperature
+def _prior_sq(la, pp: Tensor) -> Tensor:
+    r""":math:`c_l = \sum_{d\in l}\theta_{*d}^2` for each prior precision (one, or one per parameter tensor),
+    shape of ``pp`` (summed over the ranks when sharded)."""
+    sq = la.loc.detach().pow(2)
+    if pp.numel() == 1:
+        sums = sq.sum().reshape(1)
+    else:  # each weight's group, read off the per-weight expansion of 0, 1, ..., L-1
+        group = la._prior_diag(torch.arange(pp.numel(), dtype=sq.dtype, device=sq.device)).round().long()
+        sums = sq.new_zeros(pp.numel()).index_add_(0, group, sq)
+    return sums if la._sharding is None else all_reduce_sum(sums, la._sharding)
 
-        logs, ys = [], []
-        for batch in loader:
-            x, y = self._batch(batch, "val_loader")
-            p = self.predict_proba(x, pred_type=pred_type, link_approx=_link(pred_type, link_approx),
-                                   num_samples=n_samples)
-            logs.append(p.detach().to(torch.float64).clamp_min(1e-300).log())
-            ys.append(y.long().reshape(-1).to(p.device))
-        if not logs:
-            raise ValueError(f"{type(self).__name__}: val_loader must yield at least one batch, got none.")
-        z, y = torch.cat(logs), torch.cat(ys)
-        raw = float(-z.gather(-1, y[:, None]).mean())
-        if not (math.isfinite(raw) and bool(torch.isfinite(z).all())):
-            return math.nan, math.nan, math.nan
-        t = fit_temperature(z, y)
-        return raw, float(-(z / t).log_softmax(-1).gather(-1, y[:, None]).mean()), t
 
-    def _validation_nll(self, loader, pred_type, link_approx, n_samples) -> float:
-        total, count = 0.0, 0
-        for batch in loader:
-            x, y = self._batch(batch, "val_loader")
-            if self.likelihood == "classification":
-                p = self.predict_proba(x, pred_type=pred_type, link_approx=_link(pred_type, link_approx),
-                                       num_samples=n_samples)
-                total += float(-p.gather(-1, y.long().reshape(-1, 1)).clamp_min(1e-300).log().sum())
+def _gridsearch_prior_precision(la, val_loader, grid, pred_type, link_approx, n_samples, temperature=False):
+    """``(the chosen prior precision, its temperature or None)``; the scores kept in ``grid_scores_`` (and
+    ``grid_tempered_`` with ``temperature``)."""
+    name = type(la).__name__
+    if val_loader is None:
+        raise ValueError(f"{name}: method='gridsearch' needs val_loader, got None.")
+    val_loader = reiterable(name, val_loader, "val_loader")  # every grid value scored on all of it
+    # link_approx as predict_proba reads it: only for a classifier's GLM ("nn" always samples)
+    check_pred_type(name, pred_type,
+                    link_approx if la.likelihood == "classification" and pred_type == "glm" else None)
+    values = list(_DEFAULT_GRID if grid is None else grid)
+    if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
+                         or not math.isfinite(v) for v in values):
+        raise ValueError(f"{name}: grid must be a non-empty sequence of positive finite floats, got {grid!r}.")
+    saved = la._buffers["prior_precision"]
+    scores, tempered = [], []
+    try:
+        for v in values:  # a fresh tensor per value: the saved one is never written
+            la._buffers["prior_precision"] = torch.full_like(saved, v)
+            if temperature:
+                raw, t_nll, t = _tempered_validation_nll(la, val_loader, pred_type, link_approx, n_samples)
+                scores.append(raw)
+                tempered.append((t_nll, t))
             else:
-                mean, var = self.predict(x, pred_type=pred_type, num_samples=n_samples, return_var=True)
-                y = y.to(mean.dtype).reshape(mean.shape)
-                total += float(0.5 * ((y - mean).pow(2) / var + var.log() + math.log(2 * math.pi)).sum())
-            count += n_examples(x)
-        if count == 0:
-            raise ValueError(f"{type(self).__name__}: val_loader must yield at least one batch, got none.")
-        return total / count
+                scores.append(_validation_nll(la, val_loader, pred_type, link_approx, n_samples))
+    finally:
+        la._buffers["prior_precision"] = saved
+    bad = [v for v, sc in zip(values, scores) if not math.isfinite(sc)]
+    bad += [v for v, (sc, _) in zip(values, tempered) if not math.isfinite(sc) and v not in bad]
+    if bad:
+        raise ValueError(f"{name}: optimize_prior_precision('gridsearch'): the validation NLL is not finite at "
+                         f"prior precision(s) {bad!r} of grid (val_loader holds non-finite inputs or targets, "
+                         "or the predictive failed). The prior precision was left as it was.")
+    la.grid_scores_ = (values, scores)
+    if not temperature:
+        return saved.new_full(saved.shape, values[int(torch.tensor(scores).argmin())]), None
+    la.grid_tempered_ = (values, [sc for sc, _ in tempered], [t for _, t in tempered])
+    k = min(range(len(values)), key=lambda i: tempered[i][0])  # the first of equal scores, as argmin
+    return saved.new_full(saved.shape, values[k]), tempered[k][1]
+
+
+def _tempered_validation_nll(la, loader, pred_type, link_approx, n_samples):
+    """``(raw NLL, tempered NLL, temperature)`` per validation point of the classifier's predictive: the
+    temperature of least NLL fitted to the log of its probabilities (float64, floored at 1e-300)."""
+    from pyro_fa.predictive.temperature import fit_temperature
+
+    logs, ys = [], []
+    for batch in loader:
+        x, y = la._batch(batch, "val_loader")
+        p = la.predict_proba(x, pred_type=pred_type, link_approx=_link(pred_type, link_approx),
+                               num_samples=n_samples)
+        logs.append(p.detach().to(torch.float64).clamp_min(1e-300).log())
+        ys.append(y.long().reshape(-1).to(p.device))
+    if not logs:
+        raise ValueError(f"{type(la).__name__}: val_loader must yield at least one batch, got none.")
+    z, y = torch.cat(logs), torch.cat(ys)
+    raw = float(-z.gather(-1, y[:, None]).mean())
+    if not (math.isfinite(raw) and bool(torch.isfinite(z).all())):
+        return math.nan, math.nan, math.nan
+    t = fit_temperature(z, y)
+    return raw, float(-(z / t).log_softmax(-1).gather(-1, y[:, None]).mean()), t
+
+
+def _validation_nll(la, loader, pred_type, link_approx, n_samples) -> float:
+    total, count = 0.0, 0
+    for batch in loader:
+        x, y = la._batch(batch, "val_loader")
+        if la.likelihood == "classification":
+            p = la.predict_proba(x, pred_type=pred_type, link_approx=_link(pred_type, link_approx),
+                                   num_samples=n_samples)
+            total += float(-p.gather(-1, y.long().reshape(-1, 1)).clamp_min(1e-300).log().sum())
+        else:
+            mean, var = la.predict(x, pred_type=pred_type, num_samples=n_samples, return_var=True)
+            y = y.to(mean.dtype).reshape(mean.shape)
+            total += float(0.5 * ((y - mean).pow(2) / var + var.log() + math.log(2 * math.pi)).sum())
+        count += n_examples(x)
+    if count == 0:
+        raise ValueError(f"{type(la).__name__}: val_loader must yield at least one batch, got none.")
+    return total / count
 

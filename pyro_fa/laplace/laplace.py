@@ -25,35 +25,30 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping
-from typing import Dict, Iterable, Optional, Sequence, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from pyro_fa.laplace._blocks import assemble as _assemble_blocks, block_ranks as _block_ranks, fit_blocks
-from pyro_fa.laplace._fitted_state import FittedState
-from pyro_fa.laplace._laplace_torch import translate as _translate
-from pyro_fa.laplace._loaders import check_inputs, n_examples, reiterable, slice_inputs
-from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_network, select_parameters
-from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
-from pyro_fa.laplace._prior import PriorPrecisionSelection, positive_int as _positive_int, show as _show, with_grad
+from pyro_fa.laplace import _fit as fitting, _fitted_state as state, _prior as evidence
+from pyro_fa.laplace._fitted_state import layout_tensor, replace
+from pyro_fa.laplace._laplace_torch import dense_covariance, dense_precision, shaped_prior, translate as _translate
+from pyro_fa.laplace._loaders import batch_loss, check_batch, check_inputs, slice_inputs
+from pyro_fa.laplace.curvature import flat_network, select_parameters
+from pyro_fa.laplace.structures import get_structure
+from pyro_fa.laplace._prior import (check_options, check_prior_precision, check_sigma, method,
+                                    positive_int as _positive_int, with_grad)
 from pyro_fa.distributions import BlockLowRankPrecisionNormal, LowRankPrecisionNormal, PointMassNormal
 from pyro_fa.distributed import ShardedLowRankPrecisionNormal, make_laplace_sharding
-from pyro_fa.laplace._sharded_glm import sharded_glm_moments
-from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_moments, linearized_network
+from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_network
 from pyro_fa.predictive.likelihood import LIKELIHOODS, normalize_likelihood
 from pyro_fa.predictive.posterior import Posterior
 from pyro_fa.predictive.sampled import SampledPredictive
 
 __all__ = ["FactorLaplace", "LIKELIHOODS"]
 
-#: the largest D whose dense (D, D) posterior precision or covariance is formed
-_MAX_DENSE_DIM = 20_000
 
-
-
-class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
+class FactorLaplace(Posterior, nn.Module):
     r"""Laplace approximation :math:`N(\theta_*, P^{-1})` with a factor-analysis (low-rank plus diagonal) curvature.
 
     .. math::
@@ -79,18 +74,12 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         ``subset_of_weights`` (whose default is ``"last_layer"``; ours is every weight). Every argument after it
         is keyword-only.
     rank : int, list of int, dict or "auto", default 20
-        :math:`K \ge 1`; ``rank >= D`` keeps the curvature exactly (small D). Time and memory grow with K.
-        Where the predictive's spread matters (OOD detection, a small prior precision), take K larger
-        than the default: a small K under-states the dense GGN Laplace's spread there, while at a large prior
-        precision it already matches it (``benchmarks/bench_laplace_rank_ood.py`` measures both).
-        Per layer (block): a list with one rank per module owning parameters of the subset, in the subset's
-        order (``rank=[400, 100, 100]``), or a dict from those modules' names in ``model.named_modules()``
-        (``{"linear1": 400, ...}``): each block's curvature fitted on its own (one pass over the data for all),
-        block diagonal, each block's :math:`F_b` (D_b, K_b) held on its own (:attr:`block_factors`), the
-        posterior a :class:`~pyro_fa.distributions.BlockLowRankPrecisionNormal`: memory
-        :math:`O(\sum_b D_bK_b)` and :math:`O(\sum_b D_bK_b^2)` time instead of the total rank's; ``"auto"``:
-        ``rank_budget`` columns allocated over the blocks by the fitted spectrum (each fitted at ``rank_max``
-        first). See :mod:`pyro_fa.laplace._blocks`; attribute ``block_ranks``. Not with a ``process_group``.
+        :math:`K \ge 1`, the columns of :math:`F`; ``rank >= D`` keeps the curvature exactly (small D). A larger K
+        widens the predictive where its spread matters (OOD, a small prior precision;
+        ``benchmarks/bench_laplace_rank_ood.py``). A rank per layer: a list (one per module owning parameters of
+        the subset, in order), a dict from those modules' names, or ``"auto"`` (``rank_budget`` allocated by the
+        fitted spectrum): the ``"blocks"`` structure (:mod:`pyro_fa.laplace.structures.blocks`,
+        :attr:`block_factors`, ``block_ranks``), not with a ``process_group``.
     prior_precision : float or Tensor of shape (1,) or (L,), default 1.0
         :math:`\delta`: one value, or one per parameter tensor of the subset (L of them), positive.
     sigma_noise : float, default 1.0
@@ -98,20 +87,17 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
     curvature : {"ggn", "mc"}, default "ggn"
         Exact GGN factors (C vectors per example) or the Monte Carlo Fisher (``mc_samples`` per example).
     curvature_fit : {"auto", "exact", "scatter", "online", "sketch", "randomized"}, default "auto"
-        How the factor-analysis core fits the curvature (:func:`~pyro_fa.laplace.moment.fit_second_moment`):
-        ``"exact"``, the exact :math:`D\times D` curvature in one pass, then batch FA of its exact top
-        :math:`3K` eigenpairs and diagonal (``"randomized"``'s estimand without its sketching error;
-        :math:`O(D^2)` memory, one :math:`O(D^3)` eigendecomposition, :math:`O(DK^2)` per FA iteration), the
-        exact scatter and batch FA of all of it to convergence (``"scatter"``, :math:`O(D^2K)` per
-        iteration, tens of times slower), or in :math:`O(DK)` memory
-        online EM (``num_passes``, shardable), the core's scatter sketch refitted by batch FA (one pass), or
-        a randomized range finder and Nyström approximation of the uncentred moment refitted by batch FA
-        (``"randomized"``, ``num_passes`` passes, shardable; see :mod:`pyro_fa.laplace.moment`).
-        ``"auto"``: ``"exact"`` for D <= 1024, else ``"randomized"``. ``"sketch"`` is not shardable (refused
-        with a ``process_group``).
+        How the factor-analysis core fits the curvature (:func:`~pyro_fa.laplace.moment.fit_second_moment`, where
+        each is described): ``"exact"`` (:math:`O(D^2)` memory, one :math:`O(D^3)` eigendecomposition) and
+        ``"scatter"`` form the :math:`D\times D` curvature; ``"online"``, ``"sketch"`` and ``"randomized"`` hold
+        :math:`O(DK)`. ``"auto"``: ``"exact"`` for D <= 1024, else ``"randomized"``. ``"sketch"`` is not
+        shardable.
     rank_budget, rank_max : int, optional
-        Only with ``rank="auto"``: the total rank, and the rank each block is fitted at before the allocation
-        (default ``rank_budget``: any block may take it all; smaller costs less, warned where it binds).
+        Only with ``rank="auto"``: the total rank, and the rank each block is fitted at first (default
+        ``rank_budget``).
+    structure : str, optional
+        A curvature structure registered by name (:func:`~pyro_fa.laplace.structures.register_structure`); by
+        default ``"dense"`` for an int ``rank`` and ``"blocks"`` for a rank per layer.
     mc_samples : int, default 1
     num_passes : int, optional
         Passes over the data: default 4 for ``"online"``, 1 for ``"sketch"``, 2 for ``"randomized"``.
@@ -120,38 +106,23 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
     seed : int, default 0
         Seeds the sampled labels of ``"mc"`` and the factor-analysis initialisation.
     process_group : torch.distributed process group, optional
-        Data-parallel fit, sharded state: every rank holds the same model and passes its own part of the
-        data to :meth:`fit`; the counts and losses are all-reduced and the curvature is fitted from all
-        ranks' vectors (``"scatter"``: the D x D sums all-reduced, equal to one process on all the data;
-        ``"online"``: sharded by coordinates over the ranks, as ``OnlineFactorAnalysis(process_group=...)``;
-        ``"randomized"``: its D x 3K matrices held by rows, sums of 3K numbers per vector all-reduced).
-        Rank r of W then holds only its rows ``[lo, hi)`` (:func:`~pyro_fa.distributed.shard_bounds`, about
-        D/W) of :attr:`loc`, :attr:`cov_factor` and :attr:`cov_diag`, and its own :meth:`state_dict`; the
-        posterior is a :class:`~pyro_fa.distributed.ShardedLowRankPrecisionNormal` and every method
-        below is collective (all ranks call it with the same arguments): see :mod:`pyro_fa.distributed.laplace`.
+        Data-parallel fit, sharded state (:mod:`pyro_fa.distributed.laplace`): every rank passes its own part of
+        the data to :meth:`fit` and then holds only its rows ``[lo, hi)`` of :attr:`loc`, :attr:`cov_factor` and
+        :attr:`cov_diag` (:func:`~pyro_fa.distributed.shard_bounds`) and its own :meth:`state_dict`; the posterior
+        is a :class:`~pyro_fa.distributed.ShardedLowRankPrecisionNormal` and every method is collective.
     subset_of_weights, hessian_structure, prior_structure : str, optional
-        laplace-torch's names, mapped to ours (:mod:`pyro_fa.laplace._laplace_torch`):
-        ``subset_of_weights`` ``"all"`` / ``"last_layer"`` is ``subset``; ``hessian_structure="lowrank"`` is
-        this class's curvature (low rank plus diagonal, ``rank=K``) and ``"full"`` is ``rank=D`` (the curvature
-        kept exactly, small D), while ``"kron"``, ``"diag"`` and ``"gp"`` are refused naming ``rank``;
-        ``prior_structure`` ``"scalar"`` / ``"layerwise"`` gives :attr:`prior_precision` the shape (1,) / (L,)
-        (``"diag"`` is refused). laplace-torch's other keywords (``temperature``, ``prior_mean``, ``backend``,
-        ``dict_key_x``, ``last_layer_name``, ...) are refused naming what to use here. Likewise
-        ``optimize_prior_precision`` takes ``grid_size``, ``log_prior_prec_min`` and ``log_prior_prec_max``, and
-        :attr:`posterior_precision` / :attr:`posterior_covariance` are the dense (D, D) matrices (small D).
-        Not available: ``link_approx="bridge"`` (``"probit"`` or ``"mc"``), dict (Hugging Face) batches (inputs
-        are a Tensor or a tuple of Tensors, ``model(*x)``).
+        laplace-torch's names, mapped to ours or refused naming ours (the table of
+        :mod:`pyro_fa.laplace._laplace_torch`): ``hessian_structure="lowrank"`` is ``rank=K``, ``"full"`` is
+        ``rank=D``; ``prior_structure="layerwise"`` gives :attr:`prior_precision` the shape (L,). Likewise
+        :attr:`posterior_precision` / :attr:`posterior_covariance` (dense, small D).
 
     Attributes
     ----------
     loc : Tensor of shape (D,), or (D_r,) when sharded
         :math:`\theta_*` (this rank's rows when sharded, as the two below).
     cov_factor : Tensor of shape (D, K) or (D_r, K)
-        :math:`F` (curvature per example, :math:`\sigma = 1`). With a rank per block, the dense
-        :math:`\mathrm{blockdiag}(F_b)`, (D, sum of the ranks), formed on each access (not held).
-    block_factors : list of (int, int, Tensor), only with a rank per block
-        ``(lo, hi, F_b)``, :math:`F_b` of shape (hi - lo, K_b): the buffers ``block_factor_0``, ... that the
-        state holds instead of ``cov_factor``.
+        :math:`F` (curvature per example, :math:`\sigma = 1`); with a rank per layer the dense
+        :math:`\mathrm{blockdiag}(F_b)`, formed on each access (:attr:`block_factors` holds the blocks).
     cov_diag : Tensor of shape (D,) or (D_r,)
         :math:`\psi`, non-negative.
     shard : Tensor of shape (5,), int64, only when sharded
@@ -160,16 +131,12 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
     sigma_noise : Tensor of shape ()
     n_data : Tensor of shape (), int64
         :math:`N` (0 before :meth:`fit`).
-    loss : Tensor of shape ()
-        At :math:`\theta_*`: the summed cross-entropy (classification) or the sum of squared errors
-        (regression).
-    loss_grad : Tensor of shape (D,) or (D_r,)
-        The gradient of :attr:`loss` at :math:`\theta_*` (for ``log_marginal_likelihood(mode="linearized")``).
+    loss, loss_grad : Tensor of shape () and (D,) or (D_r,)
+        At :math:`\theta_*`: the summed cross-entropy (or sum of squared errors) and its gradient.
     fitted_temperature : Tensor of shape ()
         :attr:`temperature`, 0 for None.
     parameter_layout : Tensor of shape (L, 2 + the largest ndim), int64
-        Per parameter tensor of the subset: the CRC-32 of its name, its ndim and shape, so that
-        :meth:`load_state_dict` refuses the state of another network with as many weights.
+        The subset's parameter names (CRC-32) and shapes: :meth:`load_state_dict` refuses another network's state.
 
     Notes
     -----
@@ -180,9 +147,7 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
     :math:`\sigma^2` added. :attr:`scale` multiplies the predictive's covariance (:meth:`tune_scale`).
 
     :meth:`fit` costs :math:`C` reverse-mode products per example (``"ggn"``) or ``mc_samples`` gradients
-    (``"mc"``), then :math:`O(D^2)` memory, :math:`O(D^3)` once and :math:`O(DK^2)` per batch-FA iteration
-    (``"exact"``; :math:`O(D^2K)` for ``"scatter"``) or
-    :math:`O(DK)` memory and :math:`O(DK)` per vector (``"online"``). The posterior costs :math:`O(DK^2)`.
+    (``"mc"``), then the structure's fit (:mod:`pyro_fa.laplace.moment`); the posterior :math:`O(DK^2)`.
 
     References
     ----------
@@ -208,27 +173,18 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
                  sigma_noise: float = 1.0, curvature: str = "ggn", curvature_fit: str = "auto", mc_samples: int = 1,
                  num_passes: Optional[int] = None,
                  chunk_size: int = 32, seed: int = 0, process_group=None, rank_budget: Optional[int] = None,
-                 rank_max: Optional[int] = None, subset_of_weights: Optional[str] = None,
+                 rank_max: Optional[int] = None, structure: Optional[str] = None,
+                 subset_of_weights: Optional[str] = None,
                  hessian_structure: Optional[str] = None, prior_structure: Optional[str] = None, **laplace_torch):
         super().__init__()
         name = type(self).__name__
         if not isinstance(model, nn.Module):
             raise TypeError(f"{name}: model must be a torch.nn.Module, got {type(model).__name__}.")
         likelihood = normalize_likelihood(name, likelihood)
-        if curvature not in CURVATURES:
-            raise ValueError(f"{name}: curvature must be one of {CURVATURES}, got {curvature!r}.")
-        if curvature_fit not in MOMENT_FITS:
-            raise ValueError(f"{name}: curvature_fit must be one of {MOMENT_FITS}, got {curvature_fit!r}.")
-        if curvature_fit == "sketch" and process_group is not None:
-            raise ValueError(f"{name}: curvature_fit='sketch' cannot be sharded; with a process_group use "
-                             "curvature_fit='online', 'randomized' or 'scatter', got curvature_fit='sketch'.")
         subset, full, layerwise = _translate(name, subset, subset_of_weights, hessian_structure, prior_structure,
                                              laplace_torch)
-        if full and rank is not None:
-            raise ValueError(f"{name}: hessian_structure='full' keeps the curvature exactly (rank=D); pass it or "
-                             f"rank, got rank={rank!r} too.")
-        rank = 20 if rank is None else rank
-        self.rank = _positive_int(name, "rank", rank) if isinstance(rank, int) else rank
+        rank = check_options(name, rank, full, curvature, curvature_fit, process_group)
+        self.rank = rank
         self.mc_samples = _positive_int(name, "mc_samples", mc_samples)
         self.num_passes = None if num_passes is None else _positive_int(name, "num_passes", num_passes)
         self.chunk_size = _positive_int(name, "chunk_size", chunk_size)
@@ -237,9 +193,10 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         named = select_parameters(model, subset, name)
         if full:
             rank = self.rank = sum(p.numel() for _, p in named)
-        self._blocks = _block_ranks(name, rank, rank_budget, named, curvature_fit, process_group, rank_max)
-        if self._blocks is not None:  # per-block ranks: F is (D, the total), block diagonal
-            self.rank = self._blocks.width
+        self._structure = get_structure(name, structure, rank).build(
+            name, rank, named, curvature_fit=curvature_fit, process_group=process_group, rank_budget=rank_budget,
+            rank_max=rank_max)
+        self.rank = self._structure.width  # the columns of the whole factor F
         object.__setattr__(self, "model", model)  # not a submodule: the network's weights stay out of state_dict
         self.likelihood, self.curvature, self.curvature_fit = likelihood, curvature, curvature_fit
         self._named = named
@@ -252,33 +209,21 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         self._sharding = None if process_group is None else make_laplace_sharding(process_group, D, name)
         lo, hi = self._rows
         self.register_buffer("loc", torch.zeros(hi - lo, **dd))
-        if self._blocks is None:
-            self.register_buffer("cov_factor", torch.zeros(hi - lo, min(self.rank, D), **dd))
-        else:  # each block's factor (D_b, K_b) on its own (K_b = 0 before a fit with rank="auto")
-            for key, (a, e), k in zip(self._blocks.factor_names, self._blocks.bounds, self._blocks.initial):
-                self.register_buffer(key, torch.zeros(e - a, k, **dd))
+        self._structure.register_factor(self, hi - lo, self.loc)
         self.register_buffer("cov_diag", torch.zeros(hi - lo, **dd))
         if self._sharding is not None:
             sh = self._sharding
             self.register_buffer("shard", torch.tensor([D, sh.world_size, sh.rank, lo, hi], device=ref.device))
         prior_precision = self._check_prior_precision(prior_precision, ref)
-        if layerwise is not None and prior_precision.numel() != (self.n_layers if layerwise else 1):
-            if layerwise and prior_precision.numel() == 1:
-                prior_precision = prior_precision.expand(self.n_layers).clone()
-            else:
-                raise ValueError(f"{name}: prior_precision must have shape ({self.n_layers if layerwise else 1},) "
-                                 f"for prior_structure={'layerwise' if layerwise else 'scalar'!r}, got shape "
-                                 f"{tuple(prior_precision.shape)!r}.")
-        self.register_buffer("prior_precision", prior_precision)
+        self.register_buffer("prior_precision", shaped_prior(name, prior_precision, layerwise, self.n_layers))
         self.register_buffer("sigma_noise", self._check_sigma(sigma_noise, ref))
         self.register_buffer("n_data", torch.zeros((), dtype=torch.int64, device=ref.device))
         self.register_buffer("loss", torch.zeros((), **dd))
         self.register_buffer("loss_grad", torch.zeros(hi - lo, **dd))
         self.register_buffer("fitted_temperature", torch.zeros((), **dd))
         self.register_buffer("n_outputs", torch.zeros((), dtype=torch.int64, device=ref.device))
-        self.register_buffer("parameter_layout", self._layout_tensor(ref.device))
-        if self._blocks is not None:
-            self.register_buffer("block_ranks", torch.tensor(self._blocks.initial, device=ref.device))
+        self.register_buffer("parameter_layout", layout_tensor(self, ref.device))
+        self._structure.register_extra(self, self.loc)
         self._f = flat_network(model, named)
 
     # ------------------------------------------------------------------ checks
@@ -292,182 +237,42 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         """L, the number of parameter tensors in the subset."""
         return len(self._named)
 
-    def _check_prior_precision(self, value, ref: Tensor, differentiable: bool = False) -> Tensor:
-        """``value`` as a Tensor of shape (1,) or (L,), checked (positive, finite); a detached copy unless
-        ``differentiable`` and ``value`` requires grad (then reshaped only, its graph kept)."""
-        name = type(self).__name__
-        if isinstance(value, bool) or not (isinstance(value, (int, float)) or torch.is_tensor(value)):
-            raise TypeError(f"{name}: prior_precision must be a positive float or a Tensor of shape (1,) or "
-                            f"({self.n_layers},), got {type(value).__name__}.")
-        keep = differentiable and torch.is_tensor(value) and value.requires_grad
-        t = value.reshape(-1) if keep else torch.as_tensor(value, dtype=ref.dtype).to(ref.device).detach().reshape(-1).clone()
-        if t.numel() not in (1, self.n_layers):
-            raise ValueError(f"{name}: prior_precision must be a scalar or have one value per parameter tensor "
-                             f"(shape (1,) or ({self.n_layers},)), got shape {tuple(torch.as_tensor(value).shape)!r}.")
-        if not bool(torch.isfinite(t.detach()).all() and (t.detach() > 0).all()):
-            raise ValueError(f"{name}: prior_precision must be positive and finite, got {_show(value)}.")
-        return t
+    _check_prior_precision, _check_sigma = method(check_prior_precision), method(check_sigma)
 
-    def _check_sigma(self, value, ref: Tensor, differentiable: bool = False) -> Tensor:
-        """``value`` as a Tensor of shape (), checked (positive, finite, 1 for classification); a detached copy
-        unless ``differentiable`` and ``value`` requires grad."""
-        name = type(self).__name__
-        if isinstance(value, bool) or not (isinstance(value, (int, float)) or torch.is_tensor(value)):
-            raise TypeError(f"{name}: sigma_noise must be a positive float, got {type(value).__name__}.")
-        keep = differentiable and torch.is_tensor(value) and value.requires_grad
-        t = value if keep else torch.as_tensor(value, dtype=ref.dtype).to(ref.device).detach().clone()
-        if t.numel() != 1 or not bool(torch.isfinite(t.detach()).all() and (t.detach() > 0).all()):
-            raise ValueError(f"{name}: sigma_noise must be a positive finite scalar, got {_show(value)}.")
-        if self.likelihood == "classification" and float(t.detach()) != 1.0:
-            raise ValueError(f"{name}: sigma_noise must be 1 for likelihood='classification', got {_show(value)}.")
-        return t.reshape(())
+    _replace = method(replace)
+    load_state_dict = method(state.load_state_dict)
+
+    @property
+    def cov_factor(self) -> Tensor:
+        """:math:`F`, shape (D, K), as its structure holds it (with a rank per block the dense (D, sum of the ranks),
+        formed on each access: writing into it changes nothing)."""
+        structure = self.__dict__.get("_structure")
+        if structure is None:  # while __init__ registers the buffers
+            raise AttributeError("cov_factor")
+        return structure.cov_factor(self.__dict__["_buffers"], self.loc)
+
+    @property
+    def block_factors(self) -> List[Tuple[int, int, Tensor]]:
+        """With a rank per block: ``(lo, hi, F_b)`` per block, :math:`F_b` of shape (hi - lo, K_b), the buffer
+        ``block_factor_b`` (what the posterior and the state hold); ``ValueError`` with an int ``rank``."""
+        return self._structure.block_factors(type(self).__name__, self._buffers, self.rank)
+
+    temperature = state.temperature
 
     def _check_fitted(self, what: str) -> None:
         if int(self.n_data) == 0:
             raise RuntimeError(f"{type(self).__name__}: {what} needs a fitted Laplace approximation; call "
                                "fit(train_loader) first (or load_state_dict).")
 
-    def _batch(self, batch, what: str):
-        name = type(self).__name__
-        if isinstance(batch, Mapping):  # laplace-torch's Hugging Face batches: refused as inputs, in one line
-            check_inputs(name, batch, self.loc)
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise ValueError(f"{name}: {what} must yield (inputs, targets) pairs, got "
-                             f"{type(batch).__name__}{'' if not isinstance(batch, (tuple, list)) else f' of length {len(batch)}'}.")
-        x, y = batch
-        x = check_inputs(name, x, self.loc)
-        y = y.to(self.loc.device)
-        if y.is_inference() and not torch.is_inference_mode_enabled():
-            y = y.clone()
-        if n_examples(x) != y.shape[0]:
-            raise ValueError(f"{name}: inputs and targets of a batch must have the same length, got "
-                             f"{n_examples(x)} and {y.shape[0]}.")
-        return x, y
-
-    def _batch_loss(self, out: Tensor, y: Tensor) -> Tensor:
-        name = type(self).__name__
-        if out.dim() > 2:  # the curvature would count every output, the evidence only the last dimension's
-            raise ValueError(f"{name}: the model's outputs must have shape (B, C) or (B,), got {tuple(out.shape)!r}; "
-                             "flatten them (end the model with nn.Flatten()) and the targets alike.")
-        out = out.unsqueeze(-1) if out.dim() == 1 else out
-        C = out.shape[-1]
-        if self.likelihood == "regression":
-            y = y.to(out.dtype)
-            y = y.unsqueeze(-1) if y.dim() == 1 else y
-            if y.shape != out.shape:
-                raise ValueError(f"{name}: regression targets must have the outputs' shape {tuple(out.shape)!r} "
-                                 f"(or ({out.shape[0]},) for one output), got {tuple(y.shape)!r}.")
-            return (y - out).pow(2).sum()
-        if y.is_floating_point() and bool((y != y.round()).any()):
-            raise ValueError(f"{name}: classification targets must be integer class labels, got non-integer values.")
-        y = y.long().reshape(-1)
-        hi = 2 if C == 1 else C
-        if y.numel() != out.shape[0] or bool(((y < 0) | (y >= hi)).any()):
-            raise ValueError(f"{name}: classification targets must be labels in [0, {hi}) of shape "
-                             f"({out.shape[0]},), got values in [{int(y.min())}, {int(y.max())}].")
-        if C == 1:
-            return nn.functional.binary_cross_entropy_with_logits(out.reshape(-1), y.to(out.dtype), reduction="sum")
-        return nn.functional.cross_entropy(out, y, reduction="sum")
+    _batch, _batch_loss = method(check_batch), method(batch_loss)
 
     # ------------------------------------------------------------------ fit
-    def _theta(self) -> Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self._params])
+    fit = method(with_grad(fitting.fit))
 
-    @with_grad
-    def fit(self, train_loader: Iterable) -> "FactorLaplace":
-        """One pass over the data at the current (MAP) weights: the curvature, fitted by factor analysis.
-
-        Parameters
-        ----------
-        train_loader : iterable of (Tensor, Tensor)
-            Batches of inputs (B, ...), or a tuple of such Tensors (given to the network as ``model(*x)``), and
-            targets: labels (B,) for classification, values (B,) or (B, C) for regression (a
-            ``torch.utils.data.DataLoader`` or a list; a one-shot iterator such as a generator is read into a
-            list first, as the fit may pass over it more than once). Works under ``torch.no_grad()`` and
-            ``torch.inference_mode()`` (gradients are enabled inside).
-
-        Returns
-        -------
-        self
-
-        Raises
-        ------
-        ValueError
-            Malformed batches, targets, outputs of more than two dimensions, non-finite weights or curvature,
-            an empty loader, a dropout or batch-norm layer in train mode (nothing changed).
-        TypeError
-            Inputs that are neither a Tensor nor a tuple of Tensors (a dict).
-        """
-        name = type(self).__name__
-        check_eval_mode(name, self.model, "model")  # before any forward pass: its buffers stay as they are
-        train_loader = reiterable(name, train_loader, "train_loader")  # passed over more than once
-        theta = self._theta()
-        if not bool(torch.isfinite(theta).all()):
-            raise ValueError(f"{name}: the model's weights must be finite to fit a Laplace approximation, got "
-                             "NaN or inf.")
-        generator = torch.Generator(device=theta.device).manual_seed(self.seed)
-        totals = {"n": 0, "loss": theta.new_zeros(()), "grad": torch.zeros_like(theta), "outputs": 0, "first": True}
-        leaf = theta.clone().requires_grad_(True)
-
-        def passes():
-            count, totals["first"] = totals["first"], False
-            for batch in train_loader:
-                x, y = self._batch(batch, "train_loader")
-                for lo in range(0, n_examples(x), self.chunk_size):
-                    xc, yc = slice_inputs(x, lo, lo + self.chunk_size), y[lo:lo + self.chunk_size]
-                    if count:  # the loss and its gradient at theta (the linearised evidence's g)
-                        with torch.enable_grad():
-                            out = self._f(leaf, xc)
-                            loss = self._batch_loss(out, yc)
-                            totals["grad"] += torch.autograd.grad(loss, leaf)[0]
-                        totals["loss"] += loss.detach()
-                        out = out.detach()
-                        totals["n"] += n_examples(xc)
-                        totals["outputs"] = 1 if out.dim() == 1 else out.shape[-1]
-                    yield curvature_vectors(self._f, theta, xc, self.likelihood, self.curvature,
-                                            num_samples=self.mc_samples, generator=generator)
-
-        if self._blocks is not None:  # every block's fitter fed from the one stream
-            F, psi, info = fit_blocks(passes, self._blocks, num_passes=self.num_passes, seed=self.seed,
-                                      dtype=theta.dtype, device=theta.device, owner=name)
-        else:
-            F, psi, info = fit_second_moment(passes, self.dim, self.rank, method=self.curvature_fit,
-                                             num_passes=self.num_passes, seed=self.seed, dtype=theta.dtype,
-                                             device=theta.device, owner=name, process_group=self.process_group)
-        if self.process_group is not None:
-            import torch.distributed as dist
-
-            sums = torch.stack([totals["loss"].to(torch.float64), torch.tensor(float(totals["n"]), dtype=torch.float64,
-                                device=theta.device), torch.tensor(float(totals["outputs"]), dtype=torch.float64,
-                                device=theta.device)])
-            outputs = sums[2].clone()
-            dist.all_reduce(sums, group=self.process_group)
-            dist.all_reduce(outputs, op=dist.ReduceOp.MAX, group=self.process_group)
-            totals["loss"], totals["n"], totals["outputs"] = sums[0].to(theta.dtype), int(sums[1]), int(outputs)
-            dist.all_reduce(totals["grad"], group=self.process_group)
-        n_data = totals["n"]
-        if n_data == 0:
-            raise ValueError(f"{name}: train_loader must yield at least one example, got none.")
-        if not bool(torch.isfinite(totals["loss"])):
-            raise ValueError(f"{name}: the loss at the MAP must be finite, got {float(totals['loss'])!r}.")
-        if not bool(torch.isfinite(totals["grad"]).all()):
-            raise ValueError(f"{name}: the gradient of the loss at the MAP must be finite, got NaN or inf.")
-        ratio = info["n_vectors"] / n_data  # F F^T + psi fits G / V: rescale to G / N
-        factor = {}
-        if self._blocks is None:
-            factor["cov_factor"] = F * ratio ** 0.5
-        else:  # each block's factor kept on its own (allocated first for rank="auto"), rescaled
-            F, psi, ranks, info["values"] = _assemble_blocks(self._blocks, F, psi, ratio, self._prior_diag(
-                self.prior_precision), n_data / float(self.sigma_noise) ** 2)
-            ratio = 1.0
-            self._replace(block_ranks=ranks)
-            self._replace_block_factors(F)
-        lo, hi = self._rows
-        self._replace(loc=theta[lo:hi], **factor, cov_diag=psi * ratio, loss=totals["loss"],
-                      loss_grad=totals["grad"][lo:hi], n_data=torch.tensor(n_data),
-                      n_outputs=torch.tensor(totals["outputs"]))
-        self.fit_info = info
-        return self
+    # ------------------------------------------------------------------ the evidence and the prior precision
+    train_log_likelihood = method(evidence.train_log_likelihood)
+    log_marginal_likelihood = method(evidence.log_marginal_likelihood)
+    optimize_prior_precision = method(evidence.optimize_prior_precision)
 
     # ------------------------------------------------------------------ the posterior
     def _prior_diag(self, prior_precision: Tensor) -> Tensor:
@@ -494,33 +299,18 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         if cov_scale != 1.0:
             prec_diag, scale = prec_diag / cov_scale, scale / cov_scale
         # its own storage: neither a later fit() nor an in-place change of the posterior reaches the other
-        if self._blocks is not None:
-            blocks = [(a, e, F * scale.sqrt()) for a, e, F in self.block_factors]
-            return BlockLowRankPrecisionNormal(self.loc.clone(), blocks, prec_diag)
-        prec_factor = self.cov_factor * scale.sqrt()
-        if self._sharding is not None:
-            return ShardedLowRankPrecisionNormal(self.loc.clone(), prec_factor, prec_diag, self._sharding)
-        return LowRankPrecisionNormal(self.loc.clone(), prec_factor, prec_diag)
+        return self._structure.posterior(self._buffers, self.loc.clone(), prec_diag, scale, self._sharding)
 
     def get_posterior(self) -> Union[LowRankPrecisionNormal, BlockLowRankPrecisionNormal, ShardedLowRankPrecisionNormal]:
         r"""The Laplace approximation at :attr:`scale` :math:`s`, :math:`N(\theta_*, s P^{-1})`, at the current prior
         precision and noise (:math:`s = 1`, the default, is the Laplace approximation itself; at :math:`s = 0` a
         :class:`~pyro_fa.distributions.PointMassNormal` at :math:`\theta_*`).
 
-        A snapshot: its tensors share no storage with this object's buffers, so a later :meth:`fit`,
-        :meth:`optimize_prior_precision` or :meth:`load_state_dict` leaves a posterior already taken as it was.
-
-        Returns
-        -------
-        FactorNormal
-            A :class:`~pyro_fa.distributions.LowRankPrecisionNormal`; with a rank per layer a
-            :class:`~pyro_fa.distributions.BlockLowRankPrecisionNormal`; under a ``process_group`` this rank's rows
-            (:class:`~pyro_fa.laplace.ShardedLowRankPrecisionNormal`).
-
-        Raises
-        ------
-        RuntimeError
-            Before :meth:`fit`.
+        A snapshot (no storage shared with this object's buffers), a
+        :class:`~pyro_fa.distributions.FactorNormal` of the structure's form: a
+        :class:`~pyro_fa.distributions.LowRankPrecisionNormal` (sharded: this rank's rows,
+        :class:`~pyro_fa.distributed.ShardedLowRankPrecisionNormal`), with a rank per layer a
+        :class:`~pyro_fa.distributions.BlockLowRankPrecisionNormal`. ``RuntimeError`` before :meth:`fit`.
         """
         self._check_fitted("get_posterior()")
         if self.scale == 0.0:
@@ -532,35 +322,8 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         """Marginal variances of the weights, shape (D,) (this rank's (D_r,) when sharded; collective)."""
         return self.get_posterior().variance
 
-    def _dense(self, what: str) -> LowRankPrecisionNormal:
-        name = type(self).__name__
-        if self._sharding is not None:
-            raise ValueError(f"{name}: {what} is a dense (D, D) matrix, which a sharded approximation (each rank "
-                             f"holding rows [lo, hi) of D={self.dim}) does not form; use get_posterior().")
-        if self.dim > _MAX_DENSE_DIM:
-            raise ValueError(f"{name}: {what} is a dense (D, D) matrix, here D={self.dim} > {_MAX_DENSE_DIM}; use "
-                             "get_posterior(), a distribution with O(DK) memory (its variance, precision_matvec, "
-                             "covariance_matvec, log_prob and rsample).")
-        self._check_fitted(what)
-        return self._posterior()
-
-    @property
-    def posterior_precision(self) -> Tensor:
-        r"""laplace-torch's ``posterior_precision``: :math:`P = \mathrm{diag}(\delta) + \frac{N}{\sigma^2}(FF^\top +
-        \Psi)` as a dense Tensor of shape (D, D), for D <= 20 000 (a new tensor on each access).
-
-        Raises
-        ------
-        ValueError
-            Larger D, or a sharded approximation: use the posterior distribution (``get_posterior()``).
-        """
-        return self._dense("posterior_precision").precision_matrix
-
-    @property
-    def posterior_covariance(self) -> Tensor:
-        r"""laplace-torch's ``posterior_covariance``: :math:`P^{-1}`, a dense Tensor of shape (D, D), for
-        D <= 20 000 (a new tensor on each access; see :attr:`posterior_precision`)."""
-        return self._dense("posterior_covariance").covariance_matrix
+    posterior_precision = property(method(dense_precision))
+    posterior_covariance = property(method(dense_covariance))
 
     def sample(self, num_samples: Optional[int] = None, *, generator: Optional[torch.Generator] = None) -> Tensor:
         """Weight vectors drawn from the Laplace approximation, shape (num_samples, D), or (D,) for ``None``.
@@ -622,30 +385,10 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         return torch.add(self.loc, self._deviations(num_samples, generator), alpha=math.sqrt(self.scale))
 
     def predictive(self, pred_type: str = "nn", *, loader=None) -> SampledPredictive:
-        r"""The Laplace approximation's predictive: draws at :attr:`scale` run in the network, or in its linearisation.
-
-        Parameters
-        ----------
-        pred_type : {"nn", "glm"}, default "nn"
-            ``"nn"``: the network at each draw :math:`\theta`; ``"glm"``: the network linearised at
-            :math:`\theta_*`, :math:`f(x; \theta_*) + J_x(\theta - \theta_*)` (Immer, Korzepa & Bauer 2021, §3).
-        loader : None
-            Not used (the model is in eval mode: no batch-norm statistics to refresh); must be None.
-
-        Returns
-        -------
-        SampledPredictive
-            With ``loc`` :math:`\theta_*` and unscaled ``deviations``, for
-            :func:`~pyro_fa.predictive.tune_scale`, :class:`~pyro_fa.predictive.TemperatureScaling` and
-            :mod:`pyro_fa.metrics`.
-
-        Raises
-        ------
-        RuntimeError
-            Before :meth:`fit`.
-        ValueError
-            An unknown ``pred_type``; a ``loader``.
-        """
+        r"""The predictive (:class:`~pyro_fa.predictive.SampledPredictive`, with ``loc`` :math:`\theta_*` and unscaled
+        ``deviations``): draws at :attr:`scale` run in the network (``pred_type="nn"``) or in its linearisation at
+        :math:`\theta_*`, :math:`f(x; \theta_*) + J_x(\theta - \theta_*)` (``"glm"``, Immer, Korzepa & Bauer 2021,
+        §3). ``loader`` must be None (the model is in eval mode). ``RuntimeError`` before :meth:`fit`."""
         name = type(self).__name__
         check_pred_type(name, pred_type)
         if loader is not None:
@@ -673,15 +416,10 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
         return network
 
     def _glm_moments(self, x: Tensor):
-        if self._sharding is not None:  # refused before any collective, as linearized_moments refuses it
-            check_eval_mode(type(self).__name__, self.model, "model")
-        post = self._posterior()  # unscaled: the callers apply the scale
-        if self._sharding is not None:
-            # the whole linearisation point (D numbers, gathered) and each rank's rows of the posterior
-            return sharded_glm_moments(self._f, self._sharding.all_gather(self.loc), x, post, self.chunk_size)
-        factor = post.cov_factor if self._blocks is None else post.cov_factors  # blocks: never densified
-        return linearized_moments(self.model, self.loc, x, cov_diag=post.cov_diag, cov_factor=factor,
-                                  factor_sign=-1.0, chunk_size=self.chunk_size, params=self._params)
+        # the posterior unscaled (the callers apply the scale)
+        return self._structure.glm_moments(self._posterior, x, owner=type(self).__name__, model=self.model, f=self._f,
+                                           loc=self.loc, params=self._params, chunk_size=self.chunk_size,
+                                           sharding=self._sharding)
 
     def _linearized_marginals(self, inputs, chunk_size):
         r""":math:`f(x; \theta_*)` and :math:`s\,\mathrm{diag}(J_x P^{-1} J_x^\top)`, in the model output's shape."""
@@ -705,4 +443,4 @@ class FactorLaplace(Posterior, PriorPrecisionSelection, FittedState, nn.Module):
     def extra_repr(self) -> str:
         return (f"likelihood={self.likelihood!r}, dim={self.dim}, rank={self.rank}, curvature={self.curvature!r}, "
                 f"curvature_fit={self.curvature_fit!r}" + (f", rows={self._rows}" if self._sharding else "")
-                + ("" if self._blocks is None else f", blocks={dict(zip(self._blocks.names, self.block_ranks.tolist()))}"))
+                + self._structure.describe(self._buffers))
