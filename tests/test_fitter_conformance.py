@@ -73,7 +73,7 @@ def _same(a, b):
 def test_registry_holds_the_builtin_fitters(method):
     cls = fitter_class(method, "OnlineFactorAnalysis")
     assert issubclass(cls, Fitter) and cls.name == method and FITTERS[method] is cls
-    assert isinstance(OnlineFactorAnalysis(5, 2, method=method, warmup=2)._fitter, cls)
+    assert isinstance(OnlineFactorAnalysis(5, 2, method=method, warmup=2).fitter, cls)
 
 
 def test_unknown_method_is_refused_at_the_boundary():
