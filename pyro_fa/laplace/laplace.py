@@ -30,7 +30,8 @@ from torch import Tensor, nn
 from pyro_fa.laplace._blocks import assemble as _assemble_blocks, block_ranks as _block_ranks, fit_blocks
 from pyro_fa.laplace._fitted_state import FittedState
 from pyro_fa.laplace.curvature import CURVATURES, curvature_vectors, flat_network, select_parameters
-from pyro_fa.laplace.moment import MOMENT_FITS, fit_second_moment
+from pyro_fa.fa.fitters import Fitter
+from pyro_fa.laplace.moment import fit_second_moment, moment_fits
 from pyro_fa.laplace._prior import PriorPrecisionSelection, positive_int as _positive_int, show as _show
 from pyro_fa.distributions import BlockLowRankPrecisionNormal, LowRankPrecisionNormal
 from pyro_fa.distributed import ShardedLowRankPrecisionNormal, make_laplace_sharding
@@ -86,13 +87,15 @@ class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
         :math:`\sigma` of the Gaussian likelihood; must be 1 for classification.
     curvature : {"ggn", "mc"}, default "ggn"
         Exact GGN factors (C vectors per example) or the Monte Carlo Fisher (``mc_samples`` per example).
-    curvature_fit : {"auto", "scatter", "online", "sketch", "randomized"}, default "auto"
+    curvature_fit : {"auto", "scatter", "online", "sketch", "randomized"} or Fitter, default "auto"
         How the factor-analysis core fits the curvature (:func:`~pyro_fa.laplace.moment.fit_second_moment`):
         the exact scatter and batch FA to convergence (:math:`O(D^2)` memory), or in :math:`O(DK)` memory
         online EM (``num_passes``, shardable), the core's scatter sketch refitted by batch FA (one pass), or
         a randomized range finder and Nyström approximation of the uncentred moment refitted by batch FA
         (``"randomized"``, ``num_passes`` passes, shardable; see :mod:`pyro_fa.laplace.moment`).
-        ``"auto"``: ``"scatter"`` for D <= 2048, else ``"randomized"``.
+        ``"auto"``: ``"scatter"`` for D <= 2048, else ``"randomized"``. ``"online"`` and ``"sketch"`` are the
+        registered fitters whose ``curvature_fit`` names them (:mod:`pyro_fa.fa.fitters`); a fitter object with
+        a ``curvature_fit`` name (e.g. ``OnlineEM(step_scale=1.0)``) fits with its own options.
     rank_budget, rank_max : int, optional
         Only with ``rank="auto"``: the total rank, and the rank each block is fitted at before the allocation
         (default ``rank_budget``: any block may take it all; smaller costs less, warned where it binds).
@@ -179,8 +182,9 @@ class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
             raise ValueError(f"{name}: likelihood must be one of {LIKELIHOODS}, got {likelihood!r}.")
         if curvature not in CURVATURES:
             raise ValueError(f"{name}: curvature must be one of {CURVATURES}, got {curvature!r}.")
-        if curvature_fit not in MOMENT_FITS:
-            raise ValueError(f"{name}: curvature_fit must be one of {MOMENT_FITS}, got {curvature_fit!r}.")
+        if not (isinstance(curvature_fit, Fitter) and curvature_fit.curvature_fit) and curvature_fit not in moment_fits():
+            raise ValueError(f"{name}: curvature_fit must be one of {moment_fits()} or a fitter object, got "
+                             f"{curvature_fit!r}.")
         self.rank = _positive_int(name, "rank", rank) if isinstance(rank, int) else rank
         self.mc_samples = _positive_int(name, "mc_samples", mc_samples)
         self.num_passes = None if num_passes is None else _positive_int(name, "num_passes", num_passes)
