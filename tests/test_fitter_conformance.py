@@ -229,7 +229,7 @@ def test_one_registry_serves_swag_and_factor_laplace(toy_fitter):
         assert swag.method == "diagonal"
         assert torch.allclose(swag.fa.cov_diag, shrink * var, rtol=1e-10)
     with pytest.raises(ValueError, match=r"FactorLaplace: curvature_fit must be one of \('auto', 'scatter', 'online', "
-                                         r"'sketch', 'randomized'\) or a fitter object, got 'diagonal'"):
+                                         r"'sketch', 'randomized'\), got 'diagonal'"):
         FactorLaplace(net, "regression", rank=1, curvature_fit="diagonal")
     Diagonal.curvature_fit = "diagonal"  # now FactorLaplace offers it: the second moment of +-v is diag(E v^2)
     try:

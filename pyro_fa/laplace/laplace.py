@@ -183,8 +183,7 @@ class FactorLaplace(PriorPrecisionSelection, FittedState, nn.Module):
         if curvature not in CURVATURES:
             raise ValueError(f"{name}: curvature must be one of {CURVATURES}, got {curvature!r}.")
         if not (isinstance(curvature_fit, Fitter) and curvature_fit.curvature_fit) and curvature_fit not in moment_fits():
-            raise ValueError(f"{name}: curvature_fit must be one of {moment_fits()} or a fitter object, got "
-                             f"{curvature_fit!r}.")
+            raise ValueError(f"{name}: curvature_fit must be one of {moment_fits()}, got {curvature_fit!r}.")
         self.rank = _positive_int(name, "rank", rank) if isinstance(rank, int) else rank
         self.mc_samples = _positive_int(name, "mc_samples", mc_samples)
         self.num_passes = None if num_passes is None else _positive_int(name, "num_passes", num_passes)
