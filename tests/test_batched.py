@@ -416,6 +416,23 @@ def test_per_replica_data_equals_shared_data_and_callback_stops(device):
     assert sum(counted) == 7
 
 
+def test_fit_batched_takes_columns_of_targets_as_the_flat_targets():
+    """y of shape (N, 1) or (R, N, 1) trains exactly as (N,) or (R, N)."""
+    x, y = _toy()
+    per_replica = torch.stack([y, y.flip(0)])
+    for flat, column in ((y, y.unsqueeze(-1)), (per_replica, per_replica.unsqueeze(-1))):
+        runs = []
+        for target in (flat, column):
+            torch.manual_seed(1)
+            model = BatchedVI(BatchedMLP(3, (4,)), "fa", precision=torch.ones(2), rank=2, lr=1e-2,
+                              generator=torch.Generator().manual_seed(0))
+            losses = fit_batched(model, x, target, steps=15, batch_size=16, progress=False,
+                                 generator=torch.Generator().manual_seed(1))
+            runs.append((losses, [v.detach().clone() for v in model.params().values()]))
+        torch.testing.assert_close(runs[1][0], runs[0][0], rtol=0, atol=0)
+        for a, b in zip(runs[1][1], runs[0][1]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
 def test_fit_batched_refuses_bad_input():
     x, y = _toy()
     model = BatchedVI(BatchedMLP(3, (4,)), "fa", precision=torch.ones(2), rank=2)
@@ -429,9 +446,11 @@ def test_fit_batched_refuses_bad_input():
         (dict(x=x.expand(3, -1, -1)), ValueError, r"x must have shape \(M, 3\) or \(2, M, 3\), got \(3, 40, 3\)\."),
         (dict(x=x.float()), ValueError, r"fit_batched: x must have the model's dtype torch\.float64 and device cpu, "
                                         r"got torch\.float32 on cpu\. Move it"),
-        (dict(y=y[:30]), ValueError, r"fit_batched: y must have shape \(40,\) or \(2, 40\), one target per row of x "
-                                     r"of shape \(40, 3\), got \(30,\)\."),
-        (dict(y=y.unsqueeze(-1)), ValueError, r"y must have shape \(40,\) or \(2, 40\).*got \(40, 1\)\."),
+        (dict(y=y[:30]), ValueError, r"fit_batched: y must have shape \(40,\) or \(2, 40\) \(or those with a trailing "
+                                     r"1\), one target per row of x of shape \(40, 3\), got \(30,\)\."),
+        (dict(y=y.unsqueeze(-1).expand(40, 2)), ValueError, r"y must have shape \(40,\) or \(2, 40\).*got \(40, 2\)\."),
+        (dict(y=y.expand(3, 40).unsqueeze(-1)), ValueError,
+         r"y must have shape \(40,\) or \(2, 40\).*got \(3, 40, 1\)\."),
         (dict(y=y.float()), ValueError, r"fit_batched: y must have the model's dtype torch\.float64"),
         (dict(y=list(y)), TypeError, r"fit_batched: y must be a torch\.Tensor"),
         (dict(x=bad), ValueError, r"fit_batched: x must be finite, got NaN or inf in 1 entries; nothing was trained"),

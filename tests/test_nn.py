@@ -379,6 +379,20 @@ def test_fit_many_from_the_modules_weights_with_a_laplace_prior_and_fixed_noise(
     assert start.shape == (21,)
 
 
+def test_fit_many_takes_a_column_of_targets_as_the_flat_targets():
+    """(N, 1), the shape of the network's output that the SWAG quick start trains on, gives the (N,) fit exactly."""
+    net, x, y = _grid_problem()
+    fits = []
+    for target in (y, y.unsqueeze(-1)):
+        torch.manual_seed(3)
+        fits.append(BayesianNetwork.fit_many(net, GaussianPrior(1.0), x, target, 20, copies=2, lr=1e-2, rank=2,
+                                             generator=torch.Generator().manual_seed(3), progress=False))
+    for flat, column in zip(*fits):
+        torch.testing.assert_close(column.guide.loc, flat.guide.loc, rtol=0, atol=0)
+        torch.testing.assert_close(column.guide.factor, flat.guide.factor, rtol=0, atol=0)
+        torch.testing.assert_close(column.learned_noise_scale, flat.learned_noise_scale, rtol=0, atol=0)
+    assert fits[0][0].guide.loc.shape == (21,)
+
 @pytest.mark.parametrize("change, exc, match", [
     (dict(net=torch.nn.Linear(2, 1)), TypeError, r"BayesianNetwork\.fit_many: net must be an nn\.Sequential of "
                                                  r"nn\.Linear layers .* got Linear\."),
@@ -404,8 +418,10 @@ def test_fit_many_from_the_modules_weights_with_a_laplace_prior_and_fixed_noise(
     (dict(generator=3), ValueError, r"fit_many: generator must be a CPU torch\.Generator, got int\."),
     (dict(x="x"), TypeError, r"fit_many: x must be a torch\.Tensor, got str\."),
     (dict(x=torch.zeros(30, 3)), ValueError, r"fit_many: x must have shape \(N, 2\) with N >= 1, got \(30, 3\)\."),
-    (dict(y=torch.zeros(30, 1)), ValueError, r"fit_many: y must have shape \(30,\), one target per row of x, got "
-                                             r"\(30, 1\)\. Flatten it"),
+    (dict(y=torch.zeros(30, 2)), ValueError, r"fit_many: y must have shape \(30,\) or \(30, 1\), one target per row "
+                                             r"of x, got \(30, 2\)\."),
+    (dict(y=torch.zeros(1, 30)), ValueError, r"fit_many: y must have shape \(30,\) or \(30, 1\), one target per row "
+                                             r"of x, got \(1, 30\)\. Flatten it"),
     (dict(x=torch.zeros(30, 2, dtype=torch.float32)), ValueError,
      r"fit_many: x must have net's dtype torch\.float64 and device cpu, got torch\.float32 on cpu\."),
 ])

@@ -110,6 +110,60 @@ def test_refit_is_done_once_per_update_count_and_resumes_from_a_state_dict():
     torch.testing.assert_close(other.cov_diag, fa.cov_diag, rtol=0, atol=0)
 
 
+
+def test_reading_the_sketch_mid_stream_does_not_change_the_fit():
+    # a refit starts at the running variances, never at an earlier read's psi: the fit is a function of the
+    # stream; the reference is the same stream read only at its end (the old warm start moved it by 10.9)
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(400, 3, generator=g, dtype=torch.float64) @ torch.randn(3, 40, generator=g, dtype=torch.float64)
+    X = X + 0.3 * torch.randn(400, 40, generator=g, dtype=torch.float64)
+    X = X + 0.01 * X.cumsum(0)  # drifting, like SGD iterates
+    fits = []
+    for reads in ((), (20, 150), (50, 100, 200, 300)):
+        fa = OnlineFactorAnalysis(40, 2, method="sketch", seed=0, dtype=torch.float64)
+        for i, x in enumerate(X):
+            fa.update(x)
+            if i in reads:
+                fa.cov_factor, fa.log_prob(x)
+        fits.append((fa.cov_factor.clone(), fa.cov_diag.clone()))
+    for F, psi in fits[1:]:
+        torch.testing.assert_close(F, fits[0][0], rtol=0, atol=0)
+        torch.testing.assert_close(psi, fits[0][1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["em", "sga", "sketch"])
+def test_identical_vectors_leave_every_method_at_its_start_and_the_posterior_usable(method):
+    # float32, as a user's session: the sketch's float64 floor used to round psi to 0 and raise _LinAlgError
+    fa = OnlineFactorAnalysis(6, 2, method=method, seed=0, warmup=2, dtype=torch.float32)
+    x = torch.randn(6, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    for _ in range(10):
+        fa.update(x)
+    torch.testing.assert_close(fa.cov_diag, torch.ones(6, dtype=torch.float32))  # the initial psi: there is no scatter to fit
+    q = fa.distribution()
+    draws = fa.sample(3)
+    assert draws.shape == (3, 6) and bool(torch.isfinite(draws).all())
+    # N(x, F0 F0^T + I), written out densely
+    cov = fa.cov_factor.double() @ fa.cov_factor.double().T + torch.eye(6, dtype=torch.float64)
+    dense = torch.distributions.MultivariateNormal(x.double(), cov)
+    torch.testing.assert_close(fa.log_prob(draws).double(), dense.log_prob(draws.double()), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(q.loc, x)
+
+
+def test_the_sketch_floor_is_a_normal_float32_number_when_most_coordinates_never_move():
+    # one coordinate moves by 1e-13, the rest never: psi of the still ones is floored at a float32 normal
+    # number (float64's floor gave denormals, 0 under torch.set_flush_denormal(True)), and the posterior works
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, generator=g, dtype=torch.float32)
+    base[0] = 0.0
+    fa = OnlineFactorAnalysis(6, 2, method="sketch", seed=0, dtype=torch.float32)
+    for _ in range(10):
+        x = base.clone()
+        x[0] = 3e-13 * torch.randn((), generator=g, dtype=torch.float32)
+        fa.update(x)
+    assert float(fa.cov_diag.min()) >= torch.finfo(torch.float32).tiny
+    assert bool(torch.isfinite(fa.log_prob(base))) and bool(torch.isfinite(fa.sample(2)).all())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_sketch_is_within_1_1_of_batch_fa_on_recorded_sgd_iterates(dtype):

@@ -283,6 +283,32 @@ class AutoLowRankFactorGuide(_GuideStateMixin, AutoContinuous):
             self.scale = PyroParam(loc.new_tensor(s0), constraint=self.scale_constraint)
         else:
             self.register_buffer("scale", loc.new_tensor(self._noise_scale))
+        self._warn_on_stored_shapes(loc)
+
+    def _warn_on_stored_shapes(self, loc: Tensor) -> None:
+        """Warn where Pyro's param store kept an earlier guide's parameter of another shape.
+
+        A parameter whose name is already in the param store takes the stored value, whatever this
+        guide created (Pyro's behaviour): a rank-2 guide built after a rank-1 guide of the same name
+        would silently go on with the rank-1 factor.
+        """
+        D = self.latent_dim
+        expected = {"factor": (D, self.rank)}
+        expected["whitened_loc" if self._loc_scale_option is not None else "loc"] = (D,)
+        if self._noise_scale is None:  # a fixed noise scale is a buffer, never stored
+            expected["scale"] = (D,) if self.noise == "diagonal" else ()
+        for attr, shape in expected.items():
+            try:
+                got = tuple(getattr(self, attr).shape)
+            except AttributeError:
+                continue
+            if got != shape:
+                warnings.warn(
+                    f"{type(self).__name__}: param {self._pyro_get_fullname(attr)!r} must have shape {shape} "
+                    f"(rank={self.rank}, noise={self.noise!r}, D={D}), got {got}: the param store already held "
+                    "that name from an earlier guide and keeps its value. Call pyro.clear_param_store() before "
+                    "building the new guide.",
+                    UserWarning, stacklevel=4)
 
     def __getattr__(self, name):
         if name == "loc" and "whitened_loc" in self._parameters:
@@ -408,6 +434,22 @@ class AutoLowRankFactorGuide(_GuideStateMixin, AutoContinuous):
         self._check_setup("get_transform()")
         scale = self._scale_vector()
         return LowRankAffine(self.loc, self.factor * scale.unsqueeze(-1), scale * scale)
+
+    def _unpack_latent(self, latent: Tensor):
+        """Pyro's unpacking, with a flat stack of draws of shape (S, D) put left of the model's plates.
+
+        Pyro asks that a batch of latents sit left of every plate dimension (``latent.unsqueeze(-2)`` for
+        one plate); a stack of MCMC draws, e.g. for ``NeuTraReparam.transform_sample``, is (S, D) and
+        failed to broadcast against a plated site. Here such a stack is read as
+        (S, 1, ..., 1, D), one 1 per plate dimension of the latent sites; a latent with no batch, or with
+        a batch already left of the plates (vectorised particles, ``unsqueeze(-2)``), is unpacked as Pyro does.
+        """
+        if latent.dim() == 2:
+            depth = max((-f.dim for _, site in self.prototype_trace.iter_stochastic_nodes()
+                         for f in site["cond_indep_stack"] if f.vectorized and f.dim is not None), default=0)
+            if depth:
+                latent = latent.reshape(latent.shape[:1] + (1,) * depth + latent.shape[-1:])
+        return super()._unpack_latent(latent)
 
     def _loc_scale(self, *args, **kwargs):
         self._check_setup("median() / quantiles()")

@@ -259,8 +259,8 @@ class BayesianNetwork(_Prediction):
             One prior per group of ``copies`` replicas, e.g. a grid of precisions.
         x : Tensor of shape (N, p)
             Training inputs, shared by all replicas; in ``net``'s dtype and on its device.
-        y : Tensor of shape (N,)
-            Training targets.
+        y : Tensor of shape (N,) or (N, 1)
+            Training targets (a column, as the network's output, is read as (N,)).
         steps : int
             Adam steps of every replica.
         copies : int, default 1
@@ -349,7 +349,7 @@ class BayesianNetwork(_Prediction):
         if generator is not None and (not isinstance(generator, torch.Generator) or generator.device.type != "cpu"):
             got = f"one on {generator.device}" if isinstance(generator, torch.Generator) else type(generator).__name__
             raise ValueError(f"{fn}: generator must be a CPU torch.Generator, got {got}.")
-        _check_shared_data(net, mlp, x, y, fn)
+        y = _check_shared_data(net, mlp, x, y, fn)
         kind = type(prior_list[0]).name
         if PRIORS.get(kind) is not type(prior_list[0]) or not hasattr(prior_list[0], "precision"):
             raise ValueError(f"{fn}: priors must be of a class registered with register_prior and with a precision, "
@@ -399,19 +399,22 @@ def _packing_order(mlp: BatchedMLP, guide) -> Tensor:
     return torch.cat([sites[k].reshape(-1) for k in shapes]).long()
 
 
-def _check_shared_data(net, mlp: BatchedMLP, x, y, fn: str) -> None:
-    """x (N, p) and y (N,): finite tensors in the network's dtype and on its device."""
+def _check_shared_data(net, mlp: BatchedMLP, x, y, fn: str) -> Tensor:
+    """x (N, p) and y (N,) or (N, 1): finite tensors in the network's dtype and on its device; y as (N,)."""
     p = mlp.in_features
     for arg, value in (("x", x), ("y", y)):
         if not isinstance(value, Tensor):
             raise TypeError(f"{fn}: {arg} must be a torch.Tensor, got {type(value).__name__}.")
     if x.dim() != 2 or x.shape[1] != p or x.shape[0] < 1:
         raise ValueError(f"{fn}: x must have shape (N, {p}) with N >= 1, got {tuple(x.shape)}.")
+    if tuple(y.shape) == (x.shape[0], 1):
+        y = y.squeeze(-1)  # a column of targets, as the network's (N, 1) output (and torch's mse_loss) takes them
     if tuple(y.shape) != (x.shape[0],):
-        raise ValueError(f"{fn}: y must have shape ({x.shape[0]},), one target per row of x, got {tuple(y.shape)}."
-                         + (" Flatten it (y.reshape(-1))." if y.numel() == x.shape[0] else ""))
+        raise ValueError(f"{fn}: y must have shape ({x.shape[0]},) or ({x.shape[0]}, 1), one target per row of x, "
+                         f"got {tuple(y.shape)}." + (" Flatten it (y.reshape(-1))." if y.numel() == x.shape[0] else ""))
     weight = next(net.parameters())
     for arg, value in (("x", x), ("y", y)):
         if value.dtype != weight.dtype or value.device != weight.device:
             raise ValueError(f"{fn}: {arg} must have net's dtype {weight.dtype} and device {weight.device}, got "
                              f"{value.dtype} on {value.device}.")
+    return y

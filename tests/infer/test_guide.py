@@ -1,6 +1,7 @@
 import io
 import math
 import pickle
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -282,6 +283,39 @@ def test_rank_larger_than_latent_dimension_is_clipped_with_a_warning():
     pyro_guide(X, y)
     assert pyro_guide.cov_factor.shape == (6, 7)  # what Pyro does with the same argument
 
+
+
+def test_a_guide_built_over_an_older_guides_params_of_another_shape_warns():
+    """Pyro's param store keeps a name's first value: a rank-2 guide after a rank-1 one keeps the rank-1 factor."""
+    X, y = _data()
+    AutoLowRankFactorGuide(_model, rank=1)(X, y)
+    stored = pyro.get_param_store()["AutoLowRankFactorGuide.factor"].detach().clone()
+    guide = AutoLowRankFactorGuide(_model, rank=2)
+    with pytest.warns(UserWarning, match=r"AutoLowRankFactorGuide: param 'AutoLowRankFactorGuide\.factor' must have "
+                                         r"shape \(6, 2\) .*got \(6, 1\).*pyro\.clear_param_store\(\)"):
+        guide(X, y)
+    assert torch.equal(guide.factor.detach(), stored)  # what the warning says: the stored value is kept
+    pyro.clear_param_store()  # the fix it names
+    guide = AutoLowRankFactorGuide(_model, rank=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guide(X, y)
+    assert guide.factor.shape == (6, 2)
+
+
+def test_an_isotropic_guide_over_a_diagonal_guides_scale_warns():
+    X, y = _data()
+    AutoLowRankFactorGuide(_model, rank=1)(X, y)
+    with pytest.warns(UserWarning, match=r"param 'AutoLowRankFactorGuide\.scale' must have shape \(\) .*got \(6,\)"):
+        AutoLowRankFactorGuide(_model, rank=1, noise="isotropic")(X, y)
+
+
+def test_a_second_guide_of_the_same_shape_shares_the_store_without_a_warning():
+    X, y = _data()
+    AutoLowRankFactorGuide(_model, rank=2)(X, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AutoLowRankFactorGuide(_model, rank=2)(X, y)  # Pyro's sharing by name, as intended
 
 def test_latent_sites_on_two_devices():
     def model():

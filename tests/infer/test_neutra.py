@@ -121,3 +121,40 @@ def test_neutra_hmc_with_our_guide_gives_the_gaussians_moments():
     assert ((corr - exact).abs() < 0.25 * (1 - exact ** 2) + 0.05).all()
     # the guide alone is off by 0.3 in the mean and 1.5x in the spread: HMC corrected it
     assert ((x.mean(0) - mu - 0.3).abs() > 0.1).any() and ((x.std(0) / std - 1.5).abs() > 0.2).all()
+
+
+def _plated_model(y=None):
+    """A global mean, 3 group effects in a plate at dim -2, 40 local latents per group at dim -1."""
+    mu = pyro.sample("mu", dist.Normal(torch.zeros(()), 5.0))
+    with pyro.plate("groups", 3, dim=-2):
+        b = pyro.sample("b", dist.Normal(mu, 1.0))
+        with pyro.plate("data", 40, dim=-1):
+            z = pyro.sample("z", dist.Normal(b, 1.0))
+            pyro.sample("y", dist.Normal(z, 0.5), obs=y)
+
+
+def test_transform_sample_of_a_flat_stack_of_draws_on_a_plated_model():
+    """(S, D) draws, as MCMC returns them, unpack as Pyro's convention (S, 1, 1, D) does, site by site.
+
+    Independent reference: the guide's own affine map applied to each draw by hand and cut at the sites' offsets.
+    """
+    pyro.set_rng_seed(0)
+    y = torch.randn(3, 40) + 2.0
+    guide = AutoLowRankFactorGuide(_plated_model, rank=2)
+    guide(y)
+    neutra = NeuTraReparam(guide)
+    poutine.trace(poutine.reparam(_plated_model, config=lambda _: neutra)).get_trace(y)  # sets neutra.transform
+    latent = torch.randn(5, 1 + 3 + 120)
+    with torch.no_grad():
+        flat = neutra.transform_sample(latent)
+        aligned = neutra.transform_sample(latent.unsqueeze(-2).unsqueeze(-2))  # Pyro's documented way
+        x = guide.get_transform()(latent)
+    assert flat["mu"].shape == (5, 1, 1) and flat["b"].shape == (5, 3, 1) and flat["z"].shape == (5, 3, 40)
+    for name in ("mu", "b", "z"):
+        assert torch.equal(flat[name], aligned[name])
+    torch.testing.assert_close(flat["mu"].reshape(5), x[:, 0])
+    torch.testing.assert_close(flat["b"].reshape(5, 3), x[:, 1:4])
+    torch.testing.assert_close(flat["z"].reshape(5, 120), x[:, 4:])
+    # what Pyro's own unpacking does with the same stack
+    with pytest.raises(RuntimeError, match="broadcast|view"):
+        list(pyro.infer.autoguide.AutoContinuous._unpack_latent(guide, x))

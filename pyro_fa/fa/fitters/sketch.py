@@ -76,7 +76,9 @@ class ScatterSketch(Fitter):
     :math:`C = \mathrm{diag}(\sqrt{\max(\lambda_k-1, 0)/\lambda_k})\,U_K^\top/\sqrt t`,
     :math:`\psi_d = s_d - \sum_k F_{dk}^2` (floored), until the log-likelihood gains less than
     0.01 (at most 1000 iterations, scikit-learn's defaults) or less than :math:`10^{-7}` of its
-    magnitude. A refit starts at the previous refit's :math:`\psi`.
+    magnitude. Every refit starts at :math:`\psi = s` (floored), so the fit depends on the stream
+    only, not on when or how often it was read before. Until the vectors differ (identical ones
+    have no scatter) the initial :math:`(F, \psi = 1)` stands, as for the other methods.
 
     State: :class:`SketchState` (the model's buffers ``_F``, ``_psi``, ``_sketch``, ``_sketch_sq``,
     ``_sketch_used``, ``_sketch_ortho``, ``_fit_at``).
@@ -129,7 +131,8 @@ class ScatterSketch(Fitter):
 
     # ------------------------------------------------------------------ reading
     def factors(self, state: SketchState, ctx: FitContext) -> Tuple[Tensor, Tensor]:
-        if int(state.sketch_used) > 0 and int(state.fit_at) != ctx.n_updates:
+        # identical vectors have no scatter to fit: the initial (F, psi = 1) stands, as for EM and SGA
+        if int(state.sketch_used) > 0 and int(state.fit_at) != ctx.n_updates and ctx.has_spread():
             self._refit(state, ctx)
         return state.F, state.psi
 
@@ -216,9 +219,11 @@ class ScatterSketch(Fitter):
         used = int(state.sketch_used)
         sk = state.sketch[:used]
         var = ctx.variance64(n)
-        floor = ctx.floor_values(var)
-        psi = state.psi.double() if int(state.fit_at) >= 0 else var.clone()
-        psi = torch.maximum(psi, floor)
+        # EM's floor, in the state's dtype (float64's would round to 0 in a float32 state)
+        floor = ctx.floor_values(ctx.variance).to(torch.float64)
+        # every refit starts at the running variances, never at an earlier read's psi: the fit is a function
+        # of the stream alone, the same whenever (and however often) the posterior is read
+        psi = torch.maximum(var, floor)
         blocks = list(self._col_blocks(state, ctx))
         const = D * math.log(2 * math.pi) + K
         old_ll = -math.inf

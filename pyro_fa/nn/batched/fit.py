@@ -45,7 +45,7 @@ def fit_batched(model: BatchedVI, x: Tensor, y: Tensor, steps: int, *, batch_siz
         Inputs shared by all replicas, or one dataset per replica (e.g. the folds of a
         cross-validation). On the model's device, in its dtype.
     y : Tensor of shape (N,) or (R, N)
-        Targets.
+        Targets; a column (N, 1) or (R, N, 1), as the network's output, is read as (N,) or (R, N).
     steps : int
         Optimiser steps, at least 1.
     batch_size : int, optional
@@ -258,9 +258,11 @@ def _check_data(model: BatchedVI, x, y, fn: str):
     if not isinstance(y, Tensor):
         raise TypeError(f"{fn}: y must be a torch.Tensor of shape (N,) or ({R}, N), got {type(y).__name__}.")
     N = x.shape[-2]
+    if y.dim() in (2, 3) and y.shape[-1] == 1 and y.shape[-2] == N and (y.dim() == 2 or y.shape[0] == R):
+        y = y.squeeze(-1)  # a column of targets, (N, 1) or (R, N, 1), as the network's (N, 1) output
     if y.dim() not in (1, 2) or y.shape[-1] != N or (y.dim() == 2 and y.shape[0] != R):
-        raise ValueError(f"{fn}: y must have shape ({N},) or ({R}, {N}), one target per row of x of shape "
-                         f"{tuple(x.shape)}, got {tuple(y.shape)}.")
+        raise ValueError(f"{fn}: y must have shape ({N},) or ({R}, {N}) (or those with a trailing 1), one target per "
+                         f"row of x of shape {tuple(x.shape)}, got {tuple(y.shape)}.")
     if N < 1:
         raise ValueError(f"{fn}: x must hold at least one row, got shape {tuple(x.shape)}.")
     if y.dtype != model.dtype or y.device != model.device:
