@@ -260,6 +260,23 @@ def test_a_fitter_object_carries_its_options():
         OnlineFactorAnalysis(8, 2, method=OnlineSGA(lr=-1))
 
 
+def test_factor_laplace_fits_the_curvature_with_a_fitter_object():
+    # curvature_fit="online" is online EM with its defaults; an OnlineEM object with other options fits with them
+    from pyro_fa.fa.fitters import OnlineEM
+    from pyro_fa.laplace.moment import fit_second_moment
+
+    V = torch.randn(60, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    kw = dict(dtype=torch.float64, num_passes=2, seed=0)
+    F, psi, info = fit_second_moment(lambda: iter([V]), 6, 2, method="online", **kw)
+    F1, psi1, info1 = fit_second_moment(lambda: iter([V]), 6, 2, method=OnlineEM(), **kw)
+    assert torch.equal(F, F1) and torch.equal(psi, psi1) and info1["method"] == "online"
+    F2, psi2, _ = fit_second_moment(lambda: iter([V]), 6, 2, method=OnlineEM(step_scale=1.0, expand=False), **kw)
+    fa = OnlineFactorAnalysis(6, 2, method=OnlineEM(step_scale=1.0, expand=False), seed=0, dtype=torch.float64)
+    for _ in range(2):
+        fa.update(torch.cat([V, -V]))  # the stream +-v, as the curvature fit feeds it
+    assert torch.equal(F2, fa.cov_factor) and torch.equal(psi2, fa.cov_diag) and not torch.equal(psi2, psi)
+
+
 # ---------------------------------------------------------------- SWAG over its three fits
 # SWAG holds one fit per method (pyro_fa.swag._fits: em and sga through OnlineFactorAnalysis, classic SWAG's
 # deviations in pyro_fa.swag._classic); the same contract, seen from the iterates of an optimizer.

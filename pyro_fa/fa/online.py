@@ -85,9 +85,13 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
         :math:`D`, the length of each observation.
     rank : int
         :math:`K`, the number of factors, ``1 <= rank < dim``.
-    method : {"em", "sga", "sketch"}, default "em"
-        The fitting method, a name registered in :data:`pyro_fa.fa.fitters.FITTERS`.
-        ``"sketch"`` (:class:`~pyro_fa.fa.fitters.sketch.ScatterSketch`) refits batch FA, when
+    method : {"em", "sga", "sketch"} or Fitter, default "em"
+        The fitting method: a fitter object built with its own options
+        (``OnlineSGA(lr=0.01, optimizer="natural")``, ``OnlineEM(step_scale=1.0)``, see
+        :mod:`pyro_fa.fa.fitters`), or the name it is registered under in
+        :data:`pyro_fa.fa.fitters.FITTERS`, built from the keyword options below that apply to it
+        (``lr`` ... ``m_step_every``, kept for the names; beside a fitter object they must keep their
+        defaults). ``"sketch"`` (:class:`~pyro_fa.fa.fitters.sketch.ScatterSketch`) refits batch FA, when
         the posterior is read, from a rank-2K sketch of the centred scatter: batch FA's quality
         on SGD iterates at 4 D·K numbers of state; EM's options do not apply to it.
     warmup : int, optional
@@ -182,6 +186,10 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
         :math:`\psi`.
     n_updates : int
         Number of observations seen.
+    fitter : Fitter
+        The fitting method (its options).
+    fit_state : FitState
+        The fitter's state, its tensors this model's buffers.
 
     Notes
     -----

@@ -46,7 +46,7 @@ from torch import Tensor
 from pyro_fa._registry import ClassRegistry
 
 __all__ = ["Fitter", "FitState", "FitContext", "FITTERS", "register_fitter", "fitter_class", "resolve_fitter",
-           "iterate_fitters", "curvature_fitters", "cholesky"]
+           "iterate_fitters", "curvature_fitters", "cholesky", "OnlineEM", "OnlineSGA", "ScatterSketch"]
 
 
 def register_fitter(name: str) -> Callable[[Type["Fitter"]], Type["Fitter"]]:
@@ -114,8 +114,9 @@ class FitState:
                 if f.name not in cls.extra and f.metadata.get("tensor", True)}
 
 
-def scalar(default=0, key: Optional[str] = None):
-    """A plain-number (or object) field of a :class:`FitState`, not a buffer."""
+def scalar(default=0):
+    """A plain-number (or object) field of a :class:`FitState`, not a buffer (saved in the extra state when
+    :attr:`FitState.extra` names it)."""
     return dataclasses.field(default=default, metadata={"tensor": False})
 
 
@@ -354,3 +355,9 @@ def cholesky(mat: Tensor) -> Tensor:
         f"OnlineFactorAnalysis: a {mat.shape[-1]} x {mat.shape[-1]} matrix of the E-step is not positive "
         "definite even with jitter; the statistics hold non-finite values."
     )
+
+
+# the built-in fitters (each registers itself), importable from here: method=OnlineSGA(lr=0.01, optimizer="natural")
+from pyro_fa.fa.fitters.em import OnlineEM  # noqa: E402
+from pyro_fa.fa.fitters.sga import OnlineSGA  # noqa: E402
+from pyro_fa.fa.fitters.sketch import ScatterSketch  # noqa: E402
