@@ -357,7 +357,19 @@ def cholesky(mat: Tensor) -> Tensor:
     )
 
 
-# the built-in fitters (each registers itself), importable from here: method=OnlineSGA(lr=0.01, optimizer="natural")
+def _import_builtin_fitters() -> None:
+    # every public module of this package is imported, and its fitters register themselves: a new built-in
+    # fitter is its module, with no list to edit (in name order, which is the registry's and the messages')
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.iter_modules(__path__):
+        if not module.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{module.name}")
+
+
+_import_builtin_fitters()
+# the built-in fitters under short names: method=OnlineSGA(lr=0.01, optimizer="natural")
 from pyro_fa.fa.fitters.em import OnlineEM  # noqa: E402
 from pyro_fa.fa.fitters.sga import OnlineSGA  # noqa: E402
 from pyro_fa.fa.fitters.sketch import ScatterSketch  # noqa: E402
