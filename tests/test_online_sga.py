@@ -120,7 +120,7 @@ def test_default_sga_reaches_the_truth_of_a_synthetic_fa_stream():
     rel = lambda cov: float(torch.linalg.norm(cov - C) / torch.linalg.norm(C))  # noqa: E731
     batch = rel(torch.from_numpy(FactorAnalysis(n_components=2).fit(X.numpy()).get_covariance()))
     fa = OnlineFactorAnalysis(10, 2, method="sga", seed=0, dtype=torch.float64)
-    assert fa.lr == 1e-2
+    assert fa.fitter.lr == 1e-2
     slow = OnlineFactorAnalysis(10, 2, method="sga", seed=0, dtype=torch.float64, lr=1e-3)
     for chunk in X.split(10):
         fa.update(chunk)
