@@ -92,7 +92,7 @@ def online_em(devices, repeats):
                 count[0] += 1
 
             # the M-step lands on every m_step_every-th update (10th at D = 10^6, 100th at 10^7): whole periods
-            period = fa.m_step_every
+            period = fa.fitter.m_step_interval(fa.dim)
             t = _time(lambda: [step() for _ in range(period)], dev, max(1, repeats // 10), warmup=1) / period
             mem = ""
             if torch.device(dev).type == "cuda":

@@ -48,7 +48,7 @@ def _stream(D=8, K=2, T=600, seed=0, dtype=torch.float64, device="cpu"):
 
 def _fit(method, X, seed=0, **kw):
     kw = dict(dict(warmup=20, seed=seed, dtype=X.dtype, device=X.device), **kw)
-    if method == "sga":
+    if method == "sga" and kw.get("optimizer") is None:
         kw.setdefault("lr", 1e-2)
     fa = OnlineFactorAnalysis(X.shape[-1], 2, method=method, **kw)
     for chunk in X.split(3):
@@ -73,7 +73,7 @@ def _same(a, b):
 def test_registry_holds_the_builtin_fitters(method):
     cls = fitter_class(method, "OnlineFactorAnalysis")
     assert issubclass(cls, Fitter) and cls.name == method and FITTERS[method] is cls
-    assert isinstance(OnlineFactorAnalysis(5, 2, method=method, warmup=2)._fitter, cls)
+    assert isinstance(OnlineFactorAnalysis(5, 2, method=method, warmup=2).fitter, cls)
 
 
 def test_unknown_method_is_refused_at_the_boundary():
@@ -199,6 +199,82 @@ def test_documented_toy_fitter_is_used_by_online_factor_analysis(toy_fitter):
     with pytest.raises(RuntimeError, match=r"OnlineFactorAnalysis: finish_warmup\(\) needs a method that can end "
                                            r"its warm-up early, got 'diagonal'"):
         short.finish_warmup()
+
+
+def test_one_registry_serves_swag_and_factor_laplace(toy_fitter):
+    # a fitter registered in its one file is SWAG's method (supports_iterates) by name and as an object, and
+    # FactorLaplace's curvature_fit when it names one, with no list elsewhere to edit
+    from torch import nn
+
+    from pyro_fa import SWAG
+    from pyro_fa.fa.fitters import curvature_fitters, iterate_fitters
+    from pyro_fa.laplace import FactorLaplace
+    from pyro_fa.laplace.moment import fit_second_moment, moment_fits
+
+    Diagonal = toy_fitter["DiagonalFitter"]
+    assert "diagonal" in iterate_fitters() and "diagonal" not in curvature_fitters()
+    torch.manual_seed(0)
+    net = nn.Linear(3, 1).double()
+    for method in ("diagonal", Diagonal(shrink=0.5)):
+        swag = SWAG(net, rank=1, method=method, warmup=1, seed=0)
+        thetas = []
+        for _ in range(6):
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.add_(torch.randn_like(p))
+            swag.collect()
+            thetas.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+        shrink = 1.0 if method == "diagonal" else 0.5
+        var = torch.stack(thetas).var(0, correction=0)  # the dense reference of the running variances
+        assert swag.method == "diagonal"
+        assert torch.allclose(swag.fa.cov_diag, shrink * var, rtol=1e-10)
+    with pytest.raises(ValueError, match=r"FactorLaplace: curvature_fit must be one of \('auto', 'scatter', 'online', "
+                                         r"'sketch', 'randomized'\), got 'diagonal'"):
+        FactorLaplace(net, "regression", rank=1, curvature_fit="diagonal")
+    Diagonal.curvature_fit = "diagonal"  # now FactorLaplace offers it: the second moment of +-v is diag(E v^2)
+    try:
+        assert moment_fits() == ("auto", "scatter", "online", "sketch", "diagonal", "randomized")
+        V = torch.randn(40, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        F, psi, info = fit_second_moment(lambda: iter([V]), 5, 1, method="diagonal", dtype=torch.float64)
+        assert info["method"] == "diagonal" and torch.equal(F, torch.zeros(5, 1, dtype=torch.float64))
+        assert torch.allclose(psi, V.pow(2).mean(0), rtol=1e-10)
+    finally:
+        del Diagonal.curvature_fit
+
+
+def test_a_fitter_object_carries_its_options():
+    from pyro_fa.fa.fitters.em import OnlineEM
+    from pyro_fa.fa.fitters.sga import OnlineSGA
+
+    X, _ = _stream(T=200)
+    by_name = _fit("sga", X, lr=3e-3, optimizer="natural", optimizer_kwargs={"step": 0.5}, m_step_every=2)
+    by_object = _fit(OnlineSGA(lr=3e-3, optimizer="natural", optimizer_kwargs={"step": 0.5}, m_step_every=2), X)
+    _same(_state(by_name), _state(by_object))
+    assert by_object.method == "sga" and by_object.fitter.natural
+    with pytest.raises(ValueError, match=r"OnlineFactorAnalysis: expand, step_scale must be given to the fitter "
+                                         r"object with method=OnlineEM\(\.\.\.\), got them beside it"):
+        OnlineFactorAnalysis(8, 2, method=OnlineEM(), step_scale=3.0, expand=False)
+    with pytest.raises(ValueError, match=r"OnlineFactorAnalysis: step_scale must be a finite number >= 1, got 0.5"):
+        OnlineFactorAnalysis(8, 2, method=OnlineEM(step_scale=0.5))
+    with pytest.raises(ValueError, match=r"OnlineFactorAnalysis: lr must be a positive finite number, got -1"):
+        OnlineFactorAnalysis(8, 2, method=OnlineSGA(lr=-1))
+
+
+def test_factor_laplace_fits_the_curvature_with_a_fitter_object():
+    # curvature_fit="online" is online EM with its defaults; an OnlineEM object with other options fits with them
+    from pyro_fa.fa.fitters import OnlineEM
+    from pyro_fa.laplace.moment import fit_second_moment
+
+    V = torch.randn(60, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    kw = dict(dtype=torch.float64, num_passes=2, seed=0)
+    F, psi, info = fit_second_moment(lambda: iter([V]), 6, 2, method="online", **kw)
+    F1, psi1, info1 = fit_second_moment(lambda: iter([V]), 6, 2, method=OnlineEM(), **kw)
+    assert torch.equal(F, F1) and torch.equal(psi, psi1) and info1["method"] == "online"
+    F2, psi2, _ = fit_second_moment(lambda: iter([V]), 6, 2, method=OnlineEM(step_scale=1.0, expand=False), **kw)
+    fa = OnlineFactorAnalysis(6, 2, method=OnlineEM(step_scale=1.0, expand=False), seed=0, dtype=torch.float64)
+    for _ in range(2):
+        fa.update(torch.cat([V, -V]))  # the stream +-v, as the curvature fit feeds it
+    assert torch.equal(F2, fa.cov_factor) and torch.equal(psi2, fa.cov_diag) and not torch.equal(psi2, psi)
 
 
 # ---------------------------------------------------------------- SWAG over its three fits

@@ -139,7 +139,7 @@ def test_identical_vectors_leave_every_method_at_its_start_and_the_posterior_usa
     for _ in range(10):
         fa.update(x)
     torch.testing.assert_close(fa.cov_diag, torch.ones(6, dtype=torch.float32))  # the initial psi: there is no scatter to fit
-    q = fa.distribution()
+    q = fa.get_posterior()
     draws = fa.sample(3)
     assert draws.shape == (3, 6) and bool(torch.isfinite(draws).all())
     # N(x, F0 F0^T + I), written out densely

@@ -95,9 +95,10 @@ def test_sga_reports_step_weighted_average_of_iterates():
 
 
 def test_m_step_every_default_scales_with_dim():
-    assert OnlineFactorAnalysis(1000, 5).m_step_every == 1
-    assert OnlineFactorAnalysis(1_000_000, 1, dtype=torch.float32).m_step_every == 10
-    assert OnlineFactorAnalysis(1000, 5, m_step_every=4).m_step_every == 4
+    assert OnlineFactorAnalysis(1000, 5).fitter.m_step_interval(1000) == 1
+    big = OnlineFactorAnalysis(1_000_000, 1, dtype=torch.float32)
+    assert big.fitter.m_step_interval(big.dim) == 10
+    assert OnlineFactorAnalysis(1000, 5, m_step_every=4).fitter.m_step_interval(1000) == 4
 
 
 def test_running_moments_exact_for_mixed_batches():
@@ -117,7 +118,7 @@ def test_sga_step_is_gradient_of_log_prob(batch):
     _, _, _, X = _fa_data(T=1 + batch)
     fa = OnlineFactorAnalysis(12, 3, method="sga", warmup=1, seed=0, optimizer=torch.optim.SGD, lr=1.0, lr_decay_after=0)
     fa.update(X[0])  # warm-up: only the running moments move
-    fa._fitter._rescale_to_data = lambda fa: None  # keep the initial point to compare with autograd
+    fa.fitter._rescale_to_data = lambda state, ctx: None  # keep the initial point to compare with autograd
     F0 = fa._F.detach().clone().requires_grad_()
     log_psi0 = fa._log_psi.detach().clone().requires_grad_()
     new_mean = (fa.loc + X[1:].sum(0)) / (1 + batch)

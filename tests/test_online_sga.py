@@ -17,15 +17,15 @@ def test_fused_adam_matches_torch_adam(batch):
     X = _stream()
     kw = dict(method="sga", warmup=20, seed=0, dtype=torch.float64, lr=1e-2, lr_decay_after=30)
     fused = OnlineFactorAnalysis(40, 3, **kw)
-    fused._block_rows = lambda: 7  # several blocks, the last one partial
+    fused._block_rows = lambda element_size: 7  # several blocks, the last one partial
     ref = OnlineFactorAnalysis(40, 3, optimizer=torch.optim.Adam, **kw)
-    assert fused._sga_fused and not ref._sga_fused
+    assert fused.fit_state.fused and not ref.fit_state.fused
     for chunk in X.split(batch):
         fused.update(chunk)
         ref.update(chunk)
     assert torch.allclose(fused.cov_factor, ref.cov_factor, rtol=1e-10, atol=1e-12)
     assert torch.allclose(fused.cov_diag, ref.cov_diag, rtol=1e-10, atol=1e-12)
-    sf, sr = fused._optimizer.state[fused._F], ref._optimizer.state[ref._F]
+    sf, sr = fused.fit_state.optimizer.state[fused._F], ref.fit_state.optimizer.state[ref._F]
     assert float(sf["step"]) == float(sr["step"]) == len(X.split(batch)) - 20 // batch
     assert torch.allclose(sf["exp_avg_sq"], sr["exp_avg_sq"], rtol=1e-10, atol=1e-14)
 
@@ -33,18 +33,18 @@ def test_fused_adam_matches_torch_adam(batch):
 def test_cached_capacitance_is_that_of_the_current_iterate():
     X = _stream()
     fa = OnlineFactorAnalysis(40, 3, method="sga", warmup=20, seed=0, dtype=torch.float64, lr=1e-2)
-    fa._block_rows = lambda: 9
+    fa._block_rows = lambda element_size: 9
     fa.update(X)
     for x in X[:30]:
         fa.update(x)
     F, psi = fa._F.detach(), fa._log_psi.detach().exp()
     dense = torch.eye(3, dtype=torch.float64) + F.T @ torch.diag(1 / psi) @ F
-    assert torch.allclose(fa._fitter._sga_capacitance(fa), dense)
+    assert torch.allclose(fa.fitter._sga_capacitance(fa.fit_state, fa._ctx), dense)
     # a change from outside (here load_state_dict) is noticed, not served from the cache
     other = OnlineFactorAnalysis(40, 3, method="sga", warmup=20, seed=5, dtype=torch.float64, lr=1e-2)
     other.update(X[:60])
     other.load_state_dict(fa.state_dict())
-    assert torch.allclose(other._fitter._sga_capacitance(other), dense)
+    assert torch.allclose(other.fitter._sga_capacitance(other.fit_state, other._ctx), dense)
 
 
 def test_standardising_scale_follows_running_variance():
@@ -89,8 +89,8 @@ def test_sga_keeps_learning_after_to_replaces_parameters(future_flag, optimizer)
         setter(before)
     reference.to(torch.float64)
     assert moved.cov_factor.dtype == torch.float64
-    assert [id(p) for g in moved._optimizer.param_groups for p in g["params"]] == [id(moved._F), id(moved._log_psi)]
-    assert set(map(id, moved._optimizer.state)) <= {id(moved._F), id(moved._log_psi)}
+    assert [id(p) for g in moved.fit_state.optimizer.param_groups for p in g["params"]] == [id(moved._F), id(moved._log_psi)]
+    assert set(map(id, moved.fit_state.optimizer.state)) <= {id(moved._F), id(moved._log_psi)}
     F_moved = moved.cov_factor.clone()
     X64 = X.double()
     for fa in (moved, reference):
@@ -120,7 +120,7 @@ def test_default_sga_reaches_the_truth_of_a_synthetic_fa_stream():
     rel = lambda cov: float(torch.linalg.norm(cov - C) / torch.linalg.norm(C))  # noqa: E731
     batch = rel(torch.from_numpy(FactorAnalysis(n_components=2).fit(X.numpy()).get_covariance()))
     fa = OnlineFactorAnalysis(10, 2, method="sga", seed=0, dtype=torch.float64)
-    assert fa.lr == 1e-2
+    assert fa.fitter.lr == 1e-2
     slow = OnlineFactorAnalysis(10, 2, method="sga", seed=0, dtype=torch.float64, lr=1e-3)
     for chunk in X.split(10):
         fa.update(chunk)

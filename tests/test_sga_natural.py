@@ -7,7 +7,7 @@ import torch
 from sklearn.decomposition import FactorAnalysis
 
 from pyro_fa import SWAG, OnlineFactorAnalysis
-from pyro_fa.fa.fitters.sga import _NATURAL
+from pyro_fa.fa.fitters.sga_natural import NaturalStep
 
 
 def _fa_stream(D, K, T, seed=0, noise=None):
@@ -33,7 +33,7 @@ def test_exact_scatter_is_the_empirical_covariance(batch):
     # D <= 3K keeps the D x D scatter: against numpy's covariance of all vectors seen
     X, _, _ = _fa_stream(6, 2, 203)
     fa = _natural(6, 2)
-    assert fa._sga_exact and "_A" not in dict(fa.named_buffers())
+    assert fa.fit_state.S is not None and fa.fit_state.A is None and "_A" not in dict(fa.named_buffers())
     for chunk in X.split(batch):
         fa.update(chunk)
     S = np.cov(X.numpy(), rowvar=False, bias=True)
@@ -45,24 +45,24 @@ def test_exact_step_is_the_preconditioned_gradient_of_the_gaussian_log_likelihoo
     # one step from a given (F, psi): F moves by step * Psi grad_F H^-1, with grad_F the autograd gradient of the
     # Gaussian log-likelihood of the exact running moments, then by the latent covariance's Cholesky factor
     X, _, _ = _fa_stream(6, 2, 80, seed=1)
-    fa = _natural(6, 2, step=step)
-    fa.m_step_every = 10**9  # no step while we feed the vectors
+    fa = _natural(6, 2, step=step, m_step_every=10**9)  # no step while we feed the vectors
     fa.update(X)
+    natural, state, ctx = NaturalStep(step), fa.fit_state, fa._ctx
     F0, psi0 = fa._F.clone(), fa._psi.clone()
     S = torch.from_numpy(np.cov(X.numpy(), rowvar=False, bias=True))
     Fg = F0.clone().requires_grad_(True)
     C = Fg @ Fg.T + torch.diag(psi0)
     loglik = -0.5 * (torch.logdet(C) + torch.trace(torch.linalg.solve(C, S)))
     (grad,) = torch.autograd.grad(loglik, Fg)
-    A, H = _NATURAL._exact_statistics(fa)
+    A, H = natural._exact_statistics(state, ctx)
     beta = torch.linalg.solve(C.detach(), F0).T  # F^T C^-1
     assert torch.allclose(A, S @ beta.T, atol=1e-12)
     assert torch.allclose(H, torch.eye(2, dtype=torch.float64) - beta @ F0 + beta @ S @ beta.T, atol=1e-12)
     F_half = F0 + step * torch.diag(psi0) @ grad @ torch.linalg.inv(H)
     L = torch.linalg.cholesky(torch.eye(2, dtype=torch.float64) + step * (H - torch.eye(2, dtype=torch.float64)))
     e = torch.diagonal(S - 2 * F_half @ A.T + F_half @ H @ F_half.T)
-    psi_expected = torch.maximum(psi0 + step * (e - psi0), fa._floor_values(fa.variance))
-    _NATURAL._m_step(fa)
+    psi_expected = torch.maximum(psi0 + step * (e - psi0), ctx.floor_values(fa.variance))
+    natural._m_step(state, ctx)
     assert torch.allclose(fa._F, F_half @ L, atol=1e-10)
     assert torch.allclose(fa._psi, psi_expected, atol=1e-12)
     dense = torch.eye(2, dtype=torch.float64) + fa._F.T @ torch.diag(1 / fa._psi) @ fa._F
@@ -89,7 +89,7 @@ def test_statistics_step_near_scikit_learn_on_an_fa_stream(step):
     X, F, psi = _fa_stream(40, 3, 3000, seed=3)
     truth = F @ F.T + torch.diag(psi)
     fa = _natural(40, 3, step=step)
-    assert not fa._sga_exact
+    assert fa.fit_state.S is None
     for chunk in X.split(5):
         fa.update(chunk)
     sk = FactorAnalysis(n_components=3).fit(X.numpy())

@@ -114,7 +114,7 @@ def test_multiswag_sga_round_trip_through_parent():
     nn.ModuleList([dst]).load_state_dict({"0." + k: v for k, v in src.state_dict().items()})
     for a, b in zip(src.members, dst.members):
         assert torch.equal(a.cov_factor, b.cov_factor) and torch.equal(a.cov_diag, b.cov_diag)
-        sa, sb = a.fa._optimizer.state_dict()["state"], b.fa._optimizer.state_dict()["state"]
+        sa, sb = a.fa.fit_state.optimizer.state_dict()["state"], b.fa.fit_state.optimizer.state_dict()["state"]
         assert all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) for i in sa)
 
 

@@ -34,7 +34,7 @@ from pyro_fa.distributed.normal import ShardedLowRankNormal
 from pyro_fa.distributed.sharding import (agree_on_group, check_loadable, check_shard_state, make_sharding,
                                           raise_agreed, sharded_orthogonal_init)
 from pyro_fa.fa import OnlineFactorAnalysis
-from pyro_fa.fa.fitters import cholesky
+from pyro_fa.fa.fitters import Fitter, cholesky
 
 __all__ = ["ShardedOnlineFactorAnalysis"]
 
@@ -74,6 +74,8 @@ class ShardedOnlineFactorAnalysis(OnlineFactorAnalysis):
         arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
         # the ranks agree on every argument before any is checked: a bad one then raises alike on every rank
         fields = {k: v for k, v in arguments.items() if k not in ("process_group", "shard", "device")}
+        if isinstance(fields.get("method"), Fitter):  # a fitter object: its class and options
+            fields["method"] = repr(fields["method"])
         fields["dtype"] = arguments["dtype"] or torch.get_default_dtype()
         device = arguments["device"]
         fields["device_type"] = torch.device(device).type if device is not None else "cpu"
@@ -142,10 +144,13 @@ class ShardedOnlineFactorAnalysis(OnlineFactorAnalysis):
         else:
             self._cap_pending = True
 
-    def _commit_cap(self, total: Tensor) -> None:
-        self._cap.copy_(total)
-        self._cap.diagonal().add_(1.0)
+    def _commit_cap(self, cap: Tensor, total: Tensor) -> None:
+        cap.copy_(total)
+        cap.diagonal().add_(1.0)
         self._cap_pending = False
+
+    def _stash_projection(self, n: int, u: Optional[Tensor]) -> None:
+        self._stash_u = (n, u) if u is not None else None
 
     def _var_mean(self, var: Tensor) -> Tensor:
         """Mean over all D of the running variances (the relative noise floor's scale)."""
@@ -156,18 +161,18 @@ class ShardedOnlineFactorAnalysis(OnlineFactorAnalysis):
         _, (total,) = self._sharding.reduce((), v.sum().reshape(1))
         return total[0] / self.dim
 
-    def _e_step_inputs(self, d: Tensor) -> Tuple[Tensor, Tensor]:
+    def _e_step_inputs(self, d: Tensor, F: Tensor, psi: Tensor, cap: Tensor) -> Tuple[Tensor, Tensor]:
         r"""EM's E-step inputs: the capacitance's Cholesky factor and :math:`F^\top\Psi^{-1}d^\top` (K, B)."""
         stash, self._stash_u = self._stash_u, None
         if stash is not None and stash[0] == self._n and not self._cap_pending:
-            return cholesky(self._cap), stash[1]
-        parts = [self._F.T @ (d / self._psi).T]
+            return cholesky(cap), stash[1]
+        parts = [F.T @ (d / psi).T]
         if self._cap_pending:
-            parts.append(self._cap)
+            parts.append(cap)
         _, out = self._sharding.reduce((), *parts)
         if self._cap_pending:
-            self._commit_cap(out[1])
-        return cholesky(self._cap), out[0]
+            self._commit_cap(cap, out[1])
+        return cholesky(cap), out[0]
 
     def _sga_reduce(self, u: Tensor, cap: Tensor) -> Tuple[Tensor, Tensor]:
         """SGA's E-step inputs summed over the ranks: the projection (B, K) and the capacitance."""
@@ -175,8 +180,7 @@ class ShardedOnlineFactorAnalysis(OnlineFactorAnalysis):
             _, (u,) = self._sharding.reduce((), u)
             return u, cap
         _, (u, total) = self._sharding.reduce((), u, cap)
-        total.diagonal().add_(1.0)
-        self._sga_cap = total  # the cache (same key) now holds the whole capacitance
+        total.diagonal().add_(1.0)  # the fitter's cache (same key) now holds the whole capacitance
         self._sga_cap_pending = False
         return u, total
 
@@ -235,9 +239,10 @@ class ShardedOnlineFactorAnalysis(OnlineFactorAnalysis):
             else:
                 usable = True
         floor = self._noise_floor_now()
-        scale = self._fitter.range_scale(self)
+        fit, ctx = self.fit_state, self._ctx
+        scale = self.fitter.range_scale(fit, ctx)
         scale_min = float(scale.amin()) if scale is not None else 1.0
-        fit_sums, context = self._fitter.shard_sums(self, d if usable else None, n_old, B)
+        fit_sums, context = self.fitter.shard_sums(fit, ctx, d if usable else None, n_old, B)
         sums = [torch.tensor([sq_new], dtype=torch.float64), *fit_sums]
         table, out = sh.reduce([kind, B, tmax, bad, floor, scale_min], *sums)
 
@@ -277,7 +282,7 @@ class ShardedOnlineFactorAnalysis(OnlineFactorAnalysis):
         self._n = n
         self._cache = None
         self._sq_dev_total = float(out[0][0])
-        self._fitter.shard_reduced(self, out[1:], n, context)
+        self.fitter.shard_reduced(self.fit_state, self._ctx, out[1:], n, context)
         self._fit_step(d, n_old, B, spread_before)
 
 

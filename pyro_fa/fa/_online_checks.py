@@ -22,22 +22,31 @@ __all__ = ["OnlineChecks"]
 class OnlineChecks:
     """Input and checkpoint checks of :class:`~pyro_fa.OnlineFactorAnalysis` (a mixin over its state)."""
 
+    # the fit state's counters are saved under these keys (the defaults where a fitter has no such counter),
+    # in this order, so that checkpoints keep their layout whatever the fitter
+    _EXTRA_DEFAULTS = {"since_m_step": 0, "sga_steps": 0, "A_coef": 0.0}
+
     def get_extra_state(self):
-        state = {"n_updates": self._n, "since_m_step": self._since_m_step, "sga_steps": self._sga_steps,
-                 "A_coef": self._A_coef, "warmup": self.warmup}
+        fit = self.fit_state
+        counters = {key: getattr(fit, field) for field, key in fit.extra.items()}
+        state = {"n_updates": self._n}
+        state.update({key: counters.get(key, default) for key, default in self._EXTRA_DEFAULTS.items()})
+        state.update({key: value for key, value in counters.items() if key not in state})
+        state["warmup"] = self.warmup
         return state
 
     def set_extra_state(self, state):
         self.warmup = int(state.get("warmup", self.warmup))
         self._n = int(state["n_updates"])
-        self._since_m_step = int(state.get("since_m_step", 0))
-        self._sga_steps = int(state.get("sga_steps", 0))
-        self._A_coef = float(state.get("A_coef", 0.0))
+        fit = self._fit_state
+        for field, key in fit.extra.items():
+            default = self._EXTRA_DEFAULTS.get(key, getattr(type(fit), field, 0))
+            setattr(fit, field, type(default)(state.get(key, default)))
         self.__dict__.pop("_spread_seen", None)  # the loaded moments decide
 
     def state_dict(self, *args, **kwargs):
         sd = super().state_dict(*args, **kwargs)
-        extra = self._fitter.state_extra(self)
+        extra = self.fitter.state_extra(self.fit_state)
         if extra is not None:
             sd[kwargs.get("prefix", "") + "_optimizer_state"] = extra
         return sd
@@ -57,7 +66,7 @@ class OnlineChecks:
         self._check_shard_state(state)
 
     def _check_optimizer_state(self, state) -> None:
-        self._fitter.check_optimizer_state(self, state)
+        self.fitter.check_optimizer_state(self.fit_state, self._ctx, state)
 
     def _check_values(self, state_dict, prefix: str = "", owner: Optional[str] = None) -> None:
         """Refuse saved values no fit can hold (checked after shapes and finiteness): psi <= 0, a capacitance
@@ -135,7 +144,7 @@ class OnlineChecks:
                                       error_msgs)
         if total is not None:
             self._sq_dev_total = total
-        self._fitter.loaded(self, opt_state)
+        self._bind_state(self.fitter.loaded(self.fit_state, self._ctx, opt_state))
         self._cache = None
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -219,7 +228,7 @@ class OnlineChecks:
         t2 = tmax * tmax
         tiny = torch.finfo(x.dtype).tiny
 
-        scaled = self._fitter.range_scale(self) is not None
+        scaled = self.fitter.range_scale(self.fit_state, self._ctx) is not None
 
         def worst_case(q: float, t2_std: float) -> float:
             worst = max(5.0 * t2, q, 2.0 * math.sqrt(t2 * q))
@@ -231,7 +240,7 @@ class OnlineChecks:
         if not scaled:
             scale2 = 1.0
         elif scale2 is None:
-            scale2 = float(self._fitter.range_scale(self).amin()) ** 2
+            scale2 = float(self.fitter.range_scale(self.fit_state, self._ctx).amin()) ** 2
         worst = worst_case(4.0 * self.dim * t2 / floor, 4.0 * t2 / max(scale2, tiny))
         if math.isfinite(worst) and worst > limit and t is not None:
             # the cheap bound (every deviation in the coordinate of least noise) failed: the exact q

@@ -17,15 +17,17 @@ from torch.distributions import LowRankMultivariateNormal
 from pyro_fa.fa import linalg
 from pyro_fa._random import draw_seed
 from pyro_fa.fa._online_checks import OnlineChecks
-from pyro_fa.fa.fitters import cholesky, fitter_class
+from pyro_fa.fa.fitters import FitContext, FitState, Fitter, cholesky, resolve_fitter
 from pyro_fa.fa.moments import RunningMoments
 from pyro_fa.distributions import StableLowRankMultivariateNormal
 
 __all__ = ["OnlineFactorAnalysis"]
 
-_METHODS = ("em", "sga")  # the built-in fitters (pyro_fa.fa.fitters.em, .sga); register_fitter adds more
 _DEFAULT_WARMUP = 100  # warmup=None: max(_DEFAULT_WARMUP, rank)
-_M_STEP_DIM = 100_000  # default m_step_every = max(1, dim // _M_STEP_DIM)
+# the keyword options of the built-in fitters that the constructor still takes with method=<name> (each fitter
+# takes those that apply to it: Fitter.from_options); with a fitter object they must keep these defaults
+_FITTER_OPTIONS = dict(lr=1e-2, optimizer=None, optimizer_kwargs=None, step_scale=2.0, expand=True, step_ramp=None,
+                       lr_decay_after=None, average=True, m_step_every=None)
 
 
 class OnlineFactorAnalysis(OnlineChecks, nn.Module):
@@ -83,9 +85,13 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
         :math:`D`, the length of each observation.
     rank : int
         :math:`K`, the number of factors, ``1 <= rank < dim``.
-    method : {"em", "sga", "sketch"}, default "em"
-        The fitting method, a name registered in :data:`pyro_fa.fa.fitters.FITTERS`.
-        ``"sketch"`` (:class:`~pyro_fa.fa.fitters.sketch.ScatterSketch`) refits batch FA, when
+    method : {"em", "sga", "sketch"} or Fitter, default "em"
+        The fitting method: a fitter object built with its own options
+        (``OnlineSGA(lr=0.01, optimizer="natural")``, ``OnlineEM(step_scale=1.0)``, see
+        :mod:`pyro_fa.fa.fitters`), or the name it is registered under in
+        :data:`pyro_fa.fa.fitters.FITTERS`, built from the keyword options below that apply to it
+        (``lr`` ... ``m_step_every``, kept for the names; beside a fitter object they must keep their
+        defaults). ``"sketch"`` (:class:`~pyro_fa.fa.fitters.sketch.ScatterSketch`) refits batch FA, when
         the posterior is read, from a rank-2K sketch of the centred scatter: batch FA's quality
         on SGD iterates at 4 D·K numbers of state; EM's options do not apply to it.
     warmup : int, optional
@@ -180,6 +186,10 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
         :math:`\psi`.
     n_updates : int
         Number of observations seen.
+    fitter : Fitter
+        The fitting method (its options).
+    fit_state : FitState
+        The fitter's state, its tensors this model's buffers.
 
     Notes
     -----
@@ -229,7 +239,7 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
         self,
         dim: int,
         rank: int,
-        method: str = "em",
+        method: Union[str, Fitter] = "em",
         warmup: Optional[int] = None,
         *,
         lr: float = 1e-2,
@@ -258,12 +268,20 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
             raise ValueError(f"{name}: dim must be an integer >= 2, got {dim!r}.")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank < dim:
             raise ValueError(f"{name}: rank must be an integer in [1, dim) = [1, {dim}), got {rank!r}.")
-        fitter = fitter_class(method, name)()  # the string is checked here, and dispatched once
+        options = dict(lr=lr, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs, step_scale=step_scale,
+                       expand=expand, step_ramp=step_ramp, lr_decay_after=lr_decay_after, average=average,
+                       m_step_every=m_step_every)
+        if isinstance(method, Fitter):
+            changed = sorted(k for k, v in options.items() if v is not _FITTER_OPTIONS[k] and v != _FITTER_OPTIONS[k])
+            if changed:
+                raise ValueError(f"{name}: {', '.join(changed)} must be given to the fitter object with method="
+                                 f"{type(method).__name__}(...), got them beside it.")
+        # a name is checked here and built with the options that apply to it; dispatched once
+        fitter = resolve_fitter(method, name, **options)
         if warmup is None:
             warmup = max(_DEFAULT_WARMUP, rank)  # rank is checked above
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"{name}: warmup must be a positive integer, got {warmup!r}.")
-        fitter.check(name, rank=rank, warmup=warmup)
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
             raise ValueError(f"{name}: lr must be a positive finite number, got {lr!r}.")
         if not (isinstance(step_scale, (int, float)) and math.isfinite(step_scale) and step_scale >= 1):
@@ -284,6 +302,7 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
             raise ValueError(f"{name}: init_scale must be a positive finite number, got {init_scale!r}.")
         if not (isinstance(min_variance, (int, float)) and 0 < min_variance < 1):
             raise ValueError(f"{name}: min_variance must be in (0, 1), got {min_variance!r}.")
+        fitter.check(name, rank=rank, warmup=warmup)  # the fitter's options (a fitter object's too)
         dtype = dtype or torch.get_default_dtype()
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(
@@ -298,21 +317,9 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
         self.dim = dim
         rows = self._local_dim = self._rows(dim)
         self.rank = rank
-        self.method = method
-        self._fitter = fitter
+        self.method = fitter.name
+        self.fitter = fitter
         self.warmup = warmup
-        self.lr = float(lr)
-        self.step_scale = float(step_scale)
-        self.expand = bool(expand)
-        self.step_ramp = 2 * dim if step_ramp is None else step_ramp
-        self.lr_decay_after = 2 * dim if lr_decay_after is None else lr_decay_after
-        self.average = bool(average)
-        self.m_step_every = max(1, dim // _M_STEP_DIM) if m_step_every is None else m_step_every
-        self._since_m_step = 0
-        self._sga_steps = 0
-        # EM: the statistic A-bar is held as _A_coef * F + _A; an expanded M-step makes it
-        # F itself (coefficient exactly 1, _A stale) instead of writing F into _A
-        self._A_coef = 0.0
         self.init_scale = float(init_scale)
         self.min_variance = float(min_variance)
         self.seed = seed
@@ -328,8 +335,39 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
         self._moments = RunningMoments(rows, device)
         self.register_buffer("loc", torch.zeros(rows, dtype=dtype, device=device))  # the mean rounded once to the state's dtype
         self._n = 0  # observations seen (saved through get_extra_state)
-        fitter.init(self, F0, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs)
+        self._bind_state(fitter.init(self._ctx, F0))
         self._cache = None
+
+    # ------------------------------------------------------------------ the fitter's state
+    @property
+    def _ctx(self) -> FitContext:
+        return FitContext(self)
+
+    @property
+    def fit_state(self) -> FitState:
+        """The fitter's state (a :class:`~pyro_fa.fa.fitters.FitState`), its tensors this model's buffers."""
+        state = self.__dict__["_fit_state"]
+        params, buffers = self._parameters, self._buffers
+        for field, key in state.tensor_fields().items():  # buffers that .to() or a load replaced
+            t = params.get(key) if key in params else buffers.get(key)
+            if getattr(state, field) is not t:
+                setattr(state, field, t)
+        return state
+
+    def _bind_state(self, state: FitState) -> None:
+        """Hold ``state``: its tensor fields become this model's buffers (parameters) under their keys."""
+        for field, key in state.tensor_fields().items():
+            t = getattr(state, field)
+            if field in state.parameters:
+                if self._parameters.get(key) is not t:
+                    self.register_parameter(key, t)
+            elif t is None:
+                self._buffers.pop(key, None)
+            elif key in self._buffers:
+                self._buffers[key] = t
+            else:
+                self.register_buffer(key, t)
+        self.__dict__["_fit_state"] = state
 
     # ------------------------------------------------------------------ state
     @property
@@ -356,15 +394,15 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
         if self._n > self.warmup:
             return
         cls = type(self).__name__
-        if not self._fitter.finishes_warmup:
-            self._fitter.finish_warmup(self)  # raises: this method cannot end its warm-up early
+        if not self.fitter.finishes_warmup:
+            self.fitter.finish_warmup(self.fit_state, self._ctx)  # raises: this method cannot end its warm-up early
         if self._n <= self.rank:
             raise RuntimeError(f"{cls}: finish_warmup() needs more than rank={self.rank} observations, got {self._n}.")
         if not self._has_spread():
             raise RuntimeError(f"{cls}: finish_warmup() needs observations that differ, got {self._n} identical ones "
                                "(no spread to fit a factor to). Update with more.")
         self.warmup = self._n - 1  # as if planned: the first M-step follows update warmup + 1
-        self._fitter.finish_warmup(self)
+        self._bind_state(self.fitter.finish_warmup(self.fit_state, self._ctx))
         self._cache = None
 
     @property
@@ -386,7 +424,7 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
     def _estimate(self):
         if self._cache is not None:
             return self._cache
-        out = self._fitter.factors(self)
+        out = self.fitter.factors(self.fit_state, self._ctx)
         self._cache = out
         return out
 
@@ -468,6 +506,14 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
         """A capacitance summed over the rows: add the identity."""
         cap.diagonal().add_(1.0)
 
+    def _commit_cap(self, cap: Tensor, total: Tensor) -> None:
+        """A capacitance's sum over the ranks arrived (sharded only)."""
+        cap.copy_(total)
+        cap.diagonal().add_(1.0)
+
+    def _stash_projection(self, n: int, u: Optional[Tensor]) -> None:
+        """A projection reduced with the update's checks (sharded only): nothing to keep here."""
+
     def _var_mean(self, var: Tensor) -> Tensor:
         """Mean over all D of the running variances (the relative noise floor's scale)."""
         return var.mean()
@@ -476,9 +522,9 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
         """Mean over all D of a per-row quantity."""
         return v.mean()
 
-    def _e_step_inputs(self, d: Tensor) -> Tuple[Tensor, Tensor]:
+    def _e_step_inputs(self, d: Tensor, F: Tensor, psi: Tensor, cap: Tensor) -> Tuple[Tensor, Tensor]:
         r"""EM's E-step inputs: the capacitance's Cholesky factor and :math:`F^\top\Psi^{-1}d^\top` (K, B)."""
-        return cholesky(self._cap), self._F.T @ (d / self._psi).T
+        return cholesky(cap), F.T @ (d / psi).T
 
     def _sga_reduce(self, u: Tensor, cap: Tensor) -> Tuple[Tensor, Tensor]:
         """SGA's E-step inputs, the projection (B, K) and the capacitance, summed over all D."""
@@ -487,7 +533,7 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
     def _range_terms(self, t: Tensor) -> Tuple[Tensor, float]:
         r"""Per vector :math:`\sum_d t_{bd}^2/\psi_d` over the rows held, and :math:`\max|t/s|`."""
         rows = (t.square() / self._noise_now()).sum(-1).reshape(-1)
-        scale = self._fitter.range_scale(self)
+        scale = self.fitter.range_scale(self.fit_state, self._ctx)
         return rows, float((t / (scale if scale is not None else 1.0)).abs().max())
 
     def _exact_range(self, t: Tensor) -> Tuple[float, float]:
@@ -498,7 +544,7 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         self._cache = None
-        self._fitter.moved(self, fn)
+        self._bind_state(self.fitter.moved(self.fit_state, self._ctx, fn))
         return out
 
     def extra_repr(self) -> str:
@@ -577,7 +623,7 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
         spread = spread_before or self._has_spread()
         if not spread:
             self.warmup += n - max(n_old, 1)
-        self._fitter.step(self, d, n_old, B, spread and not spread_before)
+        self._bind_state(self.fitter.update(self.fit_state, self._ctx, d, n_old, B, spread and not spread_before))
 
     def _scratch(self, name: str, dtype: torch.dtype) -> Tensor:
         # a persistent length-D work vector (allocating 8 MB per update costs page faults at D = 10^6)
@@ -589,19 +635,18 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
 
     def _noise_now(self) -> Tensor:
         # the noise variances the next step divides by (1 before the first M-step or the warm-up's end)
-        return self._fitter.noise(self)
+        return self.fitter.noise(self.fit_state, self._ctx)
 
     def _noise_floor_now(self) -> float:
-        return self._fitter.noise_floor(self)
+        return self.fitter.noise_floor(self.fit_state, self._ctx)
 
-    def _block_rows(self) -> int:
+    def _block_rows(self, element_size: int) -> int:
         # about 1 MB of rows per block (EM's M-step, SGA's fused pass): a few (rows, K) arrays stay in cache
-        return max(1, min(self._local_dim, (1 << 20) // (self.rank * self._F.element_size())))
+        return max(1, min(self._local_dim, (1 << 20) // (self.rank * element_size)))
 
-    def _workspace(self, rows: int) -> Tensor:
+    def _workspace(self, rows: int, like: Tensor) -> Tensor:
         # two (rows, K) blocks: EM's M-step products and statistic rows; SGA's gradient rows and a temporary
-        w = getattr(self, "_work", None)
-        F = self._F
-        if w is None or w.shape[1] < rows or w.dtype != F.dtype or w.device != F.device:
-            w = self._work = F.new_empty(2, rows, self.rank)
+        w = self.__dict__.get("_work")
+        if w is None or w.shape[1] < rows or w.dtype != like.dtype or w.device != like.device:
+            w = self.__dict__["_work"] = like.new_empty(2, rows, self.rank)
         return w

@@ -28,7 +28,8 @@ from pyro_fa.fa.batch import ConvergenceWarning
 from pyro_fa.laplace._laplace_torch import raise_laplace_torch_only
 from pyro_fa.laplace._loaders import n_examples, reiterable
 from pyro_fa.laplace.curvature import CURVATURES
-from pyro_fa.laplace.moment import MOMENT_FITS
+from pyro_fa.fa.fitters import Fitter
+from pyro_fa.laplace.moment import moment_fits
 from pyro_fa.predictive.glm import check_pred_type
 
 __all__ = ["train_log_likelihood", "log_marginal_likelihood", "optimize_prior_precision", "check_prior_precision",
@@ -174,8 +175,8 @@ def check_options(owner: str, rank, full: bool, curvature: str, curvature_fit: s
     """``FactorLaplace``'s ``rank`` (default 20; an int checked positive) after its curvature options are checked."""
     if curvature not in CURVATURES:
         raise ValueError(f"{owner}: curvature must be one of {CURVATURES}, got {curvature!r}.")
-    if curvature_fit not in MOMENT_FITS:
-        raise ValueError(f"{owner}: curvature_fit must be one of {MOMENT_FITS}, got {curvature_fit!r}.")
+    if not (isinstance(curvature_fit, Fitter) and curvature_fit.curvature_fit) and curvature_fit not in moment_fits():
+        raise ValueError(f"{owner}: curvature_fit must be one of {moment_fits()}, got {curvature_fit!r}.")
     if curvature_fit == "sketch" and process_group is not None:
         raise ValueError(f"{owner}: curvature_fit='sketch' cannot be sharded; with a process_group use "
                          "curvature_fit='online', 'randomized' or 'scatter', got curvature_fit='sketch'.")

@@ -86,12 +86,14 @@ class FactorLaplace(Posterior, nn.Module):
         :math:`\sigma` of the Gaussian likelihood; must be 1 for classification.
     curvature : {"ggn", "mc"}, default "ggn"
         Exact GGN factors (C vectors per example) or the Monte Carlo Fisher (``mc_samples`` per example).
-    curvature_fit : {"auto", "exact", "scatter", "online", "sketch", "randomized"}, default "auto"
+    curvature_fit : {"auto", "exact", "scatter", "online", "sketch", "randomized"} or Fitter, default "auto"
         How the factor-analysis core fits the curvature (:func:`~pyro_fa.laplace.moment.fit_second_moment`, where
         each is described): ``"exact"`` (:math:`O(D^2)` memory, one :math:`O(D^3)` eigendecomposition) and
         ``"scatter"`` form the :math:`D\times D` curvature; ``"online"``, ``"sketch"`` and ``"randomized"`` hold
         :math:`O(DK)`. ``"auto"``: ``"exact"`` for D <= 1024, else ``"randomized"``. ``"sketch"`` is not
-        shardable.
+        shardable. ``"online"`` and ``"sketch"`` are the registered fitters whose ``curvature_fit`` names them
+        (:mod:`pyro_fa.fa.fitters`); a fitter object with a ``curvature_fit`` name (e.g.
+        ``OnlineEM(step_scale=1.0)``) fits with its own options.
     rank_budget, rank_max : int, optional
         Only with ``rank="auto"``: the total rank, and the rank each block is fitted at first (default
         ``rank_budget``).

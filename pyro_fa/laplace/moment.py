@@ -43,18 +43,28 @@ import torch
 from torch import Tensor
 
 from pyro_fa.fa.batch import ConvergenceWarning, em_from_covariance, gaussian_loglike
+from pyro_fa.fa.fitters import Fitter, curvature_fitters
 from pyro_fa.fa.linalg import check_dense_dim
 from pyro_fa.fa.moments import wide_dtype
 from pyro_fa.fa.online import OnlineFactorAnalysis
 
-__all__ = ["fit_second_moment", "MOMENT_FITS", "DENSE_FITS", "resolve_fit"]
+__all__ = ["fit_second_moment", "MOMENT_FITS", "DENSE_FITS", "moment_fits", "resolve_fit"]
 
 #: elements of one online update's rows (the vectors and their negatives): the fitter's float64 temporaries are a
 #: few such (rows, D) arrays, 32 MB each
 _ONLINE_ELEMENTS = 1 << 22
 
-#: the ways of fitting the second moment, by name ("auto" picks "exact" up to ``dense_max_dim``)
-MOMENT_FITS = ("auto", "scatter", "online", "sketch", "randomized", "exact")
+
+
+def moment_fits() -> Tuple[str, ...]:
+    """The ways of fitting the second moment, by name: the dense and randomized fits and every registered fitter
+    with a ``curvature_fit`` name (``"online"``: online EM, ``"sketch"``); ``"auto"`` picks ``"exact"`` up to
+    ``dense_max_dim``."""
+    return ("auto", "scatter", *curvature_fitters(), "randomized", "exact")
+
+
+#: the ways of fitting the second moment as of import (the built-in fitters); :func:`moment_fits` is current
+MOMENT_FITS = moment_fits()
 
 #: the fits that form the D x D moment (any rank up to D; ``"auto"`` picks ``"exact"`` up to ``dense_max_dim``)
 DENSE_FITS = ("scatter", "exact")
@@ -216,12 +226,18 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
     """
     dtype = torch.get_default_dtype() if dtype is None else dtype
     device = torch.device("cpu") if device is None else torch.device(device)
-    method = resolve_fit(method, dim, dense_max_dim)
-    fit = _FITS.get(method)
-    if fit is None:
-        raise ValueError(f"{owner}: curvature_fit must be one of {MOMENT_FITS}, got {method!r}.")
+    if isinstance(method, str):
+        method = resolve_fit(method, dim, dense_max_dim)
+    fitter = method if isinstance(method, Fitter) and method.curvature_fit else curvature_fitters().get(method)
+    fit = _FITS.get(method) if isinstance(method, str) else None
+    if fit is None and fitter is None:
+        raise ValueError(f"{owner}: curvature_fit must be one of {moment_fits()}, got {method!r}.")
     if num_passes is None:
-        num_passes = {"online": 4, "randomized": 2}.get(method, 1)
+        num_passes = fitter.curvature_passes if fitter is not None else {"randomized": 2}.get(method, 1)
+    if fitter is not None:  # a registered fitter of the stream +-v (a name: the class with its default options)
+        return _fit_streamed(passes, dim, rank, method=fitter.curvature_fit, num_passes=num_passes, tol=tol,
+                             max_iter=max_iter, seed=seed, dtype=dtype, device=device, owner=owner,
+                             process_group=process_group, fitter=fitter if isinstance(fitter, Fitter) else fitter.name)
     return fit(passes, dim, rank, method=method, num_passes=num_passes, tol=tol, max_iter=max_iter, seed=seed,
                dtype=dtype, device=device, owner=owner, process_group=process_group)
 
@@ -314,14 +330,14 @@ def _fit_exact(passes, dim, rank, *, method, num_passes, tol, max_iter, seed, dt
 
 
 def _fit_streamed(passes, dim, rank, *, method, num_passes, tol, max_iter, seed, dtype, device, owner,
-                  process_group):
+                  process_group, fitter):
     r"""The stream :math:`\pm v` fed to :class:`~pyro_fa.fa.online.OnlineFactorAnalysis` (``"online"``: online EM;
     ``"sketch"``: its scatter sketch refitted by batch FA), :math:`O(DK)` memory."""
     if rank >= dim:
         raise ValueError(f"{owner}: rank must be < dim={dim} for curvature_fit={method!r}, got {rank!r}; use "
                          "curvature_fit='scatter' for a full-rank curvature.")
-    fa = OnlineFactorAnalysis(dim, rank, method="em" if method == "online" else "sketch", seed=seed, dtype=dtype,
-                              device=device, process_group=process_group)
+    fa = OnlineFactorAnalysis(dim, rank, method=fitter, seed=seed, dtype=dtype, device=device,
+                              process_group=process_group)
     lo, hi = _rows(dim, process_group)
     n_vec = 0
     for _ in range(num_passes):
@@ -505,11 +521,10 @@ def _fa_low_rank(E: Tensor, diag: Tensor, n: int, rank: int, reduce: Optional[Ca
     return F, psi, it, converged
 
 
-#: name -> fit (``"auto"`` resolves to one of them by the dimension); every fit takes the same keywords
+#: name -> fit of the fits that are not a registered fitter's (``"auto"`` resolves to one of them by the dimension,
+#: the registered fitters with a ``curvature_fit`` name run through _fit_streamed); every fit takes the same keywords
 _FITS: Dict[str, Callable[..., Tuple[Tensor, Tensor, dict]]] = {
     "scatter": _fit_scatter,
-    "online": _fit_streamed,
-    "sketch": _fit_streamed,
     "randomized": _fit_randomized,
     "exact": _fit_exact,
 }

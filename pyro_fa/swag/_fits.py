@@ -23,18 +23,15 @@ from typing import List
 import torch
 from torch import Tensor
 
-from pyro_fa.fa.fitters import FITTERS
+from pyro_fa.fa.fitters import Fitter, resolve_fitter
 from pyro_fa.fa.moments import RunningMoments
 from pyro_fa.fa.online import OnlineFactorAnalysis
 
 __all__ = ["IterateFit", "OnlineFit"]
 
-# the caveat a method's fit warns with when a SWAG is built with it
-_CAVEATS = {
-    "sga": "method 'sga' (online stochastic gradient ascent) with its default Adam step is far from batch factor "
-           "analysis on a few hundred to a few thousand collected iterates; optimizer='natural' (the "
-           "EM-preconditioned step) or method 'em' is much closer. See help(SWAG).",
-}
+# SWAG's own defaults of the fitters' options it still takes beside a method name (with a fitter object, the
+# object carries them)
+_SWAG_FIT_OPTIONS = dict(lr=1e-3, step_scale=1.0, optimizer=None)
 
 
 class IterateFit:
@@ -99,14 +96,23 @@ class OnlineFit(IterateFit):
     """Online factor analysis of the collected vectors: ``swag.fa``, an :class:`~pyro_fa.OnlineFactorAnalysis`."""
 
     def check(self, owner: str, *, rank: int, warmup: int, optimizer=None) -> None:
-        FITTERS[self.method]().check(owner, rank=rank, warmup=warmup)
-        caveat = _CAVEATS.get(self.method)
-        if caveat is not None and optimizer != "natural":  # SGA's natural step is within 1.5x of batch FA
+        # the fitter as OnlineFactorAnalysis will build it (a name with SWAG's options, or the object)
+        fitter = resolve_fitter(self.method, owner, **dict(_SWAG_FIT_OPTIONS, optimizer=optimizer))
+        fitter.check(owner, rank=rank, warmup=warmup)
+        caveat = fitter.iterate_caveat
+        if caveat is not None:
             warnings.warn(f"{owner}: {caveat}", UserWarning, stacklevel=3)
 
     def setup(self, swag, dim: int, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        kwargs = swag._fa_kwargs
+        if isinstance(self.method, Fitter):
+            changed = sorted(k for k, v in _SWAG_FIT_OPTIONS.items() if kwargs.get(k, v) is not v and kwargs[k] != v)
+            if changed:
+                raise ValueError(f"{type(swag).__name__}: {', '.join(changed)} must be given to the fitter object "
+                                 f"with method={type(self.method).__name__}(...), got them beside it.")
+            kwargs = {k: v for k, v in kwargs.items() if k not in _SWAG_FIT_OPTIONS}
         swag.fa = OnlineFactorAnalysis(dim, swag.rank, self.method, swag._warmup, dtype=dtype, device=device,
-                                       process_group=swag._sharding, **swag._fa_kwargs)
+                                       process_group=swag._sharding, **kwargs)
 
     def loc(self, swag) -> Tensor:
         return swag.fa.loc
@@ -128,7 +134,7 @@ class OnlineFit(IterateFit):
         return h @ swag.fa.cov_factor.T
 
     def check_ready(self, swag, what: str) -> None:
-        cls, n, early = type(swag).__name__, swag._n, swag.fa._fitter.finishes_warmup
+        cls, n, early = type(swag).__name__, swag._n, swag.fa.fitter.finishes_warmup
         if early and swag.rank < n <= swag.warmup:
             # a shorter run than the warm-up planned for (e.g. one collection per epoch): end it here
             warnings.warn(

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from pyro_fa.distributed import ShardedLowRankNormal
 from pyro_fa.distributions import FactorNormal, PointMassNormal, StableLowRankMultivariateNormal
+from pyro_fa.fa.fitters import Fitter, iterate_fitters
 from pyro_fa.swag._classic import ClassicFit
 from pyro_fa.swag._collect import IterateCollector
 from pyro_fa.swag._fits import IterateFit, OnlineFit
@@ -34,9 +35,12 @@ from pyro_fa.swag.guide import FactorPosteriorGuide
 
 __all__ = ["SWAG"]
 
-_FITS: Dict[str, Type[IterateFit]] = {  # by method
-    "em": OnlineFit, "sga": OnlineFit, "sketch": OnlineFit, "swag": ClassicFit}
-_METHODS = tuple(_FITS)
+_CLASSIC = "swag"  # classic SWAG's deviations (ClassicFit); every other method is a registered fitter's
+
+
+def _methods():
+    """The methods SWAG offers: the registered fitters that support iterates, and classic SWAG."""
+    return (*iterate_fitters(), _CLASSIC)
 _ON_NONFINITE = ("raise", "skip")
 
 
@@ -85,7 +89,10 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         :meth:`from_param_store` for Pyro's param store.
     rank : int, default 20
         :math:`K`, ``1 <= rank < D``. For ``"swag"``: the number of deviations kept.
-    method : {"em", "sga", "sketch", "swag"}, default "em"
+    method : {"em", "sga", "sketch", "swag"} or Fitter, default "em"
+        A registered fitter's name (any with ``supports_iterates``, see :mod:`pyro_fa.fa.fitters`), a fitter
+        object built with its own options (``method=OnlineEM(step_scale=1.0)``; then ``lr``, ``step_scale``
+        and ``optimizer`` stay at their defaults), or ``"swag"``, classic SWAG's last K deviations.
         ``"sketch"``: batch FA refitted, when the posterior is read, from a sketch of the
         iterates' scatter (:class:`~pyro_fa.fa.fitters.sketch.ScatterSketch`): within 1.06 times
         batch FA's covariance error on the SGD-iterate streams of the project's benchmark, where
@@ -244,8 +251,8 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
             warmup=warmup, lr=lr, step_scale=step_scale, init_scale=init_scale, min_variance=min_variance,
             optimizer=optimizer, on_nonfinite=on_nonfinite, max_deviation=max_deviation, seed=seed,
             fa_kwargs=fa_kwargs))
-        if method not in _METHODS:
-            raise ValueError(f"{cls}: method must be one of {_METHODS}, got {method!r}.")
+        if not (isinstance(method, Fitter) and method.supports_iterates) and method not in _methods():
+            raise ValueError(f"{cls}: method must be one of {_methods()} or a fitter object, got {method!r}.")
         if on_nonfinite not in _ON_NONFINITE:
             raise ValueError(f"{cls}: on_nonfinite must be one of {_ON_NONFINITE}, got {on_nonfinite!r}.")
         self.rank = _positive_int(cls, "rank", rank)
@@ -253,9 +260,9 @@ class SWAG(SWAGPrediction, IterateCollector, SWAGState, ShardedSWAG, nn.Module):
         self.collect_every = _positive_int(cls, "collect_every", collect_every)
         self.window = _positive_int(cls, "window", window)
         self._warmup = self.rank if warmup is None else _positive_int(cls, "warmup", warmup)
-        self._fit = _FITS[method](method)  # the method is dispatched here, once
+        self._fit = ClassicFit(method) if method == _CLASSIC else OnlineFit(method)  # dispatched here, once
         self._fit.check(cls, rank=self.rank, warmup=self._warmup, optimizer=optimizer)
-        self.method = method
+        self.method = method.name if isinstance(method, Fitter) else method
         self.on_nonfinite = on_nonfinite
         if max_deviation is not None and not (
             isinstance(max_deviation, (int, float)) and not isinstance(max_deviation, bool)

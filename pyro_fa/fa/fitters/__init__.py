@@ -3,36 +3,51 @@ r"""Fitters: how a stream of vectors becomes the factors :math:`(F, \psi)` of :m
 :class:`~pyro_fa.OnlineFactorAnalysis` owns what every online fit shares: the argument
 checks, the exact running moments (:math:`c` and the coordinate variances), the refusal of
 non-finite or overflowing input before it touches the state, checkpoints, sharding and the
-fitted distribution. Its ``method`` names a :class:`Fitter`, looked up once in
-:data:`FITTERS` at construction, which owns the rest: the factor's state and its update.
+fitted distribution. Its ``method`` is a :class:`Fitter`, given as an object built with its own
+options (``method=OnlineSGA(lr=0.01)``) or by the name it is registered under in :data:`FITTERS`
+(``method="sga"``), which owns the rest: the factor's state and its update.
 
-A fitter is stateless; its tensors are buffers of the model that holds it (so that
-``.to()``, ``state_dict()`` and the checkpoint keys are the model's). The protocol:
+A fitter holds its options only; its state is a typed :class:`FitState` (a dataclass of
+tensors and counters) that the fitter creates and steps, in the shape of optax and
+``posteriors``:
 
-* :meth:`Fitter.init` — register the factor's buffers on the model, from the initial
-  orthogonal factor :math:`F_0` (shape (D, K));
-* :meth:`Fitter.step` — one step on a batch of centred vectors ``d`` (shape (B, D)), after the
-  running moments took it;
-* :meth:`Fitter.factors` — the posterior's :math:`(F, \psi)`, shapes (D, K) and (D,);
+* :meth:`Fitter.init` ``(ctx, F0) -> state`` — the state from the initial orthogonal factor
+  :math:`F_0` (shape (D, K));
+* :meth:`Fitter.update` ``(state, ctx, d, n_old, B, first_spread) -> state`` — one step on a batch
+  of centred vectors ``d`` (shape (B, D)), after the running moments took it (tensors may be
+  updated in place: the state passed in is the state returned);
+* :meth:`Fitter.factors` ``(state, ctx) -> (F, psi)`` — the posterior's factors, shapes (D, K) and (D,);
 * :meth:`Fitter.noise` / :meth:`Fitter.noise_floor` — the noise variances the next step
   divides by (the model's overflow check reads them);
 * optional: :meth:`Fitter.check`, :meth:`Fitter.finish_warmup`, and the hooks of optimizer
-  state and devices.
+  state, devices and the sharded update.
 
-A new method is one module: subclass :class:`Fitter`, decorate it with
-:func:`register_fitter`, and ``OnlineFactorAnalysis(dim, rank, method="name")`` uses it
-(the architecture guide\'s "Add a fitter", has a complete example).
+``ctx`` is a read-only :class:`FitContext`: what a fitter may know of the model that holds it
+(``dim``, ``rank``, ``warmup``, ``n_updates``, the running variances, the floor of
+:math:`\psi`, a workspace). The model maps the state's tensors to its buffers under the keys
+:attr:`FitState.keys` names, so that ``.to()``, ``state_dict()`` and the checkpoint keys are the
+model's.
+
+A new method is one module: a :class:`Fitter` subclass (and its :class:`FitState`) decorated
+with :func:`register_fitter`. ``OnlineFactorAnalysis(dim, rank, method="name")`` uses it, and
+so do :class:`~pyro_fa.SWAG` where :attr:`Fitter.supports_iterates` and
+:class:`~pyro_fa.laplace.FactorLaplace` where :attr:`Fitter.curvature_fit` names it (the
+architecture guide's "Add a fitter" has a complete example).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple, Type
+import dataclasses
+import math
+from typing import Any, Callable, ClassVar, Dict, Optional, Tuple, Type
 
 import torch
 from torch import Tensor
 
 from pyro_fa._registry import ClassRegistry
 
-__all__ = ["Fitter", "FITTERS", "register_fitter", "fitter_class", "cholesky"]
+__all__ = ["Fitter", "FitState", "FitContext", "FITTERS", "register_fitter", "fitter_class", "resolve_fitter",
+           "iterate_fitters", "curvature_fitters", "cholesky", "OnlineEM", "OnlineSGA", "ScatterSketch"]
+
 
 def register_fitter(name: str) -> Callable[[Type["Fitter"]], Type["Fitter"]]:
     """Class decorator: make ``cls`` the fitter of ``OnlineFactorAnalysis(..., method=name)``.
@@ -58,82 +73,265 @@ def fitter_class(method: str, owner: str, choices: Optional[Tuple[str, ...]] = N
     return _REGISTRY.get(method, owner, choices)
 
 
-class Fitter:
-    r"""The protocol of a fitting method of :class:`~pyro_fa.OnlineFactorAnalysis` (base class).
+def resolve_fitter(method, owner: str, choices: Optional[Tuple[str, ...]] = None, **options) -> "Fitter":
+    """A :class:`Fitter` object: ``method`` itself, or the class registered as ``method`` built from ``options``.
 
-    Every method receives the model ``fa`` that holds the state. Attributes of ``fa`` a fitter
-    may read: ``dim``, ``rank``, ``warmup``, ``n_updates``, ``min_variance``, ``variance``
-    (the running variances, shape (D,)), ``loc``; and the model's helpers ``_floor(psi, var)``
-    (the relative floor of :math:`\psi`), ``_block_rows()``, ``_workspace(rows)``.
+    ``options`` are the keyword options of the owner's constructor (``lr=``, ``step_scale=``, ...); each
+    fitter class takes those that apply to it (:meth:`Fitter.from_options`).
+
+    Raises
+    ------
+    ValueError
+        ``"<owner>: method must be one of (...), got '<method>'."`` for an unknown name (or a fitter
+        object whose name is not among ``choices``).
+    """
+    if isinstance(method, Fitter):
+        if choices is not None and method.name not in choices:
+            raise ValueError(f"{owner}: method must be one of {tuple(choices)} or a fitter of them, got "
+                             f"{type(method).__name__} ({method.name!r}).")
+        return method
+    return fitter_class(method, owner, choices).from_options(**options)
+
+
+@dataclasses.dataclass
+class FitState:
+    """The state of a fit (base class): a dataclass whose tensor fields the model holds as buffers.
+
+    :attr:`keys` maps a field to its buffer's key in the model's ``state_dict()`` (the field's name
+    with a leading underscore by default); :attr:`parameters` names the fields held as
+    ``nn.Parameter`` s; :attr:`extra` maps the plain-number fields to their key in the model's extra
+    state. A field that is ``None`` has no buffer.
+    """
+
+    keys: ClassVar[Dict[str, str]] = {}
+    parameters: ClassVar[Tuple[str, ...]] = ()
+    extra: ClassVar[Dict[str, str]] = {}
+
+    @classmethod
+    def tensor_fields(cls) -> Dict[str, str]:
+        """Field -> buffer key, in the order of the fields."""
+        return {f.name: cls.keys.get(f.name, "_" + f.name) for f in dataclasses.fields(cls)
+                if f.name not in cls.extra and f.metadata.get("tensor", True)}
+
+
+def scalar(default=0):
+    """A plain-number (or object) field of a :class:`FitState`, not a buffer (saved in the extra state when
+    :attr:`FitState.extra` names it)."""
+    return dataclasses.field(default=default, metadata={"tensor": False})
+
+
+class FitContext:
+    """What a fitter may read of the model that holds it (read-only), and the model's helpers.
+
+    Attributes: ``owner`` (the model's class name, for messages), ``dim``, ``rank``, ``rows`` (the
+    coordinates this process holds: ``dim`` unless sharded), ``warmup``, ``n_updates``,
+    ``min_variance``, ``sharded``; properties ``variance`` (the running variances in the state's
+    dtype, shape (rows,)) and ``cap_pending``. Methods: :meth:`floor`, :meth:`floor_values`,
+    :meth:`block_rows`, :meth:`workspace`, :meth:`variance64`, :meth:`has_spread`,
+    :meth:`mean_over_dim`, and the sums of a sharded fit (:meth:`cap_done`, :meth:`e_step_inputs`, ...),
+    which are plain sums without sharding.
+    """
+
+    __slots__ = ("_model",)
+
+    def __init__(self, model):
+        object.__setattr__(self, "_model", model)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"FitContext: the context is read-only, got an assignment to {name!r}.")
+
+    owner = property(lambda self: type(self._model).__name__)
+    dim = property(lambda self: self._model.dim)
+    rank = property(lambda self: self._model.rank)
+    rows = property(lambda self: self._model._local_dim)
+    warmup = property(lambda self: self._model.warmup)
+    n_updates = property(lambda self: self._model._n)
+    min_variance = property(lambda self: self._model.min_variance)
+    sharded = property(lambda self: self._model._sharding is not None)
+    variance = property(lambda self: self._model.variance)
+    cap_pending = property(lambda self: getattr(self._model, "_cap_pending", False))
+
+    def variance64(self, n: int) -> Tensor:
+        """The running variances after ``n`` vectors, in float64."""
+        return self._model._moments.variance(n).to(torch.float64)
+
+    def floor(self, psi: Tensor, var: Tensor) -> Tensor:
+        r""":math:`\psi` floored relative to the variances ``var`` (``min_variance`` times each)."""
+        return self._model._floor(psi, var)
+
+    def floor_values(self, var: Tensor) -> Tensor:
+        r"""The floor of :math:`\psi` for the variances ``var``."""
+        return self._model._floor_values(var)
+
+    def block_rows(self, element_size: int) -> int:
+        """Rows per block of a pass over a (rows, K) array (about 1 MB)."""
+        return self._model._block_rows(element_size)
+
+    def workspace(self, rows: int, like: Tensor) -> Tensor:
+        """Two (rows, K) work blocks of ``like``'s dtype and device, reused across updates."""
+        return self._model._workspace(rows, like)
+
+    def has_spread(self) -> bool:
+        """Whether the vectors seen so far differ (there is a scale to fit)."""
+        return self._model._has_spread()
+
+    def mean_over_dim(self, v: Tensor) -> Tensor:
+        """Mean over all D of a per-row quantity (collective when sharded)."""
+        return self._model._mean_over_dim(v)
+
+    # the sums of the sharded fit (pyro_fa.distributed.ShardedOnlineFactorAnalysis overrides the model's hooks)
+    def cap_done(self, cap: Tensor, sga: bool = False) -> None:
+        """A capacitance summed over the rows held: add the identity (sharded: leave it for the next all-reduce)."""
+        self._model._cap_done(cap, sga)
+
+    def commit_cap(self, cap: Tensor, total: Tensor) -> None:
+        """Sharded: the capacitance's sum over all ranks arrived; write it (plus the identity) into ``cap``."""
+        self._model._commit_cap(cap, total)
+
+    def e_step_inputs(self, d: Tensor, F: Tensor, psi: Tensor, cap: Tensor) -> Tuple[Tensor, Tensor]:
+        r"""EM's E-step inputs: the Cholesky factor of ``cap`` and :math:`F^\top\Psi^{-1}d^\top` (K, B), over all D."""
+        return self._model._e_step_inputs(d, F, psi, cap)
+
+    def stash_projection(self, n: int, u: Optional[Tensor]) -> None:
+        """Sharded: keep the projection reduced with the update's checks for the E-step of update ``n``."""
+        self._model._stash_projection(n, u)
+
+    def sga_reduce(self, u: Tensor, cap: Tensor) -> Tuple[Tensor, Tensor]:
+        """SGA's E-step inputs, the projection (B, K) and the capacitance, summed over all D."""
+        return self._model._sga_reduce(u, cap)
+
+
+class Fitter:
+    r"""A fitting method of :class:`~pyro_fa.OnlineFactorAnalysis` (base class): its options and its steps.
+
+    A fitter object holds options only (it may be shared by several models); the state it fits is the
+    :class:`FitState` that :meth:`init` returns and every other method takes. The model's class
+    name (``ctx.owner``) starts the fitter's messages.
+
+    Class attributes: ``name`` (set by :func:`register_fitter`), ``finishes_warmup``,
+    ``supports_iterates`` (SWAG may fit its collected iterates with it), ``curvature_fit`` (the name
+    of FactorLaplace's ``curvature_fit=`` that fits the curvature's second moment with it, or None),
+    ``curvature_passes`` (the default passes over the curvature vectors) and ``shardable``.
     """
 
     name: str = ""
     finishes_warmup: bool = False
     """Whether :meth:`finish_warmup` can end the warm-up early (else it raises ``RuntimeError``)."""
+    supports_iterates: bool = True
+    """Whether :class:`~pyro_fa.SWAG` offers this fitter as its ``method``."""
+    curvature_fit: Optional[str] = None
+    """The ``curvature_fit=`` name under which :class:`~pyro_fa.laplace.FactorLaplace` fits with it, or None."""
+    curvature_passes: int = 1
+    """Default passes over the curvature vectors for FactorLaplace."""
+    iterate_caveat: Optional[str] = None
+    """A warning SWAG gives when it is built with this fitter (None: none)."""
+
+    @classmethod
+    def from_options(cls, **options) -> "Fitter":
+        """The fitter built from a model constructor's keyword options (those that apply to it)."""
+        return cls()
+
+    def options(self) -> Dict[str, Any]:
+        """The options this fitter was built with (for ``repr`` and the sharded ranks' agreement)."""
+        return {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.options().items())})"
 
     def check(self, owner: str, *, rank: int, warmup: int) -> None:
         """Refuse options this method cannot fit with (raise ``ValueError``); default none."""
 
-    def init(self, fa, F0: Tensor, *, optimizer=None, optimizer_kwargs: Optional[Dict[str, Any]] = None) -> None:
-        """Register the fit's buffers on ``fa``; ``F0`` of shape (D, K) is the initial factor."""
+    def init(self, ctx: FitContext, F0: Tensor) -> FitState:
+        """The initial state; ``F0`` of shape (D, K) is the initial factor."""
         raise NotImplementedError
 
-    def step(self, fa, d: Tensor, n_old: int, B: int, first_spread: bool) -> None:
-        r"""Take a batch of ``B`` vectors centred at the new mean, ``d`` of shape (B, D).
+    def update(self, state: FitState, ctx: FitContext, d: Tensor, n_old: int, B: int,
+               first_spread: bool) -> FitState:
+        r"""Take a batch of ``B`` vectors centred at the new mean, ``d`` of shape (B, D); return the state.
 
         ``n_old`` vectors were seen before; ``first_spread`` says that this batch is the first
         whose vectors differ from the earlier ones (all identical vectors have no scale).
         """
         raise NotImplementedError
 
-    def factors(self, fa) -> Tuple[Tensor, Tensor]:
+    def factors(self, state: FitState, ctx: FitContext) -> Tuple[Tensor, Tensor]:
         r"""The posterior's :math:`(F, \psi)`, tensors of shape (D, K) and (D,)."""
         raise NotImplementedError
 
-    def noise(self, fa) -> Tensor:
+    def noise(self, state: FitState, ctx: FitContext) -> Tensor:
         r"""The noise variances (D,) that the next step divides by (the overflow check reads them)."""
-        return self.factors(fa)[1]
+        return self.factors(state, ctx)[1]
 
-    def noise_floor(self, fa) -> float:
+    def noise_floor(self, state: FitState, ctx: FitContext) -> float:
         """The smallest value :meth:`noise` can take before the next step."""
-        return float(self.noise(fa).amin())
+        return float(self.noise(state, ctx).amin())
 
-    def range_scale(self, fa) -> Optional[Tensor]:
+    def range_scale(self, state: FitState, ctx: FitContext) -> Optional[Tensor]:
         """Coordinate scales (D,) that the step divides the deviations by, or None (default)."""
         return None
 
-    def finish_warmup(self, fa) -> None:
-        """End the warm-up at the vectors seen so far (``fa.finish_warmup()`` has checked the count)."""
-        raise RuntimeError(f"{type(fa).__name__}: finish_warmup() needs a method that can end its warm-up early, "
-                           f"got {fa.method!r}. Pass a smaller warmup.")
+    def finish_warmup(self, state: FitState, ctx: FitContext) -> FitState:
+        """End the warm-up at the vectors seen so far (the model has checked the count)."""
+        raise RuntimeError(f"{ctx.owner}: finish_warmup() needs a method that can end its warm-up early, "
+                           f"got {self.name!r}. Pass a smaller warmup.")
 
     # hooks of the optimizer state (a fitter with an optimizer saves its state beside the buffers)
-    def state_extra(self, fa) -> Optional[dict]:
+    def state_extra(self, state: FitState) -> Optional[dict]:
         """A state to save under ``_optimizer_state`` (e.g. an optimizer's), or None."""
         return None
 
-    def check_optimizer_state(self, fa, state) -> None:
+    def check_optimizer_state(self, state: FitState, ctx: FitContext, saved) -> None:
         """Refuse a saved ``_optimizer_state`` that does not fit (raise ``ValueError``)."""
 
-    def loaded(self, fa, extra: Optional[dict]) -> None:
-        """After ``fa`` loaded a state (``extra``: the saved ``_optimizer_state`` or None)."""
+    def loaded(self, state: FitState, ctx: FitContext, extra: Optional[dict]) -> FitState:
+        """After the model loaded a state (``extra``: the saved ``_optimizer_state`` or None)."""
+        return state
 
-    def moved(self, fa, fn) -> None:
-        """After ``fa.to(...)`` / ``fa._apply(fn)`` moved the buffers."""
+    def moved(self, state: FitState, ctx: FitContext, fn) -> FitState:
+        """After the model's ``.to(...)`` / ``_apply(fn)`` moved the buffers (``state`` holds the moved ones)."""
+        return state
 
     # hooks of the sharded update (process_group=...): sums that ride on the update's one all-reduce
-    def shard_sums(self, fa, d: Optional[Tensor], n_old: int, B: int) -> Tuple[list, Any]:
+    def shard_sums(self, state: FitState, ctx: FitContext, d: Optional[Tensor], n_old: int, B: int) -> Tuple[list, Any]:
         """Tensors to sum over the ranks with the update's checks (``d``: None when x was refused), and a
         context for :meth:`shard_reduced`; default none."""
         return [], None
 
-    def shard_reduced(self, fa, sums: list, n: int, context: Any) -> None:
+    def shard_reduced(self, state: FitState, ctx: FitContext, sums: list, n: int, context: Any) -> None:
         """The sums of :meth:`shard_sums`, over all ranks, once the update was accepted."""
 
 
 _REGISTRY = ClassRegistry("register_fitter", Fitter, "method")
 FITTERS: Dict[str, Type[Fitter]] = _REGISTRY.classes
 """The registered fitters, by the ``method`` name that picks them."""
+
+
+def iterate_fitters() -> Tuple[str, ...]:
+    """The registered fitters :class:`~pyro_fa.SWAG` offers (``supports_iterates``)."""
+    return tuple(n for n, c in FITTERS.items() if c.supports_iterates)
+
+
+def curvature_fitters() -> Dict[str, Type[Fitter]]:
+    """The registered fitters FactorLaplace offers, by their ``curvature_fit`` name."""
+    return {c.curvature_fit: c for c in FITTERS.values() if c.curvature_fit}
+
+
+# checks of the options of the built-in fitters, shared so that a model constructor's keyword options
+# and a fitter object's give the same messages
+def check_positive(owner: str, name: str, value) -> None:
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{owner}: {name} must be a positive finite number, got {value!r}.")
+
+
+def check_step_options(owner: str, step_scale, step_ramp, m_step_every) -> None:
+    if not (isinstance(step_scale, (int, float)) and math.isfinite(step_scale) and step_scale >= 1):
+        raise ValueError(f"{owner}: step_scale must be a finite number >= 1, got {step_scale!r}.")
+    if step_ramp is not None and (isinstance(step_ramp, bool) or not isinstance(step_ramp, int) or step_ramp < 1):
+        raise ValueError(f"{owner}: step_ramp must be a positive integer or None, got {step_ramp!r}.")
+    if m_step_every is not None and (
+        isinstance(m_step_every, bool) or not isinstance(m_step_every, int) or m_step_every < 1
+    ):
+        raise ValueError(f"{owner}: m_step_every must be a positive integer or None, got {m_step_every!r}.")
 
 
 def cholesky(mat: Tensor) -> Tensor:
@@ -157,3 +355,21 @@ def cholesky(mat: Tensor) -> Tensor:
         f"OnlineFactorAnalysis: a {mat.shape[-1]} x {mat.shape[-1]} matrix of the E-step is not positive "
         "definite even with jitter; the statistics hold non-finite values."
     )
+
+
+def _import_builtin_fitters() -> None:
+    # every public module of this package is imported, and its fitters register themselves: a new built-in
+    # fitter is its module, with no list to edit (in name order, which is the registry's and the messages')
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.iter_modules(__path__):
+        if not module.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{module.name}")
+
+
+_import_builtin_fitters()
+# the built-in fitters under short names: method=OnlineSGA(lr=0.01, optimizer="natural")
+from pyro_fa.fa.fitters.em import OnlineEM  # noqa: E402
+from pyro_fa.fa.fitters.sga import OnlineSGA  # noqa: E402
+from pyro_fa.fa.fitters.sketch import ScatterSketch  # noqa: E402

@@ -14,14 +14,41 @@ Biometrika 85(4), 1998.
 """
 from __future__ import annotations
 
-from typing import Tuple
+import dataclasses
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from pyro_fa.fa.fitters import Fitter, cholesky as _cholesky, register_fitter
+from pyro_fa.fa.fitters import (FitContext, FitState, Fitter, check_step_options, cholesky as _cholesky,
+                                register_fitter, scalar)
 
-__all__ = ["OnlineEM"]
+__all__ = ["OnlineEM", "EMState"]
+
+_M_STEP_DIM = 100_000  # default m_step_every = max(1, dim // _M_STEP_DIM)
+
+
+@dataclasses.dataclass
+class EMState(FitState):
+    r"""Online EM's state: the factor ``F`` (D, K), ``psi`` (D,), the statistics ``A`` (D, K) and ``H``
+    (K, K), the capacitance ``cap`` :math:`I + F^\top\Psi^{-1}F` of the current factor; the exact scatter
+    ``S`` (D, D) instead of ``A`` for the natural step of :mod:`~pyro_fa.fa.fitters.sga_natural` at small D.
+
+    ``A_coef``: the statistic :math:`\bar A` is held as ``A_coef * F + A`` (an expanded M-step makes it
+    :math:`F` itself, coefficient exactly 1, ``A`` stale, instead of writing :math:`F` into ``A``);
+    ``since_m_step``: updates since the last M-step.
+    """
+
+    F: Tensor
+    psi: Tensor
+    A: Optional[Tensor]
+    H: Tensor
+    cap: Tensor
+    S: Optional[Tensor] = None
+    A_coef: float = scalar(0.0)
+    since_m_step: int = scalar(0)
+
+    extra = {"A_coef": "A_coef", "since_m_step": "since_m_step"}
 
 
 @register_fitter("em")
@@ -37,8 +64,9 @@ class OnlineEM(Fitter):
     (:math:`\bar H_t = LL^\top`, PX-EM) or :math:`F = \bar A_t \bar H_t^{-1}`, and
     :math:`\psi = \mathrm{diag}(S_t) - \mathrm{diag}(F \bar A_t^\top)` (Brownlie 2021, eqs. 4.33–4.35).
 
-    State (buffers of the model): ``_F`` (D, K), ``_psi`` (D,), ``_A`` (D, K), ``_H`` (K, K)
-    and ``_cap`` (K, K), the capacitance :math:`I + F^\top\Psi^{-1}F` of the current factor.
+    Options: ``step_scale``, ``expand``, ``step_ramp``, ``m_step_every`` (see
+    :class:`~pyro_fa.OnlineFactorAnalysis`). State: :class:`EMState` (the model's buffers ``_F``,
+    ``_psi``, ``_A``, ``_H``, ``_cap``).
 
     Notes
     -----
@@ -74,8 +102,41 @@ class OnlineEM(Fitter):
     """
 
     finishes_warmup = True
+    curvature_fit = "online"
+    curvature_passes = 4
+
+    def __init__(self, step_scale: float = 2.0, expand: bool = True, step_ramp: Optional[int] = None,
+                 m_step_every: Optional[int] = None):
+        self.step_scale = step_scale
+        self.expand = expand
+        self.step_ramp = step_ramp
+        self.m_step_every = m_step_every
+
+    @classmethod
+    def from_options(cls, *, step_scale=2.0, expand=True, step_ramp=None, m_step_every=None, **_):
+        return cls(step_scale=step_scale, expand=expand, step_ramp=step_ramp, m_step_every=m_step_every)
+
+    def options(self):
+        return dict(step_scale=self.step_scale, expand=self.expand, step_ramp=self.step_ramp,
+                    m_step_every=self.m_step_every)
+
+    def _ramp(self, ctx: FitContext) -> int:
+        return 2 * ctx.dim if self.step_ramp is None else self.step_ramp
+
+    def m_step_interval(self, dim: int) -> int:
+        """Updates between M-steps at dimension ``dim``: ``m_step_every``, by default ``max(1, dim // 100_000)``."""
+        return max(1, dim // _M_STEP_DIM) if self.m_step_every is None else self.m_step_every
+
+    def _every(self, ctx: FitContext) -> int:
+        return self.m_step_interval(ctx.dim)
 
     def check(self, owner: str, *, rank: int, warmup: int) -> None:
+        check_step_options(owner, self.step_scale, self.step_ramp, self.m_step_every)
+        if not isinstance(self.expand, bool):
+            raise TypeError(f"{owner}: expand must be True or False, got {self.expand!r}.")
+        self._check_warmup(owner, rank=rank, warmup=warmup)
+
+    def _check_warmup(self, owner: str, *, rank: int, warmup: int) -> None:
         if warmup < rank:
             raise ValueError(
                 f"{owner}: warmup must be >= rank={rank} for method 'em', got {warmup!r}: an M-step from fewer "
@@ -83,84 +144,84 @@ class OnlineEM(Fitter):
                 "in float32)."
             )
 
-    def init(self, fa, F0: Tensor, *, optimizer=None, optimizer_kwargs=None) -> None:
+    def init(self, ctx: FitContext, F0: Tensor) -> EMState:
         K = F0.shape[1]
-        fa.register_buffer("_F", F0)
-        fa.register_buffer("_psi", torch.ones_like(F0[:, 0]))
-        fa.register_buffer("_A", torch.zeros_like(F0))
-        fa.register_buffer("_H", F0.new_zeros(K, K))
         # capacitance I + F^T Psi^-1 F of the current (F, psi), kept for the next E-step
         cap0 = F0.T @ F0
-        fa._cap_done(cap0)
-        fa.register_buffer("_cap", cap0)
+        ctx.cap_done(cap0)
+        return EMState(F=F0, psi=torch.ones_like(F0[:, 0]), A=torch.zeros_like(F0), H=F0.new_zeros(K, K), cap=cap0)
 
-    def factors(self, fa) -> Tuple[Tensor, Tensor]:
-        return fa._F, fa._psi
+    def factors(self, state: EMState, ctx: FitContext) -> Tuple[Tensor, Tensor]:
+        return state.F, state.psi
 
-    def noise(self, fa) -> Tensor:
-        return fa._psi
+    def noise(self, state: EMState, ctx: FitContext) -> Tensor:
+        return state.psi
 
-    def noise_floor(self, fa) -> float:
-        return float(fa._psi.amin())
+    def noise_floor(self, state: EMState, ctx: FitContext) -> float:
+        return float(state.psi.amin())
 
-    def finish_warmup(self, fa) -> None:
-        self._m_step(fa)
-        fa._since_m_step = 0
+    def finish_warmup(self, state: EMState, ctx: FitContext) -> EMState:
+        self._m_step(state, ctx)
+        state.since_m_step = 0
+        return state
 
-    def shard_sums(self, fa, d, n_old: int, B: int):
+    def shard_sums(self, state: EMState, ctx: FitContext, d, n_old: int, B: int):
         # the E-step's projection F^T Psi^-1 d (one vector, with the current F, psi) and the capacitance
         # that the last M-step left as this rank's partial sum ride on the update's all-reduce
         n = n_old + B
-        rescale = 2 <= n <= fa.warmup and n.bit_length() > n_old.bit_length()
-        u = fa._F.T @ (d / fa._psi).T if d is not None and B == 1 and not rescale else None  # (K, 1)
-        sums = [u if u is not None else fa._F.new_zeros(fa.rank, 1)]
-        if fa._cap_pending:
-            sums.append(fa._cap)
+        rescale = 2 <= n <= ctx.warmup and n.bit_length() > n_old.bit_length()
+        u = state.F.T @ (d / state.psi).T if d is not None and B == 1 and not rescale else None  # (K, 1)
+        sums = [u if u is not None else state.F.new_zeros(ctx.rank, 1)]
+        if ctx.cap_pending:
+            sums.append(state.cap)
         return sums, u is not None
 
-    def shard_reduced(self, fa, sums, n: int, projected: bool) -> None:
-        if fa._cap_pending:
-            fa._commit_cap(sums[1])
-        fa._stash_u = (n, sums[0]) if projected else None
+    def shard_reduced(self, state: EMState, ctx: FitContext, sums, n: int, projected: bool) -> None:
+        if ctx.cap_pending:
+            ctx.commit_cap(state.cap, sums[1])
+        ctx.stash_projection(n, sums[0] if projected else None)
 
-    def step(self, fa, d: Tensor, n_old: int, B: int, first_spread: bool) -> None:
+    def update(self, state: EMState, ctx: FitContext, d: Tensor, n_old: int, B: int,
+               first_spread: bool) -> EMState:
         n = n_old + B
-        K = fa.rank
-        self._warm_up(fa, n, B, first_spread)
+        K = ctx.rank
+        self._warm_up(state, ctx, n, B, first_spread)
         # E-step (eq. 4.23): the capacitance I + F^T Psi^-1 F of the current F, psi was
         # formed by the previous M-step; only F^T Psi^-1 d is new (one pass over F)
-        L, u = fa._e_step_inputs(d)  # (K, B) projection F^T Psi^-1 d^T, summed over the ranks if sharded
+        L, u = ctx.e_step_inputs(d, state.F, state.psi, state.cap)  # (K, B) F^T Psi^-1 d^T, summed over the ranks
         m = torch.cholesky_solve(u, L)
         eye = torch.eye(K, dtype=d.dtype, device=d.device)
         sigma_h = torch.cholesky_solve(eye, L)
         # statistics (eqs. 4.32, 4.36) with step gamma, A updated in place (one pass)
-        a = 1.0 + (fa.step_scale - 1.0) * min(1.0, n / fa.step_ramp)
+        step_scale = float(self.step_scale)
+        a = 1.0 + (step_scale - 1.0) * min(1.0, n / self._ramp(ctx))
         gamma = min(1.0, a * B / (n + (a - 1) * B))
-        # the statistic is A = _A_coef * F + _A (see _m_step). The coefficient is exactly 1
+        # the statistic is A = A_coef * F + A (see _m_step). The coefficient is exactly 1
         # only right after an expanded M-step (every update past the warm-up scales it by
-        # 1 - gamma < 1): _A is stale then, and the update writes it without reading it
-        fa._A.addmm_(d.T, m.T, beta=0.0 if fa._A_coef == 1.0 else 1 - gamma, alpha=gamma / B)
-        fa._A_coef *= 1 - gamma
-        fa._H.mul_(1 - gamma).add_(sigma_h + m @ m.T / B, alpha=gamma)
-        self._maybe_m_step(fa, n)
+        # 1 - gamma < 1): A is stale then, and the update writes it without reading it
+        state.A.addmm_(d.T, m.T, beta=0.0 if state.A_coef == 1.0 else 1 - gamma, alpha=gamma / B)
+        state.A_coef *= 1 - gamma
+        state.H.mul_(1 - gamma).add_(sigma_h + m @ m.T / B, alpha=gamma)
+        self._maybe_m_step(state, ctx, n)
+        return state
 
-    def _warm_up(self, fa, n: int, B: int, first_spread: bool) -> None:
+    def _warm_up(self, state: EMState, ctx: FitContext, n: int, B: int, first_spread: bool) -> None:
         # warm-up: each time n passes a power of two, and at the first vector that differs from the
         # earlier ones, the fixed initial factor is put in the units of the data seen so far (see
         # _scale_to_variance); identical vectors have no units to put it in
-        if 2 <= n <= fa.warmup and (first_spread or (n.bit_length() > (n - B).bit_length() and fa._has_spread())):
-            self._scale_to_variance(fa)
+        if 2 <= n <= ctx.warmup and (first_spread or (n.bit_length() > (n - B).bit_length() and ctx.has_spread())):
+            self._scale_to_variance(state, ctx)
 
-    def _maybe_m_step(self, fa, n: int) -> None:
+    def _maybe_m_step(self, state: EMState, ctx: FitContext, n: int) -> None:
         # past the warm-up, the M-step every m_step_every updates
-        if n <= fa.warmup:
+        if n <= ctx.warmup:
             return
-        fa._since_m_step += 1
-        if fa._since_m_step >= fa.m_step_every:
-            self._m_step(fa)
-            fa._since_m_step = 0
+        state.since_m_step += 1
+        if state.since_m_step >= self._every(ctx):
+            self._m_step(state, ctx)
+            state.since_m_step = 0
 
-    def _scale_to_variance(self, fa) -> None:
+    def _scale_to_variance(self, state: EMState, ctx: FitContext) -> None:
         r"""Warm-up: rescale the initial factor and :math:`\psi` to the running variances.
 
         The rows of :math:`F` keep their directions and get the norm
@@ -175,14 +236,14 @@ class OnlineEM(Fitter):
         error). Called at :math:`n = 2, 4, 8, \dots` up to the
         warm-up's end: :math:`O(DK^2)` each, in row blocks.
         """
-        var = fa.variance
-        floor = fa._floor_values(var)
-        F, psi, cap = fa._F, fa._psi, fa._cap
+        var = ctx.variance
+        floor = ctx.floor_values(var)
+        F, psi, cap = state.F, state.psi, state.cap
         cap.zero_()
-        rows = fa._block_rows()
-        work = fa._workspace(rows)[0]
-        for lo in range(0, fa._local_dim, rows):
-            hi = min(lo + rows, fa._local_dim)
+        rows = ctx.block_rows(F.element_size())
+        work = ctx.workspace(rows, F)[0]
+        for lo in range(0, ctx.rows, rows):
+            hi = min(lo + rows, ctx.rows)
             F_c, w, v, psi_c = F[lo:hi], work[: hi - lo], var[lo:hi], psi[lo:hi]
             # in float64: a row that an earlier rescale left tiny (a coordinate that had barely moved, its
             # variance then a float32 denormal) has a squared norm that underflows float32 to a denormal,
@@ -196,9 +257,9 @@ class OnlineEM(Fitter):
             torch.maximum(0.5 * v, floor[lo:hi], out=psi_c)
             torch.div(F_c, psi_c.unsqueeze(-1), out=w)
             cap.addmm_(w.T, F_c)
-        fa._cap_done(cap)
+        ctx.cap_done(cap)
 
-    def _m_step(self, fa) -> None:
+    def _m_step(self, state: EMState, ctx: FitContext) -> None:
         r"""M-step (eqs. 4.33, 4.35) fused with the next E-step's capacitance.
 
         One pass over :math:`\bar A` in row blocks small enough to stay in cache:
@@ -206,26 +267,27 @@ class OnlineEM(Fitter):
         :math:`F = \bar A`), :math:`\psi = \mathrm{diag}(S) - \mathrm{rowsum}(F \odot \bar A)`
         (floored) and :math:`I + F^\top \Psi^{-1} F`, without a D x K temporary.
         """
-        var = fa.variance
-        floor = fa._floor_values(var)
-        L = _cholesky(fa._H)
-        if fa.expand:
+        var = ctx.variance
+        floor = ctx.floor_values(var)
+        L = _cholesky(state.H)
+        expand = self.expand
+        if expand:
             # PX-EM: the working latent covariance H is absorbed into the factor,
             # F = A H^-1 L = A L^-T, and the statistics move to the new latent
             # coordinates h' = L^-1 h: A <- A L^-T, H <- L^-1 H L^-T = I
-            eye = torch.eye(fa.rank, dtype=L.dtype, device=L.device)
+            eye = torch.eye(ctx.rank, dtype=L.dtype, device=L.device)
             M = torch.linalg.solve_triangular(L, eye, upper=False).T
-            fa._H.copy_(eye)
+            state.H.copy_(eye)
         else:
             M = torch.cholesky_inverse(L)
-        A, F, psi = fa._A, fa._F, fa._psi
-        cap = fa._cap
+        A, F, psi = state.A, state.F, state.psi
+        cap = state.cap
         cap.zero_()
-        rows = fa._block_rows()
-        work, work_a = fa._workspace(rows)
-        coef = fa._A_coef
-        for lo in range(0, fa._local_dim, rows):
-            hi = min(lo + rows, fa._local_dim)
+        rows = ctx.block_rows(F.element_size())
+        work, work_a = ctx.workspace(rows, F)
+        coef = state.A_coef
+        for lo in range(0, ctx.rows, rows):
+            hi = min(lo + rows, ctx.rows)
             A_c, F_c, w = A[lo:hi], F[lo:hi], work[: hi - lo]
             if coef != 0.0:
                 # the statistic's rows, A = coef * F + _A, formed in cache
@@ -233,11 +295,11 @@ class OnlineEM(Fitter):
             torch.mm(A_c, M, out=F_c)
             psi_c = psi[lo:hi]
             # diag(A H^-1 A^T): rowsum(F * A) for F = A H^-1, rowsum(F * F) for F = A L^-T
-            torch.sub(var[lo:hi], torch.mul(F_c, F_c if fa.expand else A_c, out=w).sum(-1), out=psi_c)
+            torch.sub(var[lo:hi], torch.mul(F_c, F_c if expand else A_c, out=w).sum(-1), out=psi_c)
             torch.maximum(psi_c, floor[lo:hi], out=psi_c)
             torch.div(F_c, psi_c.unsqueeze(-1), out=w)
             cap.addmm_(w.T, F_c)
-        fa._cap_done(cap)
+        ctx.cap_done(cap)
         # expanded: the statistic in the new coordinates, A L^-T, is F itself; rather than
-        # writing it into _A (one more pass over D x K memory) hold it as 1 * F + stale _A
-        fa._A_coef = 1.0 if fa.expand else 0.0
+        # writing it into A (one more pass over D x K memory) hold it as 1 * F + stale A
+        state.A_coef = 1.0 if expand else 0.0

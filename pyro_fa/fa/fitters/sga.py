@@ -9,17 +9,42 @@ one pass over the rows of :math:`F`) ascends. The state lives in the
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from pyro_fa._state import check_optimizer_state
-from pyro_fa.fa.fitters import Fitter, cholesky, register_fitter
-from pyro_fa.fa.fitters.sga_natural import EXACT_RATIO, NaturalStep
+from pyro_fa.fa.fitters import (FitContext, FitState, Fitter, check_positive, check_step_options, cholesky,
+                                register_fitter, scalar)
+from pyro_fa.fa.fitters.sga_natural import NaturalStep
 
-__all__ = ["OnlineSGA"]
+__all__ = ["OnlineSGA", "SGAState"]
+
+
+@dataclasses.dataclass
+class SGAState(FitState):
+    r"""Online SGA's state: the parameters ``F`` (D, K) and ``log_psi`` (D,) of :math:`\tilde F,
+    \log\tilde\psi` (``nn.Parameter`` s, stepped by ``optimizer``), the coordinate scales ``scale`` (D,),
+    and, when averaging, ``F_avg`` and ``log_psi_avg``; ``steps`` (ascent steps taken), ``fused`` (the
+    default Adam runs fused), and ``cap`` / ``cap_key``, the cached capacitance of the current iterate.
+    """
+
+    F: nn.Parameter
+    log_psi: nn.Parameter
+    scale: Tensor
+    F_avg: Optional[Tensor]
+    log_psi_avg: Optional[Tensor]
+    optimizer: Any = scalar(None)
+    fused: bool = scalar(False)
+    steps: int = scalar(0)
+    cap: Optional[Tensor] = scalar(None)  # I + F~^T Psi~^-1 F~ of the current iterate, and its key
+    cap_key: Any = scalar(None)
+
+    parameters = ("F", "log_psi")
+    extra = {"steps": "sga_steps"}
 
 
 @register_fitter("sga")
@@ -31,10 +56,12 @@ class OnlineSGA(Fitter):
     are the Polyak–Ruppert averages of :math:`(\tilde F, \log\tilde\psi)` (``average=True``)
     or the last iterate, scaled back.
 
-    State (of the model): the parameters ``_F`` (D, K) and ``_log_psi`` (D,) of
-    :math:`\tilde F, \log\tilde\psi`, the buffers ``_scale`` (D,) and, when averaging,
-    ``_F_avg``, ``_log_psi_avg``; the optimizer ``_optimizer``, whose state is saved under
-    ``_optimizer_state``.
+    Options: ``lr``, ``optimizer``, ``optimizer_kwargs``, ``lr_decay_after``, ``average`` (see
+    :class:`~pyro_fa.OnlineFactorAnalysis`), and for ``optimizer="natural"`` online EM's ``step_scale``,
+    ``step_ramp``, ``m_step_every``. State: :class:`SGAState` (the model's parameters ``_F``, ``_log_psi``
+    and buffers ``_scale``, ``_F_avg``, ``_log_psi_avg``; the optimizer's state is saved under
+    ``_optimizer_state``), or for ``optimizer="natural"`` online EM's
+    :class:`~pyro_fa.fa.fitters.em.EMState`.
 
     Notes
     -----
@@ -60,112 +87,58 @@ class OnlineSGA(Fitter):
     mat-vecs per update; ``lr``, ``lr_decay_after`` and ``average`` do not apply to it.
     """
 
-    def init(self, fa, F0: Tensor, *, optimizer=None, optimizer_kwargs=None) -> None:
-        fa._sga_natural = isinstance(optimizer, str)
-        if fa._sga_natural:
-            self._init_natural(fa, F0, optimizer, optimizer_kwargs)
-            return
-        # the ascent runs in coordinates standardised by the running standard deviation
-        # at the end of the warm-up (F = diag(scale) F~, psi = scale^2 psi~), so that the
-        # optimizer's step size means the same whatever the scale of the data
-        zeros = torch.zeros_like(F0[:, 0])
-        fa.register_buffer("_scale", torch.ones_like(F0[:, 0]))
-        fa._F = nn.Parameter(F0, requires_grad=False)
-        fa._log_psi = nn.Parameter(zeros, requires_grad=False)
-        if fa.average:
-            fa.register_buffer("_F_avg", F0.clone())
-            fa.register_buffer("_log_psi_avg", zeros.clone())
-        opt = optimizer if optimizer is not None else torch.optim.Adam
-        kwargs = dict(optimizer_kwargs or {})
-        kwargs.setdefault("lr", fa.lr)
-        fa._optimizer = opt([fa._F, fa._log_psi], **kwargs)
-        # the default Adam runs fused (_fused_step): its state lives in the optimizer's
-        # state dict as torch's Adam keeps it, so the two paths are interchangeable
-        group = fa._optimizer.param_groups[0]
-        fa._sga_fused = optimizer is None and not (
-            group.get("weight_decay", 0) or group.get("amsgrad", False) or group.get("maximize", False)
-            or group.get("differentiable", False) or group.get("decoupled_weight_decay", False)
-        )
-        fa._sga_cap = None  # I + F~^T Psi~^-1 F~ of the current iterate, and its key
-        fa._sga_cap_key = None
+    def __init__(self, lr: float = 1e-2, optimizer=None, optimizer_kwargs: Optional[Dict[str, Any]] = None,
+                 lr_decay_after: Optional[int] = None, average: bool = True, step_scale: float = 2.0,
+                 step_ramp: Optional[int] = None, m_step_every: Optional[int] = None):
+        self.lr = lr
+        self.optimizer = optimizer
+        self.optimizer_kwargs = optimizer_kwargs
+        self.lr_decay_after = lr_decay_after
+        self.average = average
+        self.step_scale = step_scale
+        self.step_ramp = step_ramp
+        self.m_step_every = m_step_every
+        self._natural: Optional[NaturalStep] = None  # built by check() for optimizer="natural"
 
-    def step(self, fa, d: Tensor, n_old: int, B: int, first_spread: bool) -> None:
-        if fa._sga_natural:
-            return _NATURAL.step(fa, d, n_old, B, first_spread)
-        if n_old + B <= fa.warmup:
-            return
-        if n_old <= fa.warmup:
-            self._rescale_to_data(fa)
-        self._sga_step(fa, d)
+    @classmethod
+    def from_options(cls, *, lr=1e-2, optimizer=None, optimizer_kwargs=None, lr_decay_after=None, average=True,
+                     step_scale=2.0, step_ramp=None, m_step_every=None, **_):
+        return cls(lr=lr, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs, lr_decay_after=lr_decay_after,
+                   average=average, step_scale=step_scale, step_ramp=step_ramp, m_step_every=m_step_every)
 
-    def factors(self, fa) -> Tuple[Tensor, Tensor]:
-        if fa._sga_natural:
-            return _NATURAL.factors(fa)
-        scale = fa._scale
-        F, log_psi = (fa._F_avg, fa._log_psi_avg) if fa.average else (fa._F.detach(), fa._log_psi.detach())
-        return F * scale.unsqueeze(-1), log_psi.exp() * scale.pow(2)
+    def options(self):
+        return dict(lr=self.lr, optimizer=self.optimizer, optimizer_kwargs=self.optimizer_kwargs,
+                    lr_decay_after=self.lr_decay_after, average=self.average, step_scale=self.step_scale,
+                    step_ramp=self.step_ramp, m_step_every=self.m_step_every)
 
-    def noise(self, fa) -> Tensor:
-        if fa._sga_natural:
-            return _NATURAL.noise(fa)
-        return fa._log_psi.detach().exp() * fa._scale.pow(2)
+    @property
+    def natural(self) -> bool:
+        """Whether the EM-preconditioned step replaces the optimizer (``optimizer="natural"``)."""
+        return isinstance(self.optimizer, str)
 
-    def noise_floor(self, fa) -> float:
-        if fa._sga_natural:
-            return _NATURAL.noise_floor(fa)
-        return fa.min_variance * float(fa._scale.amin()) ** 2
-
-    def range_scale(self, fa) -> Optional[Tensor]:
-        if fa._sga_natural:
+    @property
+    def iterate_caveat(self) -> Optional[str]:  # SGA's natural step is within 1.5x of batch FA
+        if self.natural:
             return None
-        return fa._scale
+        return ("method 'sga' (online stochastic gradient ascent) with its default Adam step is far from batch "
+                "factor analysis on a few hundred to a few thousand collected iterates; optimizer='natural' (the "
+                "EM-preconditioned step) or method 'em' is much closer. See help(SWAG).")
 
-    def finish_warmup(self, fa) -> None:
-        raise RuntimeError(f"{type(fa).__name__}: finish_warmup() needs method 'em', got {fa.method!r}: the ascent "
-                           f"only starts after warmup={fa.warmup} observations. Pass a smaller warmup.")
+    def check(self, owner: str, *, rank: int, warmup: int) -> None:
+        check_positive(owner, "lr", self.lr)
+        check_step_options(owner, self.step_scale, self.step_ramp, self.m_step_every)
+        lda = self.lr_decay_after
+        if lda is not None and (isinstance(lda, bool) or not isinstance(lda, int) or lda < 0):
+            raise ValueError(f"{owner}: lr_decay_after must be a non-negative integer or None, got {lda!r}.")
+        if self.natural:
+            self._natural = self._natural_step(owner, rank=rank, warmup=warmup)
 
-    def state_extra(self, fa) -> Optional[dict]:
-        if fa._sga_natural:
-            return None
-        return fa._optimizer.state_dict()
-
-    def check_optimizer_state(self, fa, state) -> None:
-        if fa._sga_natural:
-            return
-        check_optimizer_state(type(fa).__name__, fa._optimizer, state)
-
-    def loaded(self, fa, extra: Optional[dict]) -> None:
-        if fa._sga_natural:
-            return
-        if extra is not None:
-            # a copy: torch's Optimizer.load_state_dict keeps the given tensors (Adam's step and moments) when
-            # dtype and device match, so a state loaded from a live model's state_dict() would share them with
-            # it, and each model's in-place steps would move the other's (as the model's own buffers, the
-            # loaded values must be this model's)
-            fa._optimizer.load_state_dict(copy.deepcopy(extra))
-        fa._sga_cap = None
-
-    def moved(self, fa, fn) -> None:
-        if fa._sga_natural:
-            return
-        fa._sga_cap = None
-        self._repoint_optimizer(fa, fn)
-
-    def shard_sums(self, fa, d, n_old: int, B: int):
-        if fa._sga_natural:  # online EM's E-step: its projection and capacitance ride on the update's all-reduce
-            return _NATURAL.shard_sums(fa, d, n_old, B)
-        return super().shard_sums(fa, d, n_old, B)
-
-    def shard_reduced(self, fa, sums, n: int, context) -> None:
-        if fa._sga_natural:
-            _NATURAL.shard_reduced(fa, sums, n, context)
-
-    def _init_natural(self, fa, F0: Tensor, optimizer: str, optimizer_kwargs) -> None:
-        owner = type(fa).__name__
+    def _natural_step(self, owner: str, *, rank: int, warmup: int) -> NaturalStep:
+        optimizer = self.optimizer
         if optimizer != "natural":
             raise ValueError(f"{owner}: optimizer must be a torch optimizer class, a callable returning one, or "
                              f"'natural' (the EM-preconditioned step), got {optimizer!r}.")
-        kwargs = dict(optimizer_kwargs or {})
+        kwargs = dict(self.optimizer_kwargs or {})
         eta = kwargs.pop("step", 1.0)
         if kwargs:
             raise ValueError(f"{owner}: optimizer_kwargs of optimizer='natural' takes only 'step', got "
@@ -173,14 +146,122 @@ class OnlineSGA(Fitter):
         if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 < eta <= 1:
             raise ValueError(f"{owner}: optimizer_kwargs['step'] of optimizer='natural' must be a number in (0, 1], "
                              f"got {eta!r}.")
-        if fa.warmup < fa.rank:
-            raise ValueError(f"{owner}: warmup must be >= rank={fa.rank} for optimizer='natural', got {fa.warmup}: "
+        if warmup < rank:
+            raise ValueError(f"{owner}: warmup must be >= rank={rank} for optimizer='natural', got {warmup}: "
                              "its first step from fewer vectors than factors is degenerate.")
-        fa._sga_eta = float(eta)
-        fa._sga_exact = fa.dim <= EXACT_RATIO * fa.rank and fa._sharding is None  # S needs every column
-        _NATURAL.init(fa, F0)
+        return NaturalStep(eta, step_scale=self.step_scale, step_ramp=self.step_ramp, m_step_every=self.m_step_every)
 
-    def _repoint_optimizer(self, fa, fn) -> None:
+    def _nat(self, ctx: FitContext) -> NaturalStep:
+        if self._natural is None:
+            self._natural = self._natural_step(ctx.owner, rank=ctx.rank, warmup=ctx.warmup)
+        return self._natural
+
+    def _decay_after(self, ctx: FitContext) -> int:
+        return 2 * ctx.dim if self.lr_decay_after is None else self.lr_decay_after
+
+    def init(self, ctx: FitContext, F0: Tensor):
+        if self.natural:
+            return self._nat(ctx).init(ctx, F0)
+        # the ascent runs in coordinates standardised by the running standard deviation
+        # at the end of the warm-up (F = diag(scale) F~, psi = scale^2 psi~), so that the
+        # optimizer's step size means the same whatever the scale of the data
+        zeros = torch.zeros_like(F0[:, 0])
+        scale = torch.ones_like(F0[:, 0])
+        F = nn.Parameter(F0, requires_grad=False)
+        log_psi = nn.Parameter(zeros, requires_grad=False)
+        average = bool(self.average)
+        F_avg = F0.clone() if average else None
+        log_psi_avg = zeros.clone() if average else None
+        opt = self.optimizer if self.optimizer is not None else torch.optim.Adam
+        kwargs = dict(self.optimizer_kwargs or {})
+        kwargs.setdefault("lr", float(self.lr))
+        optimizer = opt([F, log_psi], **kwargs)
+        # the default Adam runs fused (_fused_step): its state lives in the optimizer's
+        # state dict as torch's Adam keeps it, so the two paths are interchangeable
+        group = optimizer.param_groups[0]
+        fused = self.optimizer is None and not (
+            group.get("weight_decay", 0) or group.get("amsgrad", False) or group.get("maximize", False)
+            or group.get("differentiable", False) or group.get("decoupled_weight_decay", False)
+        )
+        return SGAState(F=F, log_psi=log_psi, scale=scale, F_avg=F_avg, log_psi_avg=log_psi_avg,
+                        optimizer=optimizer, fused=fused)
+
+    def update(self, state, ctx: FitContext, d: Tensor, n_old: int, B: int, first_spread: bool):
+        if self.natural:
+            return self._nat(ctx).update(state, ctx, d, n_old, B, first_spread)
+        if n_old + B <= ctx.warmup:
+            return state
+        if n_old <= ctx.warmup:
+            self._rescale_to_data(state, ctx)
+        self._sga_step(state, ctx, d)
+        return state
+
+    def factors(self, state, ctx: FitContext) -> Tuple[Tensor, Tensor]:
+        if self.natural:
+            return self._nat(ctx).factors(state, ctx)
+        scale = state.scale
+        F, log_psi = (state.F_avg, state.log_psi_avg) if state.F_avg is not None else (
+            state.F.detach(), state.log_psi.detach())
+        return F * scale.unsqueeze(-1), log_psi.exp() * scale.pow(2)
+
+    def noise(self, state, ctx: FitContext) -> Tensor:
+        if self.natural:
+            return self._nat(ctx).noise(state, ctx)
+        return state.log_psi.detach().exp() * state.scale.pow(2)
+
+    def noise_floor(self, state, ctx: FitContext) -> float:
+        if self.natural:
+            return self._nat(ctx).noise_floor(state, ctx)
+        return ctx.min_variance * float(state.scale.amin()) ** 2
+
+    def range_scale(self, state, ctx: FitContext) -> Optional[Tensor]:
+        if self.natural:
+            return None
+        return state.scale
+
+    def finish_warmup(self, state, ctx: FitContext):
+        raise RuntimeError(f"{ctx.owner}: finish_warmup() needs method 'em', got {self.name!r}: the ascent "
+                           f"only starts after warmup={ctx.warmup} observations. Pass a smaller warmup.")
+
+    def state_extra(self, state) -> Optional[dict]:
+        if self.natural:
+            return None
+        return state.optimizer.state_dict()
+
+    def check_optimizer_state(self, state, ctx: FitContext, saved) -> None:
+        if self.natural:
+            return
+        check_optimizer_state(ctx.owner, state.optimizer, saved)
+
+    def loaded(self, state, ctx: FitContext, extra: Optional[dict]):
+        if self.natural:
+            return state
+        if extra is not None:
+            # a copy: torch's Optimizer.load_state_dict keeps the given tensors (Adam's step and moments) when
+            # dtype and device match, so a state loaded from a live model's state_dict() would share them with
+            # it, and each model's in-place steps would move the other's (as the model's own buffers, the
+            # loaded values must be this model's)
+            state.optimizer.load_state_dict(copy.deepcopy(extra))
+        state.cap = None
+        return state
+
+    def moved(self, state, ctx: FitContext, fn):
+        if self.natural:
+            return state
+        state.cap = None
+        self._repoint_optimizer(state, ctx, fn)
+        return state
+
+    def shard_sums(self, state, ctx: FitContext, d, n_old: int, B: int):
+        if self.natural:  # online EM's E-step: its projection and capacitance ride on the update's all-reduce
+            return self._nat(ctx).shard_sums(state, ctx, d, n_old, B)
+        return super().shard_sums(state, ctx, d, n_old, B)
+
+    def shard_reduced(self, state, ctx: FitContext, sums, n: int, context) -> None:
+        if self.natural:
+            self._nat(ctx).shard_reduced(state, ctx, sums, n, context)
+
+    def _repoint_optimizer(self, state: SGAState, ctx: FitContext, fn) -> None:
         """Point the SGA optimizer at the current ``_F`` / ``_log_psi`` after :meth:`_apply`.
 
         ``.to()`` may replace the Parameter objects (e.g. under
@@ -189,11 +270,11 @@ class OnlineSGA(Fitter):
         state keys are moved to the new objects, and its state to their device
         and dtype.
         """
-        opt = fa._optimizer
-        new_params = [fa._F, fa._log_psi]
+        opt = state.optimizer
+        new_params = [state.F, state.log_psi]
         old_params = [p for group in opt.param_groups for p in group["params"]]
         if len(old_params) != len(new_params):  # pragma: no cover - the optimizer is built on exactly these two
-            raise RuntimeError(f"{type(fa).__name__}: the SGA optimizer holds {len(old_params)} parameters, "
+            raise RuntimeError(f"{ctx.owner}: the SGA optimizer holds {len(old_params)} parameters, "
                                f"expected {len(new_params)}.")
         moved = {id(old): new for old, new in zip(old_params, new_params)}
         for group in opt.param_groups:
@@ -207,77 +288,80 @@ class OnlineSGA(Fitter):
         opt.state.clear()
         opt.state.update(state)
 
-    def _rescale_to_data(self, fa) -> None:
+    def _rescale_to_data(self, state: SGAState, ctx: FitContext) -> None:
         # The ascent runs in coordinates standardised by the running standard deviation,
         # F = diag(scale) F~, psi = scale^2 psi~, i.e. it fits the correlation structure; the
         # scale follows the exact running variances at every step (_sga_step calls this
         # again), so a stream whose spread grows, as SGD iterates that drift do, keeps
         # F~, psi~ near their optimum while the reported F, psi follow the data's scale.
-        var = fa.variance
-        fa._scale.copy_(fa._floor(var, var).sqrt())
-        if fa._sga_steps > 0:
+        var = ctx.variance
+        state.scale.copy_(ctx.floor(var, var).sqrt())
+        if state.steps > 0:
             return
         # end of the warm-up: start at psi~ = 1 and the rows of F~ scaled so that
         # diag(F~ F~^T) = 1/100 (a small factor part, away from the saddle F = 0)
-        F = fa._F.detach()
-        row_sq = fa._mean_over_dim(F.pow(2).sum(-1))  # over all D (collective when sharded)
-        fa._F.data.mul_((0.01 / row_sq).sqrt())
-        fa._log_psi.data.zero_()
-        fa._sga_cap = None
-        if fa.average:
-            fa._F_avg.copy_(fa._F.detach())
-            fa._log_psi_avg.zero_()
+        F = state.F.detach()
+        row_sq = ctx.mean_over_dim(F.pow(2).sum(-1))  # over all D (collective when sharded)
+        state.F.data.mul_((0.01 / row_sq).sqrt())
+        state.log_psi.data.zero_()
+        state.cap = None
+        if (state.F_avg is not None):
+            state.F_avg.copy_(state.F.detach())
+            state.log_psi_avg.zero_()
 
-    def _sga_capacitance(self, fa) -> Tensor:
+    def _sga_capacitance(self, state: SGAState, ctx: FitContext) -> Tensor:
         r""":math:`I + \tilde F^\top \tilde\Psi^{-1} \tilde F` of the current iterate.
 
         Cached after each fused step (which forms it while it updates :math:`\tilde F`);
         recomputed in row blocks, never a :math:`D\times K` temporary, when the parameters
         changed otherwise (a user optimizer, ``load_state_dict``, ``.to()``).
         """
-        F, lp = fa._F.detach(), fa._log_psi.detach()
+        F, lp = state.F.detach(), state.log_psi.detach()
         key = (F._version, lp._version, F.data_ptr(), lp.data_ptr(), F.dtype)
-        if fa._sga_cap is not None and fa._sga_cap_key == key:
-            return fa._sga_cap
-        rows = fa._block_rows()
-        cap = F.new_zeros(fa.rank, fa.rank)
-        for lo in range(0, fa._local_dim, rows):
+        if state.cap is not None and state.cap_key == key:
+            return state.cap
+        rows = ctx.block_rows(state.F.element_size())
+        cap = F.new_zeros(ctx.rank, ctx.rank)
+        for lo in range(0, ctx.rows, rows):
             F_c = F[lo : lo + rows]
             cap.addmm_((F_c / lp[lo : lo + rows].exp().unsqueeze(-1)).T, F_c)
-        fa._cap_done(cap, sga=True)
-        fa._sga_cap, fa._sga_cap_key = cap, key
+        ctx.cap_done(cap, sga=True)
+        state.cap, state.cap_key = cap, key
         return cap
 
-    def _sga_posterior(self, fa, d: Tensor):
+    def _sga_posterior(self, state: SGAState, ctx: FitContext, d: Tensor):
         # E-step (eq. 4.23) of the standardised model: one pass over F~
-        F = fa._F.detach()
-        psi = fa._log_psi.detach().exp()
+        F = state.F.detach()
+        psi = state.log_psi.detach().exp()
         u = (d / psi) @ F  # (B, K)
-        u, cap = fa._sga_reduce(u, self._sga_capacitance(fa))  # summed over the ranks when sharded
+        cap = self._sga_capacitance(state, ctx)
+        u, total = ctx.sga_reduce(u, cap)  # summed over the ranks when sharded
+        if total is not cap:
+            state.cap = cap = total  # the cache (same key) now holds the whole capacitance
         L = cholesky(cap)
         m = torch.cholesky_solve(u.T, L).T
         return m, torch.cholesky_inverse(L)
 
-    def _sga_set_lr(self, fa) -> None:
-        if fa.lr_decay_after > 0 and fa._sga_steps > fa.lr_decay_after:
+    def _sga_set_lr(self, state: SGAState, ctx: FitContext) -> None:
+        if self._decay_after(ctx) > 0 and state.steps > self._decay_after(ctx):
             # Robbins-Monro: a constant step leaves a noise floor; decay like t^(-1/2)
-            factor = math.sqrt(fa.lr_decay_after / fa._sga_steps)
-            for group in fa._optimizer.param_groups:
+            factor = math.sqrt(self._decay_after(ctx) / state.steps)
+            for group in state.optimizer.param_groups:
                 group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
 
-    def _sga_step(self, fa, d: Tensor) -> None:
-        if fa._sga_steps > 0:
-            self._rescale_to_data(fa)  # follow the running scale (the first step's was just set)
+    def _sga_step(self, state: SGAState, ctx: FitContext, d: Tensor) -> None:
+        if state.steps > 0:
+            self._rescale_to_data(state, ctx)  # follow the running scale (the first step's was just set)
         B = d.shape[0]
-        d = d / fa._scale  # standardised; gradients below are those of the standardised model
-        fa._sga_steps += 1
-        self._sga_set_lr(fa)
-        if fa._sga_fused:
-            self._sga_fused_step(fa, d)
+        d = d / state.scale  # standardised; gradients below are those of the standardised model
+        state.steps += 1
+        self._sga_set_lr(state, ctx)
+        if state.fused:
+            self._sga_fused_step(state, ctx, d)
             return
-        F = fa._F.detach()
-        psi = fa._log_psi.detach().exp()
-        m, sigma_h = self._sga_posterior(fa, d)  # (B, K), (K, K)
+        F = state.F.detach()
+        psi = state.log_psi.detach().exp()
+        m, sigma_h = self._sga_posterior(state, ctx, d)  # (B, K), (K, K)
         # eq. 4.24 averaged over the batch: Psi^-1 (d m^T - F (Sigma + m m^T))
         E_hh = sigma_h + m.T @ m / B
         F_E = F @ E_hh
@@ -287,30 +371,30 @@ class OnlineSGA(Fitter):
         e2 = d.pow(2).mean(0) - 2 * (dm * F).sum(-1) + (F_E * F).sum(-1)
         grad_log_psi = 0.5 * e2 / psi - 0.5
         # ascent: hand the negative gradient to a minimising optimizer
-        fa._F.grad = -grad_F
-        fa._log_psi.grad = -grad_log_psi
-        fa._optimizer.step()
-        fa._F.grad = None
-        fa._log_psi.grad = None
+        state.F.grad = -grad_F
+        state.log_psi.grad = -grad_log_psi
+        state.optimizer.step()
+        state.F.grad = None
+        state.log_psi.grad = None
         # keep psi~ within the same relative floor as EM
-        fa._log_psi.data.clamp_min_(math.log(fa.min_variance))
-        if fa.average:
+        state.log_psi.data.clamp_min_(math.log(ctx.min_variance))
+        if (state.F_avg is not None):
             # Polyak-Ruppert averaging with weights proportional to the step count: the
             # transient of step i weighs (i/t)^2, the noise of a decaying step averages out
-            rho = 2.0 / (fa._sga_steps + 1)
-            fa._F_avg.lerp_(fa._F.detach(), rho)
-            fa._log_psi_avg.lerp_(fa._log_psi.detach(), rho)
+            rho = 2.0 / (state.steps + 1)
+            state.F_avg.lerp_(state.F.detach(), rho)
+            state.log_psi_avg.lerp_(state.log_psi.detach(), rho)
 
-    def _sga_adam_state(self, fa, p: Tensor) -> Dict[str, Tensor]:
+    def _sga_adam_state(self, state: SGAState, ctx: FitContext, p: Tensor) -> Dict[str, Tensor]:
         # torch.optim.Adam's per-parameter state (same keys and layout), created as it would
-        state = fa._optimizer.state[p]
+        state = state.optimizer.state[p]
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
-    def _sga_fused_step(self, fa, d: Tensor) -> None:
+    def _sga_fused_step(self, state: SGAState, ctx: FitContext, d: Tensor) -> None:
         r"""One SGA step with the default Adam, fused into one pass over the rows of :math:`\tilde F`.
 
         The same arithmetic as ``torch.optim.Adam`` on the gradients of eqs. 4.24–4.26
@@ -321,11 +405,11 @@ class OnlineSGA(Fitter):
         written once. With the E-step's pass over :math:`\tilde F`, an update costs two passes.
         """
         B = d.shape[0]
-        group = fa._optimizer.param_groups[0]
+        group = state.optimizer.param_groups[0]
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
-        F, lp = fa._F.detach(), fa._log_psi.detach()
-        sF, slp = self._sga_adam_state(fa, fa._F), self._sga_adam_state(fa, fa._log_psi)
-        m, sigma_h = self._sga_posterior(fa, d)  # uses the capacitance of the current iterate
+        F, lp = state.F.detach(), state.log_psi.detach()
+        sF, slp = self._sga_adam_state(state, ctx, state.F), self._sga_adam_state(state, ctx, state.log_psi)
+        m, sigma_h = self._sga_posterior(state, ctx, d)  # uses the capacitance of the current iterate
         sF["step"] += 1
         slp["step"] += 1
         t = float(sF["step"])
@@ -334,15 +418,15 @@ class OnlineSGA(Fitter):
         E_hh = sigma_h + m.T @ m / B
         m_B = m / B
         dT = d.T  # (D, B)
-        rho = 2.0 / (fa._sga_steps + 1) if fa.average else 0.0
-        log_floor = math.log(fa.min_variance)
-        rows = fa._block_rows()
-        work = fa._workspace(rows)
-        cap = F.new_zeros(fa.rank, fa.rank)
+        rho = 2.0 / (state.steps + 1) if (state.F_avg is not None) else 0.0
+        log_floor = math.log(ctx.min_variance)
+        rows = ctx.block_rows(state.F.element_size())
+        work = ctx.workspace(rows, state.F)
+        cap = F.new_zeros(ctx.rank, ctx.rank)
         mF, vF = sF["exp_avg"], sF["exp_avg_sq"]
         mlp, vlp = slp["exp_avg"], slp["exp_avg_sq"]
-        for lo in range(0, fa._local_dim, rows):
-            hi = min(lo + rows, fa._local_dim)
+        for lo in range(0, ctx.rows, rows):
+            hi = min(lo + rows, ctx.rows)
             r = hi - lo
             F_c, d_c, lp_c = F[lo:hi], dT[lo:hi], lp[lo:hi]
             g, tmp = work[0, :r], work[1, :r]
@@ -370,15 +454,14 @@ class OnlineSGA(Fitter):
             vl_c.mul_(beta2).addcmul_(g_lp, g_lp, value=1 - beta2)
             lp_c.addcdiv_(ml_c, vl_c.sqrt().add_(eps * bc2_sqrt), value=-step_size * bc2_sqrt)
             lp_c.clamp_min_(log_floor)
-            if fa.average:
-                fa._F_avg[lo:hi].lerp_(F_c, rho)
-                fa._log_psi_avg[lo:hi].lerp_(lp_c, rho)
+            if (state.F_avg is not None):
+                state.F_avg[lo:hi].lerp_(F_c, rho)
+                state.log_psi_avg[lo:hi].lerp_(lp_c, rho)
             # the next E-step's capacitance, while the new rows are in cache
             torch.div(F_c, lp_c.exp().unsqueeze(-1), out=tmp)
             cap.addmm_(tmp.T, F_c)
-        fa._cap_done(cap, sga=True)
-        fa._sga_cap = cap
-        fa._sga_cap_key = (F._version, lp._version, F.data_ptr(), lp.data_ptr(), F.dtype)
+        ctx.cap_done(cap, sga=True)
+        state.cap = cap
+        state.cap_key = (F._version, lp._version, F.data_ptr(), lp.data_ptr(), F.dtype)
 
 
-_NATURAL = NaturalStep()

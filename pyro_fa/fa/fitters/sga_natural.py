@@ -36,8 +36,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from pyro_fa.fa.fitters import cholesky
-from pyro_fa.fa.fitters.em import OnlineEM
+from pyro_fa.fa.fitters import FitContext, cholesky
+from pyro_fa.fa.fitters.em import EMState, OnlineEM
 
 __all__ = ["NaturalStep", "EXACT_RATIO"]
 
@@ -52,7 +52,9 @@ class NaturalStep(OnlineEM):
     (:class:`~pyro_fa.fa.fitters.em.OnlineEM`, with its ``step_scale``, ``step_ramp`` and
     ``m_step_every``); the M-step is replaced by the gradient step, taken every ``m_step_every``-th
     update past the warm-up (every update up to :math:`D = 2\cdot 10^5`, every 10th at :math:`10^6`).
-    State: online EM's buffers, or, where the exact scatter is kept, ``_S`` (D, D) instead of ``_A``.
+    State: online EM's :class:`~pyro_fa.fa.fitters.em.EMState`, where the exact scatter is kept with
+    ``S`` (D, D) instead of ``A``. ``eta``: the step size; ``exact``: keep the exact scatter (decided by
+    :meth:`exact_for`).
 
     Notes
     -----
@@ -65,48 +67,60 @@ class NaturalStep(OnlineEM):
     6.3 times; ``eta < 1`` costs five :math:`O(DK^2)` products per step against two).
     """
 
-    def init(self, fa, F0: Tensor, *, optimizer=None, optimizer_kwargs=None) -> None:
-        super().init(fa, F0)
-        if fa._sga_exact:
-            # the exact scatter replaces the statistic A (S beta^T is formed at each step)
-            del fa._buffers["_A"]
-            fa.register_buffer("_S", F0.new_zeros(F0.shape[0], F0.shape[0]))
+    def __init__(self, eta: float = 1.0, step_scale: float = 2.0, step_ramp=None, m_step_every=None):
+        super().__init__(step_scale=step_scale, expand=True, step_ramp=step_ramp, m_step_every=m_step_every)
+        self.eta = float(eta)
 
-    def step(self, fa, d: Tensor, n_old: int, B: int, first_spread: bool) -> None:
-        if not fa._sga_exact:
-            super().step(fa, d, n_old, B, first_spread)
-            return
+    @staticmethod
+    def exact_for(ctx: FitContext) -> bool:
+        """Whether the exact scatter fits the memory of the statistics (and the model is not sharded)."""
+        return ctx.dim <= EXACT_RATIO * ctx.rank and not ctx.sharded  # S needs every column
+
+    def init(self, ctx: FitContext, F0: Tensor) -> EMState:
+        state = super().init(ctx, F0)
+        if self.exact_for(ctx):
+            # the exact scatter replaces the statistic A (S beta^T is formed at each step)
+            state.A = None
+            state.S = F0.new_zeros(F0.shape[0], F0.shape[0])
+        return state
+
+    def update(self, state: EMState, ctx: FitContext, d: Tensor, n_old: int, B: int,
+               first_spread: bool) -> EMState:
+        if state.S is None:
+            return super().update(state, ctx, d, n_old, B, first_spread)
         n = n_old + B
-        self._warm_up(fa, n, B, first_spread)
+        self._warm_up(state, ctx, n, B, first_spread)
         # the centred scatter (Chan et al.'s merge): d holds the deviations from the new mean
-        fa._S.addmm_(d.T, d)
+        S = state.S
+        S.addmm_(d.T, d)
         if n_old > 0 and B > 1:
             dbar = d.mean(0)
-            fa._S.addr_(dbar, dbar, alpha=B * B / n_old)
+            S.addr_(dbar, dbar, alpha=B * B / n_old)
         elif n_old > 0:
-            fa._S.addmm_(d.T, d, alpha=1.0 / n_old)  # B = 1: S += d d^T n / n_old
-        self._maybe_m_step(fa, n)
+            S.addmm_(d.T, d, alpha=1.0 / n_old)  # B = 1: S += d d^T n / n_old
+        self._maybe_m_step(state, ctx, n)
+        return state
 
-    def _exact_statistics(self, fa) -> Tuple[Tensor, Tensor]:
+    def _exact_statistics(self, state: EMState, ctx: FitContext) -> Tuple[Tensor, Tensor]:
         r""":math:`\bar A = S\beta^\top` and :math:`\bar H = M^{-1} + \beta S\beta^\top` of the current factor."""
-        F, psi = fa._F, fa._psi
-        L = cholesky(fa._cap)
+        F, psi = state.F, state.psi
+        L = cholesky(state.cap)
         beta = torch.cholesky_solve((F / psi.unsqueeze(-1)).T, L)  # M^-1 F^T Psi^-1, (K, D)
-        A = (fa._S / fa.n_updates) @ beta.T
+        A = (state.S / ctx.n_updates) @ beta.T
         H = torch.cholesky_inverse(L) + beta @ A
         return A, 0.5 * (H + H.T)
 
-    def _m_step(self, fa) -> None:
-        eta = fa._sga_eta
-        K = fa.rank
-        var = fa.variance
-        floor = fa._floor_values(var)
-        exact = fa._sga_exact
+    def _m_step(self, state: EMState, ctx: FitContext) -> None:
+        eta = self.eta
+        K = ctx.rank
+        var = ctx.variance
+        floor = ctx.floor_values(var)
+        exact = state.S is not None
         if exact:
-            A_full, H = self._exact_statistics(fa)
+            A_full, H = self._exact_statistics(state, ctx)
             coef = 0.0
         else:
-            H, coef = fa._H, fa._A_coef
+            H, coef = state.H, state.A_coef
         eye = torch.eye(K, dtype=H.dtype, device=H.device)
         Ls = cholesky(eye + eta * (H - eye))  # the latent covariance Sigma = L L^T after the step
         Ls_inv = torch.linalg.solve_triangular(Ls, eye, upper=False)
@@ -116,13 +130,13 @@ class NaturalStep(OnlineEM):
         H_new = Ls_inv @ H @ Ls_inv.T
         H_new = 0.5 * (H_new + H_new.T)
         unit = eta == 1.0  # PX-EM: H' = I and A' = F', held lazily as 1 * F (see OnlineEM._m_step)
-        F, psi, cap = fa._F, fa._psi, fa._cap
-        A = A_full if exact else fa._A
+        F, psi, cap = state.F, state.psi, state.cap
+        A = A_full if exact else state.A
         cap.zero_()
-        rows = fa._block_rows()
-        work, work_a = fa._workspace(rows)
-        for lo in range(0, fa._local_dim, rows):
-            hi = min(lo + rows, fa._local_dim)
+        rows = ctx.block_rows(F.element_size())
+        work, work_a = ctx.workspace(rows, F)
+        for lo in range(0, ctx.rows, rows):
+            hi = min(lo + rows, ctx.rows)
             F_c, A_c, w = F[lo:hi], A[lo:hi], work[: hi - lo]
             if coef != 0.0:
                 A_c = torch.add(A_c, F_c, alpha=coef, out=work_a[: hi - lo])
@@ -141,7 +155,7 @@ class NaturalStep(OnlineEM):
             torch.maximum(psi_c, floor[lo:hi], out=psi_c)
             torch.div(F_c, psi_c.unsqueeze(-1), out=w)
             cap.addmm_(w.T, F_c)
-        fa._cap_done(cap)
+        ctx.cap_done(cap)
         if not exact:
-            fa._H.copy_(eye if unit else H_new)
-            fa._A_coef = 1.0 if unit else 0.0
+            state.H.copy_(eye if unit else H_new)
+            state.A_coef = 1.0 if unit else 0.0

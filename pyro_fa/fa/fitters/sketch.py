@@ -20,15 +20,32 @@ Technometrics 4(3), 1962 (the rank-one update of the centred scatter).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Tuple
 
 import torch
 from torch import Tensor
 
-from pyro_fa.fa.fitters import Fitter, register_fitter
+from pyro_fa.fa.fitters import FitContext, FitState, Fitter, register_fitter
 
-__all__ = ["ScatterSketch"]
+__all__ = ["ScatterSketch", "SketchState"]
+
+
+@dataclasses.dataclass
+class SketchState(FitState):
+    r"""The scatter sketch's state: ``F`` (D, K) and ``psi`` (D,) of the last refit, the ``sketch``
+    (:math:`\ell+K`, D), ``sketch_sq`` (:math:`\ell+K`,) float64, the squared singular values of its
+    orthogonal leading rows, ``sketch_used`` and ``sketch_ortho`` (row counts) and ``fit_at`` (the
+    update count of the last refit; -1 before the first), the last four 0-d int64 tensors."""
+
+    F: Tensor
+    psi: Tensor
+    sketch: Tensor
+    sketch_sq: Tensor
+    sketch_used: Tensor
+    sketch_ortho: Tensor
+    fit_at: Tensor
 
 _MAX_ITER = 1000  # scikit-learn FactorAnalysis's defaults
 _TOL = 1e-2
@@ -63,10 +80,8 @@ class ScatterSketch(Fitter):
     only, not on when or how often it was read before. Until the vectors differ (identical ones
     have no scatter) the initial :math:`(F, \psi = 1)` stands, as for the other methods.
 
-    State (buffers): ``_sketch`` (:math:`\ell+K`, D), ``_sketch_sq`` (:math:`\ell+K`,) float64,
-    the squared singular values of the orthogonal leading rows, ``_sketch_used`` and
-    ``_sketch_ortho`` (row counts), ``_F`` (D, K), ``_psi`` (D,) and ``_fit_at`` (the update
-    count of the last refit).
+    State: :class:`SketchState` (the model's buffers ``_F``, ``_psi``, ``_sketch``, ``_sketch_sq``,
+    ``_sketch_used``, ``_sketch_ortho``, ``_fit_at``).
 
     Notes
     -----
@@ -91,121 +106,125 @@ class ScatterSketch(Fitter):
     >>> fa = OnlineFactorAnalysis(50, 2, method="sketch", seed=0, dtype=torch.float64)
     >>> for x in torch.randn(200, 50, dtype=torch.float64, generator=torch.Generator().manual_seed(0)):
     ...     fa.update(x)
-    >>> fa._sketch.shape, fa.cov_factor.shape
+    >>> fa.fit_state.sketch.shape, fa.cov_factor.shape
     (torch.Size([6, 50]), torch.Size([50, 2]))
     """
 
     finishes_warmup = True
+    curvature_fit = "sketch"
+    curvature_passes = 1
 
-    def init(self, fa, F0: Tensor, *, optimizer=None, optimizer_kwargs=None) -> None:
-        if fa._sharding is not None:
-            raise ValueError(f"{type(fa).__name__}: method 'sketch' cannot be sharded, got a process_group; use "
+    def init(self, ctx: FitContext, F0: Tensor) -> SketchState:
+        if ctx.sharded:
+            raise ValueError(f"{ctx.owner}: method 'sketch' cannot be sharded, got a process_group; use "
                              "method='em' for a fit sharded over ranks.")
         D, K = F0.shape
         keep = D if D <= 4 * K else 2 * K
         rows = keep + K
-        fa.register_buffer("_F", F0)
-        fa.register_buffer("_psi", torch.ones_like(F0[:, 0]))
-        fa.register_buffer("_sketch", F0.new_zeros(rows, D))
-        fa.register_buffer("_sketch_sq", torch.zeros(rows, dtype=torch.float64, device=F0.device))
-        fa.register_buffer("_sketch_used", torch.zeros((), dtype=torch.int64, device=F0.device))
-        fa.register_buffer("_sketch_ortho", torch.zeros((), dtype=torch.int64, device=F0.device))
-        fa.register_buffer("_fit_at", torch.full((), -1, dtype=torch.int64, device=F0.device))
+        dev = F0.device
+        return SketchState(
+            F=F0, psi=torch.ones_like(F0[:, 0]), sketch=F0.new_zeros(rows, D),
+            sketch_sq=torch.zeros(rows, dtype=torch.float64, device=dev),
+            sketch_used=torch.zeros((), dtype=torch.int64, device=dev),
+            sketch_ortho=torch.zeros((), dtype=torch.int64, device=dev),
+            fit_at=torch.full((), -1, dtype=torch.int64, device=dev))
 
     # ------------------------------------------------------------------ reading
-    def factors(self, fa) -> Tuple[Tensor, Tensor]:
+    def factors(self, state: SketchState, ctx: FitContext) -> Tuple[Tensor, Tensor]:
         # identical vectors have no scatter to fit: the initial (F, psi = 1) stands, as for EM and SGA
-        if int(fa._sketch_used) > 0 and int(fa._fit_at) != fa.n_updates and fa._has_spread():
-            self._refit(fa)
-        return fa._F, fa._psi
+        if int(state.sketch_used) > 0 and int(state.fit_at) != ctx.n_updates and ctx.has_spread():
+            self._refit(state, ctx)
+        return state.F, state.psi
 
-    def noise(self, fa) -> Tensor:
-        return fa._psi
+    def noise(self, state: SketchState, ctx: FitContext) -> Tensor:
+        return state.psi
 
-    def noise_floor(self, fa) -> float:
+    def noise_floor(self, state: SketchState, ctx: FitContext) -> float:
         # the update never divides by the noise: its products are squared deviations, which the
         # model's range check bounds with unit noise
         return 1.0
 
-    def finish_warmup(self, fa) -> None:
-        pass  # the sketch has no warm-up: the fit is refitted from it whenever it is read
+    def finish_warmup(self, state: SketchState, ctx: FitContext) -> SketchState:
+        return state  # the sketch has no warm-up: the fit is refitted from it whenever it is read
 
     # ------------------------------------------------------------------ update
-    def step(self, fa, d: Tensor, n_old: int, B: int, first_spread: bool) -> None:
+    def update(self, state: SketchState, ctx: FitContext, d: Tensor, n_old: int, B: int,
+               first_spread: bool) -> SketchState:
         n = n_old + B
         if n_old == 0:
             if B == 1:
-                return  # one vector deviates from nothing
+                return state  # one vector deviates from nothing
             new = d  # centred at its own mean: its scatter exactly
         elif B == 1:
             new = d * math.sqrt(n / n_old)  # sqrt((t-1)/t) (x - mean_old) = sqrt(t/(t-1)) (x - mean_new)
         else:
             # Chan et al.: sum_i d_i d_i^T + (sum_i d_i)(sum_i d_i)^T / n_old is the scatter's increment
             new = torch.cat([d, d.sum(0, keepdim=True) / math.sqrt(n_old)])
-        sk = fa._sketch
+        sk = state.sketch
         i = 0
         while i < new.shape[0]:
-            used = int(fa._sketch_used)
+            used = int(state.sketch_used)
             if used == sk.shape[0]:
-                self._compress(fa)
-                used = int(fa._sketch_used)
+                self._compress(state, ctx)
+                used = int(state.sketch_used)
             j = min(new.shape[0], i + sk.shape[0] - used)
             sk[used:used + j - i].copy_(new[i:j])
-            fa._sketch_used.fill_(used + j - i)
+            state.sketch_used.fill_(used + j - i)
             i = j
+        return state
 
-    def _col_blocks(self, fa):
-        rows = fa._sketch.shape[0]
+    def _col_blocks(self, state: SketchState, ctx: FitContext):
+        rows = state.sketch.shape[0]
         step = max(1, (1 << 20) // (8 * rows))
-        for lo in range(0, fa._local_dim, step):
-            yield lo, min(lo + step, fa._local_dim)
+        for lo in range(0, ctx.rows, step):
+            yield lo, min(lo + step, ctx.rows)
 
-    def _compress(self, fa) -> None:
+    def _compress(self, state: SketchState, ctx: FitContext) -> None:
         r"""Replace the full buffer by its top :math:`\ell` right singular directions times their singular values.
 
         With :math:`B = U\Sigma V^\top`, :math:`U_\ell^\top B = \Sigma_\ell V_\ell^\top`; :math:`U` from the
         eigenvectors of the Gram :math:`BB^\top` (float64), whose leading block is the diagonal
         ``_sketch_sq`` once the leading rows are orthogonal. In column blocks, in place.
         """
-        sk = fa._sketch
+        sk = state.sketch
         rows = sk.shape[0]
-        keep = rows - fa.rank
-        o = int(fa._sketch_ortho)
+        keep = rows - ctx.rank
+        o = int(state.sketch_ortho)
         G = torch.zeros(rows, rows, dtype=torch.float64, device=sk.device)
-        for lo, hi in self._col_blocks(fa):
+        for lo, hi in self._col_blocks(state, ctx):
             blk = sk[:, lo:hi].double()
             G[o:] += blk[o:] @ blk.T
         G[:o, o:] = G[o:, :o].T
         if o:
-            G[:o, :o] = torch.diag(fa._sketch_sq[:o])
+            G[:o, :o] = torch.diag(state.sketch_sq[:o])
         lam, U = torch.linalg.eigh(G)
         top = U[:, -keep:].flip(-1)  # (rows, keep), descending
         R = top.T  # (keep, rows)
-        for lo, hi in self._col_blocks(fa):
+        for lo, hi in self._col_blocks(state, ctx):
             blk = sk[:, lo:hi].double()
             sk[:keep, lo:hi].copy_(R @ blk)
         sk[keep:].zero_()
-        fa._sketch_sq[:keep] = lam[-keep:].flip(-1).clamp_min(0.0)
-        fa._sketch_sq[keep:] = 0.0
-        fa._sketch_used.fill_(keep)
-        fa._sketch_ortho.fill_(keep)
+        state.sketch_sq[:keep] = lam[-keep:].flip(-1).clamp_min(0.0)
+        state.sketch_sq[keep:] = 0.0
+        state.sketch_used.fill_(keep)
+        state.sketch_ortho.fill_(keep)
 
     # ------------------------------------------------------------------ refit
     @torch.no_grad()
-    def _refit(self, fa) -> None:
+    def _refit(self, state: SketchState, ctx: FitContext) -> None:
         r"""Batch FA (Barber 2012, §21.2.2, eqs. 21.2.29–21.2.33) on the sketch and the exact diagonal."""
-        n = fa.n_updates
-        K = fa.rank
-        D = fa.dim
-        used = int(fa._sketch_used)
-        sk = fa._sketch[:used]
-        var = fa._moments.variance(n).to(torch.float64)
+        n = ctx.n_updates
+        K = ctx.rank
+        D = ctx.dim
+        used = int(state.sketch_used)
+        sk = state.sketch[:used]
+        var = ctx.variance64(n)
         # EM's floor, in the state's dtype (float64's would round to 0 in a float32 state)
-        floor = fa._floor_values(fa.variance).to(torch.float64)
+        floor = ctx.floor_values(ctx.variance).to(torch.float64)
         # every refit starts at the running variances, never at an earlier read's psi: the fit is a function
         # of the stream alone, the same whenever (and however often) the posterior is read
         psi = torch.maximum(var, floor)
-        blocks = list(self._col_blocks(fa))
+        blocks = list(self._col_blocks(state, ctx))
         const = D * math.log(2 * math.pi) + K
         old_ll = -math.inf
         for _ in range(_MAX_ITER):
@@ -230,8 +249,8 @@ class ScatterSketch(Fitter):
             if ll - old_ll < max(_TOL, _RTOL * abs(ll)):
                 break
             old_ll = ll
-        F = fa._F
+        F = state.F
         for lo, hi in blocks:
             F[lo:hi].copy_((C @ sk[:, lo:hi].double()).T)
-        fa._psi.copy_(psi)
-        fa._fit_at.fill_(n)
+        state.psi.copy_(psi)
+        state.fit_at.fill_(n)
