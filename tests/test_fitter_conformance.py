@@ -229,11 +229,11 @@ def test_one_registry_serves_swag_and_factor_laplace(toy_fitter):
         assert swag.method == "diagonal"
         assert torch.allclose(swag.fa.cov_diag, shrink * var, rtol=1e-10)
     with pytest.raises(ValueError, match=r"FactorLaplace: curvature_fit must be one of \('auto', 'scatter', 'online', "
-                                         r"'sketch', 'randomized'\), got 'diagonal'"):
+                                         r"'sketch', 'randomized', 'exact'\), got 'diagonal'"):
         FactorLaplace(net, "regression", rank=1, curvature_fit="diagonal")
     Diagonal.curvature_fit = "diagonal"  # now FactorLaplace offers it: the second moment of +-v is diag(E v^2)
     try:
-        assert moment_fits() == ("auto", "scatter", "online", "sketch", "diagonal", "randomized")
+        assert moment_fits() == ("auto", "scatter", "online", "sketch", "diagonal", "randomized", "exact")
         V = torch.randn(40, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
         F, psi, info = fit_second_moment(lambda: iter([V]), 5, 1, method="diagonal", dtype=torch.float64)
         assert info["method"] == "diagonal" and torch.equal(F, torch.zeros(5, 1, dtype=torch.float64))
