@@ -29,7 +29,7 @@ _ON_NONFINITE = ("raise", "skip")
 
 
 class IterateCollector:
-    """When a :class:`~pyro_fa.SWAG` collects, and which vectors it refuses.
+    r"""When a :class:`~pyro_fa.SWAG` collects, and which vectors it refuses.
 
     :class:`~pyro_fa.SWAG` builds one from its own arguments unless given ``collector=``. A subclass
     changes the schedule by overriding :meth:`due` (docs/architecture.md, "Add a collector").
