@@ -11,7 +11,7 @@ an all-gather, so every rank runs the same sampled network.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -99,15 +99,16 @@ class LocalRows:
         """This process's coordinates ``[lo, hi)`` of the ``dim``."""
         return 0, dim
 
-    def distance(self, swag, theta: Tensor, guard: bool):
-        """The divergence guard's squared distance and spread, and a count of non-finite entries (a callable)."""
-        dist2 = spread2 = 0.0
+    def distance(self, theta: Tensor, loc: Tensor, guard: bool, spread2: Callable[[bool], float]):
+        """The divergence guard's squared distance of ``theta`` from ``loc`` and squared spread, and a count of
+        non-finite entries (a callable); ``spread2(over_all_ranks)`` is the collected spread."""
+        dist2 = spread = 0.0
         if guard:
             # the distance in the state's dtype (the mean rounded once is close enough for a guard);
             # a non-finite distance sends us to the finiteness check
-            dist2 = float(torch.linalg.vector_norm(theta - swag.loc)) ** 2
-            spread2 = float(swag._fit.moments(swag).sq_dev.sum()) / swag._n
-        return dist2, spread2, lambda: int((~torch.isfinite(theta)).sum())
+            dist2 = float(torch.linalg.vector_norm(theta - loc)) ** 2
+            spread = spread2(False)
+        return dist2, spread, lambda: int((~torch.isfinite(theta)).sum())
 
     def draw_noise(self, cls: str, num_samples: int, rank: int, generator, ref: Tensor) -> Tuple[Tensor, Tensor]:
         """Latent draws (S, K) and this process's coordinate noise (S, D_r)."""
@@ -165,14 +166,13 @@ class ShardedRows(LocalRows):
         self.sharding = make_sharding(self.group, cls, dim, [None] * W, seed)
         return self.sharding.lo, self.sharding.hi
 
-    def distance(self, swag, theta: Tensor, guard: bool):
+    def distance(self, theta: Tensor, loc: Tensor, guard: bool, spread2: Callable[[bool], float]):
         # one all-reduce; the count is taken only where the guard cannot accept
-        dist2 = float(torch.linalg.vector_norm(theta - swag.loc)) ** 2 if guard else 0.0
+        dist2 = float(torch.linalg.vector_norm(theta - loc)) ** 2 if guard else 0.0
         bad = 0.0 if guard and math.isfinite(dist2) else float((~torch.isfinite(theta)).sum())
         table, (total,) = self.sharding.reduce([bad], torch.tensor([dist2], dtype=torch.float64))
         dist2, bad = float(total[0]), int(sum(row[0] for row in table))
-        spread2 = swag._fit.sq_dev_total(swag) / swag._n if guard else 0.0
-        return dist2, spread2, lambda: bad
+        return dist2, spread2(True) if guard else 0.0, lambda: bad
 
     def draw_noise(self, cls: str, num_samples: int, rank: int, generator, ref: Tensor) -> Tuple[Tensor, Tensor]:
         # the latent draws are shared by the ranks, the coordinate noise is this rank's

@@ -183,7 +183,11 @@ class IterateCollector:
     def _refusal(self, swag, theta: Tensor) -> Tuple[Optional[str], bool]:
         """Why ``theta`` must not be collected, or None; and whether the reason is the divergence guard."""
         guard = self.max_deviation is not None and swag._n >= _GUARD_AFTER
-        dist2, spread2, count_bad = swag._rows.distance(swag, theta, guard)  # sharded: summed over the ranks
+        def spread2(over_all_ranks: bool) -> float:  # the running squared deviations' sum per collected vector
+            fit = swag._fit
+            return (fit.sq_dev_total(swag) if over_all_ranks else float(fit.moments(swag).sq_dev.sum())) / swag._n
+
+        dist2, spread2, count_bad = swag._rows.distance(theta, swag.loc, guard, spread2)  # sharded: over the ranks
         # no spread yet (identical vectors, e.g. after a schedule that ended at rate 0): no judgement
         if guard and math.isfinite(dist2) and (spread2 == 0.0 or dist2 <= self.max_deviation ** 2 * spread2):
             return None, False
