@@ -26,6 +26,7 @@ __all__ = ["IterateCollector"]
 _GUARD_AFTER = 10  # collected vectors before the divergence guard trusts the spread
 _GUARD_PATIENCE = 20  # refusals in a row after which a run that stopped moving away is collected again
 _ON_NONFINITE = ("raise", "skip")
+_DEFAULTS = dict(start_after=0, collect_every=1, window=1, on_nonfinite="raise", max_deviation=10.0)
 
 
 class IterateCollector:
@@ -91,6 +92,19 @@ class IterateCollector:
         self.n_steps = self.n_window = self.n_refused = 0
         self._streak: List[float] = []  # distances of the guard's refusals in a row
         self._attached: Dict[int, tuple] = {}
+
+    @classmethod
+    def chosen(cls, owner: str, collector, settings: Dict[str, object]) -> "IterateCollector":
+        """``collector``, or (None) the one ``settings`` build; a collector comes with the default settings."""
+        if collector is None:
+            return cls(**settings, owner=owner)
+        if not isinstance(collector, IterateCollector):
+            raise TypeError(f"{owner}: collector must be an IterateCollector, got {type(collector).__name__}.")
+        changed = {k: v for k, v in settings.items() if v != _DEFAULTS[k]}
+        if changed:
+            raise ValueError(f"{owner}: start_after, collect_every, window, on_nonfinite and max_deviation must be "
+                             f"left at their defaults with a collector (they are its settings), got {changed!r}.")
+        return collector
 
     # ------------------------------------------------------------- the schedule
     def due(self, step: int) -> bool:

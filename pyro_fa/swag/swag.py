@@ -41,7 +41,6 @@ __all__ = ["SWAG"]
 _FITS: Dict[str, Type[IterateFit]] = {  # by method
     "em": OnlineFit, "sga": OnlineFit, "sketch": OnlineFit, "swag": ClassicFit}
 _METHODS = tuple(_FITS)
-_COLLECTION = dict(start_after=0, collect_every=1, window=1, on_nonfinite="raise", max_deviation=10.0)
 
 
 class SWAG(Posterior, nn.Module):
@@ -159,15 +158,7 @@ class SWAG(Posterior, nn.Module):
             collector=None if collector is None else type(collector).__name__))
         if method not in _METHODS:
             raise ValueError(f"{cls}: method must be one of {_METHODS}, got {method!r}.")
-        if collector is None:
-            collector = IterateCollector(**collection, owner=cls)
-        elif not isinstance(collector, IterateCollector):
-            raise TypeError(f"{cls}: collector must be an IterateCollector, got {type(collector).__name__}.")
-        elif collection != _COLLECTION:
-            raise ValueError(f"{cls}: start_after, collect_every, window, on_nonfinite and max_deviation must be left "
-                             f"at their defaults with a collector (they are its settings), got "
-                             f"{ {k: v for k, v in collection.items() if v != _COLLECTION[k]} !r}.")
-        self.collector = collector
+        self.collector = IterateCollector.chosen(cls, collector, collection)
         self.rank = _positive_int(cls, "rank", rank)
         self._warmup = self.rank if warmup is None else _positive_int(cls, "warmup", warmup)
         self._fit = _FITS[method](method)  # the method is dispatched here, once
