@@ -126,6 +126,14 @@ class LocalRows:
         """Whole vectors (..., D) from these rows (..., D_r)."""
         return local
 
+    def max_and_total(self, local_max: float, local_total: Callable[[], float]) -> Tuple[float, Optional[float]]:
+        """A maximum over the ranks, and (sharded) a sum over the ranks of ``local_total()``; None in one process."""
+        return local_max, None
+
+    def mean_variance(self, var: Tensor, global_mean: Callable[[], float]) -> Tensor:
+        """The mean over all D of the running variances ``var`` (this rank's rows), ``global_mean()`` when sharded."""
+        return var.mean()
+
     def full_theta(self, theta, dim: int):
         """A whole vector to load: one of this rank's rows (e.g. ``swag.loc``) is gathered."""
         return theta
@@ -187,6 +195,13 @@ class ShardedRows(LocalRows):
 
     def gather(self, local: Tensor) -> Tensor:
         return self.sharding.all_gather(local)
+
+    def max_and_total(self, local_max: float, local_total: Callable[[], float]) -> Tuple[float, Optional[float]]:
+        table, (total,) = self.sharding.reduce([local_max], torch.tensor([local_total()], dtype=torch.float64))
+        return max(row[0] for row in table), float(total[0])
+
+    def mean_variance(self, var: Tensor, global_mean: Callable[[], float]) -> Tensor:
+        return var.new_tensor(global_mean())
 
     def full_theta(self, theta, dim: int):
         sh = self.sharding

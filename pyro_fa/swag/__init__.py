@@ -18,5 +18,5 @@ from pyro_fa.swag.guide import FactorPosteriorGuide
 from pyro_fa.swag.multiswag import MultiSWAG
 from pyro_fa.swag.swag import SWAG
 
-__all__ = ["SWAG", "MultiSWAG", "IterateCollector", "FactorPosteriorGuide", "tune_scale", "bma_log_likelihood", "ScaleSearch",
-           "DEFAULT_SCALES"]
+__all__ = ["SWAG", "MultiSWAG", "IterateCollector", "FactorPosteriorGuide", "tune_scale", "bma_log_likelihood",
+           "ScaleSearch", "DEFAULT_SCALES"]

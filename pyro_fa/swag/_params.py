@@ -150,7 +150,7 @@ def split(shapes, theta: Tensor) -> List[Tensor]:
 
 @contextlib.contextmanager
 def loaded_weights(owner: str, tensors: List[Tensor], theta: Tensor, module: Optional[nn.Module], loader=None):
-    """Copy ``theta`` (D,) into ``tensors`` for the ``with`` block (batch norm refreshed by ``loader``), then restore."""
+    """Copy ``theta`` (D,) into ``tensors`` for the ``with`` block (batch norm refreshed by ``loader``); restore."""
     D = sum(p.numel() for p in tensors)
     if not torch.is_tensor(theta) or theta.shape != (D,):
         raise ValueError(f"{owner}: theta must be a tensor of shape ({D},), got {theta!r}.")

@@ -14,7 +14,8 @@ import torch
 
 from pyro_fa._state import check_count
 
-__all__ = ["extra_state", "check_extra_state", "load_extra_state", "check_state", "load_from_state_dict", "load_state_dict"]
+__all__ = ["extra_state", "check_extra_state", "load_extra_state", "check_state", "load_from_state_dict",
+           "load_state_dict"]
 
 
 def extra_state(swag) -> dict:
