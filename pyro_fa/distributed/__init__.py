@@ -57,7 +57,7 @@ single-process:
 * :mod:`~pyro_fa.distributed.normal`, :mod:`~pyro_fa.distributed.laplace` — the sharded posteriors
   :class:`ShardedLowRankNormal` (covariance form) and :class:`ShardedLowRankPrecisionNormal` (precision
   form), members of the family :class:`pyro_fa.distributions.FactorNormal`;
-* :mod:`~pyro_fa.distributed.swag` — the collectives of a sharded :class:`~pyro_fa.SWAG` (DDP detected);
+* :mod:`~pyro_fa.distributed.swag` — a :class:`~pyro_fa.SWAG`'s rows, local or sharded (DDP detected);
 * :mod:`~pyro_fa.distributed.data_parallel` — :func:`local_indices`, :class:`ShardedParameters`,
   :class:`AllReduceOptim`, :func:`check_agreement`.
 """

@@ -6,14 +6,17 @@
 * :class:`MultiSWAG` — an equally weighted mixture of independently trained SWAG posteriors
   (Wilson & Izmailov, "Bayesian Deep Learning and a Probabilistic Perspective of Generalization",
   2020);
+* :class:`IterateCollector` — when a SWAG collects (its schedule) and what it refuses (the divergence
+  guard); subclass it for another schedule;
 * :class:`FactorPosteriorGuide` — either of them as a guide for ``pyro.infer.Predictive``;
 * :func:`tune_scale` — the posterior's scale chosen by validation log-likelihood (from
   :mod:`pyro_fa.predictive`, where prediction lives for every posterior).
 """
 from pyro_fa.predictive import DEFAULT_SCALES, ScaleSearch, bma_log_likelihood, tune_scale
+from pyro_fa.swag._collect import IterateCollector
 from pyro_fa.swag.guide import FactorPosteriorGuide
 from pyro_fa.swag.multiswag import MultiSWAG
 from pyro_fa.swag.swag import SWAG
 
-__all__ = ["SWAG", "MultiSWAG", "FactorPosteriorGuide", "tune_scale", "bma_log_likelihood", "ScaleSearch",
-           "DEFAULT_SCALES"]
+__all__ = ["SWAG", "MultiSWAG", "IterateCollector", "FactorPosteriorGuide", "tune_scale", "bma_log_likelihood",
+           "ScaleSearch", "DEFAULT_SCALES"]

@@ -54,11 +54,9 @@ class ClassicFit(IterateFit):
         t, tmax = moments.deviation(theta)  # in place, no temporaries: O(D) per collection
         tmax = tmax if swag._n else 0.0
         n_old, n = swag._n, swag._n + 1
-        total = None
-        if swag._sharding is not None:  # the overflow check and the spread over all ranks
-            sq_new = float(moments.sq_dev.sum()) + n_old / n * float(torch.dot(t, t))
-            table, (total,) = swag._sharding.reduce([tmax], torch.tensor([sq_new], dtype=torch.float64))
-            tmax = max(row[0] for row in table)
+        # sharded: the overflow check and the spread over all ranks (total None in one process)
+        tmax, total = swag._rows.max_and_total(
+            tmax, lambda: float(moments.sq_dev.sum()) + n_old / n * float(torch.dot(t, t)))
         if not tmax * tmax <= torch.finfo(swag._dev.dtype).max / 8:
             raise ValueError(f"{type(swag).__name__}: the parameter vector must keep the running variances within "
                              f"{swag._dev.dtype}, got one at {tmax:.3g} from the mean whose update would overflow them.")
@@ -67,7 +65,7 @@ class ClassicFit(IterateFit):
         swag._mean.copy_(moments.mean)
         swag._n = n
         if total is not None:
-            swag._sq_dev_total = float(total[0])
+            swag._sq_dev_total = total
 
     def _k_scale(self, swag) -> float:
         k = min(swag._n, swag.rank)
@@ -83,9 +81,7 @@ class ClassicFit(IterateFit):
 
     def _mean_variance(self, swag, var: Tensor) -> Tensor:
         """Mean over all D of the running variances (the relative floor's scale)."""
-        if swag._sharding is None:
-            return var.mean()
-        return var.new_tensor(swag._sq_dev_total / (max(swag._n, 1) * swag.dim))
+        return swag._rows.mean_variance(var, lambda: swag._sq_dev_total / (max(swag._n, 1) * swag.dim))
 
     def low_rank(self, swag, h: Tensor) -> Tensor:
         return (h @ swag._dev).mul_(1.0 / math.sqrt(self._k_scale(swag)))

@@ -1,191 +1,189 @@
-r"""Collecting from an optimizer: the weights a :class:`~pyro_fa.SWAG` follows, its schedule and its divergence guard.
+r"""A :class:`~pyro_fa.SWAG`'s collector: when it collects (the schedule) and what it refuses (the guard).
 
-The followed weights (a module's parameters, leaf tensors or Pyro's param store) are flattened
-into :math:`\theta \in \mathbb{R}^D` (this rank's rows when sharded) at each collected step and
-handed to the fit (:mod:`pyro_fa.swag._fits`) unless refused: a non-finite vector, one whose
-update would overflow the dtype, or one from a diverged run (the guard: further from the running
-mean than ``max_deviation`` times the collected spread). :meth:`IterateCollector.sampled_weights`
-loads a vector back into the weights.
+The collector counts the optimizer's steps (:meth:`IterateCollector.step`, the hook of
+:meth:`IterateCollector.attach`), asks its schedule (:meth:`IterateCollector.due`) whether to collect,
+and hands each collected :math:`\theta` to the SWAG's fit unless refused: a non-finite vector, one whose
+update would overflow the dtype, or one from a diverged run (the divergence guard: further from the running
+mean than ``max_deviation`` times the collected spread). With ``window > 1`` it hands the fit the mean of
+``window`` consecutive collected vectors. A new schedule is a subclass overriding :meth:`~IterateCollector.due`
+(docs/architecture.md, "Add a collector").
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 import weakref
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from pyro_fa.swag._params import ParamSource as _ParamSource
-from pyro_fa.distributed.sharding import flatten_slice
+from pyro_fa._state import check_count
+from pyro_fa.swag._params import positive_int
 
 __all__ = ["IterateCollector"]
 
 _GUARD_AFTER = 10  # collected vectors before the divergence guard trusts the spread
 _GUARD_PATIENCE = 20  # refusals in a row after which a run that stopped moving away is collected again
+_ON_NONFINITE = ("raise", "skip")
+_DEFAULTS = dict(start_after=0, collect_every=1, window=1, on_nonfinite="raise", max_deviation=10.0)
 
 
 class IterateCollector:
-    """The collection of a :class:`~pyro_fa.SWAG` (a mixin over its state): weights, schedule, guard."""
+    r"""When a :class:`~pyro_fa.SWAG` collects, and which vectors it refuses.
 
-    # ------------------------------------------------------------- the followed weights
-    def _source_from(self, obj) -> _ParamSource:
-        cls = type(self).__name__
-        if isinstance(obj, nn.Module):
-            named = [(n, p) for n, p in obj.named_parameters() if p.requires_grad]
-            module = obj
-        elif torch.is_tensor(obj):
+    :class:`~pyro_fa.SWAG` builds one from its own arguments unless given ``collector=``. A subclass
+    changes the schedule by overriding :meth:`due` (docs/architecture.md, "Add a collector").
+
+    Parameters
+    ----------
+    start_after : int, default 0
+        Optimizer steps to skip (pre-training) before collecting.
+    collect_every : int, default 1
+        Collect every this many optimizer steps (after ``start_after``).
+    window : int, default 1
+        Finite-window iterate averaging (Brownlie 2021, §6.1.2; Mandt et al. 2017): each
+        vector handed to the fit is the mean of ``window`` consecutive collected
+        iterates.
+    on_nonfinite : {"raise", "skip"}, default "raise"
+        What a parameter vector that cannot be collected does (NaN / inf, or an update
+        that would overflow the dtype): raise ``ValueError``, or be skipped with a
+        ``RuntimeWarning``; the posterior is unchanged either way. (The divergence
+        guard, ``max_deviation``, always skips with a warning.)
+    max_deviation : float or None, default 10.0
+        Divergence guard: once 10 vectors have been collected, a vector further from
+        the running mean than ``max_deviation`` times the root of the summed running
+        variances, :math:`\|\theta - c\| > r\sqrt{\mathrm{tr}\,S}`, is taken for a diverged
+        run and not collected: it is skipped with a ``RuntimeWarning`` whatever
+        ``on_nonfinite`` says (a heuristic never stops training; the non-finite vectors a
+        diverged run soon gives follow ``on_nonfinite``). Iterates of a run that is sampling, drifting or
+        random-walking sit at 1 to 3 such units (a Gaussian's expected value is about
+        1); a run blowing up leaves by orders of magnitude at once, and the posterior
+        collected before it is kept. A run that changed regime (a higher learning rate,
+        a larger ``collect_every``) may leave the spread too; after 20 refusals in a row
+        whose distances stopped growing (at most twice over the last 10), it is
+        collected again, with a warning. ``None`` disables the guard.
+    owner : str, optional
+        The class named in error messages (default this collector's).
+
+    Attributes
+    ----------
+    n_steps : int
+        Optimizer steps seen by :meth:`step`.
+    n_refused : int
+        Vectors not collected (non-finite, overflowing, or from a diverged run).
+    """
+
+    def __init__(self, start_after: int = 0, collect_every: int = 1, window: int = 1, *,
+                 on_nonfinite: str = "raise", max_deviation: Optional[float] = 10.0, owner: Optional[str] = None):
+        cls = owner or type(self).__name__
+        if on_nonfinite not in _ON_NONFINITE:
+            raise ValueError(f"{cls}: on_nonfinite must be one of {_ON_NONFINITE}, got {on_nonfinite!r}.")
+        self.start_after = positive_int(cls, "start_after", start_after, 0)
+        self.collect_every = positive_int(cls, "collect_every", collect_every)
+        self.window = positive_int(cls, "window", window)
+        self.on_nonfinite = on_nonfinite
+        if max_deviation is not None and not (
+            isinstance(max_deviation, (int, float)) and not isinstance(max_deviation, bool)
+            and math.isfinite(max_deviation) and max_deviation > 1
+        ):
+            raise ValueError(f"{cls}: max_deviation must be a finite number > 1 or None, got {max_deviation!r}.")
+        self.max_deviation = None if max_deviation is None else float(max_deviation)
+        self.n_steps = self.n_window = self.n_refused = 0
+        self._streak: List[float] = []  # distances of the guard's refusals in a row
+        self._attached: Dict[int, tuple] = {}
+
+    @classmethod
+    def chosen(cls, owner: str, collector, settings: Dict[str, object]) -> "IterateCollector":
+        """``collector``, or (None) the one ``settings`` build; a collector comes with the default settings."""
+        if collector is None:
+            return cls(**settings, owner=owner)
+        if not isinstance(collector, IterateCollector):
+            raise TypeError(f"{owner}: collector must be an IterateCollector, got {type(collector).__name__}.")
+        changed = {k: v for k, v in settings.items() if v != _DEFAULTS[k]}
+        if changed:
+            raise ValueError(f"{owner}: start_after, collect_every, window, on_nonfinite and max_deviation must be "
+                             f"left at their defaults with a collector (they are its settings), got {changed!r}.")
+        return collector
+
+    # ------------------------------------------------------------- the schedule
+    def due(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (counted from one) is collected: after ``start_after``, every
+        ``collect_every``-th. Override it for another schedule."""
+        t = step - self.start_after
+        return t > 0 and t % self.collect_every == 0
+
+    def step(self, swag) -> bool:
+        """Count one optimizer step and collect ``swag``'s weights if :meth:`due`; whether a vector reached the fit."""
+        self.n_steps += 1
+        return swag.collect() if self.due(self.n_steps) else False
+
+    def attach(self, swag, optimizer: torch.optim.Optimizer):
+        """Call ``swag.step()`` after every step of ``optimizer``; returns the hook's handle."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
-                f"{cls}: module_or_params must be an nn.Module or an iterable of tensors, got a single Tensor. "
-                "Wrap it in a list."
+                f"{type(swag).__name__}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}. "
+                "With pyro.optim, call swag.step() after each svi.step(...)."
             )
-        else:
-            try:
-                named = [(str(i), p) for i, p in enumerate(obj)]
-            except TypeError:
-                raise TypeError(
-                    f"{cls}: module_or_params must be an nn.Module or an iterable of tensors, got {obj!r}."
-                ) from None
-            module = None
-            seen = {}
-            for name, p in named:
-                if not torch.is_tensor(p):
-                    raise TypeError(f"{cls}: module_or_params must hold only tensors, got {p!r}.")
-                # the same tensor twice (or two views of one storage) would count its weights twice in D
-                key = id(p) if p.is_meta or p.numel() == 0 else (p.device, p.untyped_storage().data_ptr())
-                if key in seen or id(p) in seen:
-                    raise ValueError(f"{cls}: module_or_params must hold each tensor once, got tensor {name} "
-                                     f"sharing its storage with tensor {seen.get(key, seen.get(id(p)))} (its "
-                                     "weights would be counted twice). Pass each parameter once.")
-                seen[key] = seen[id(p)] = name
-        if not named:
-            raise ValueError(f"{cls}: module_or_params must hold at least one trainable tensor, got none.")
-        return _ParamSource(named=named, module=module)
-
-    def _setup(self, named: List[Tuple[str, Tensor]]) -> None:
-        cls = type(self).__name__
-        self._agree_params(named)
-        tensors = [p for _, p in named]
-        for name, p in named:
-            if not p.is_leaf:
-                raise ValueError(
-                    f"{cls}: parameters must be leaf tensors (what an optimizer updates), got a non-leaf "
-                    f"tensor {name!r} produced by {type(p.grad_fn).__name__}. Pass the tensors the optimizer holds."
-                )
-            if p.dtype not in (torch.float32, torch.float64):
-                raise TypeError(f"{cls}: parameters must be float32 or float64, got {name!r} of dtype {p.dtype}. "
-                                "For a half-precision model, follow float32 master weights (e.g. those of "
-                                "torch.autocast training) instead.")
-        for name, p in named:
-            if p.is_meta:
-                raise ValueError(f"{cls}: parameters must hold data, got {name!r} on the meta device (shapes "
-                                 "without values). Materialise the model first, e.g. module.to_empty(device='cpu') "
-                                 "and initialise it.")
-        dtypes = {p.dtype for p in tensors}
-        devices = {p.device for p in tensors}
-        if len(dtypes) > 1:
-            raise TypeError(f"{cls}: parameters must share one dtype, got {sorted(map(str, dtypes))!r}.")
-        if len(devices) > 1:
-            raise ValueError(f"{cls}: parameters must share one device, got {sorted(map(str, devices))!r}.")
-        D = sum(p.numel() for p in tensors)
-        if self.rank >= D:
-            raise ValueError(f"{cls}: rank must be < the number of parameters D={D}, got {self.rank!r}.")
-        dtype, device = tensors[0].dtype, tensors[0].device
-        self.dim = D
-        rows = self._shard_rows(D)  # this rank's coordinates: all D without a process group
-        self._shapes = [p.shape for p in tensors]
-        self._names = [n for n, _ in named]
-        self._fit.setup(self, D, rows, dtype, device)
-        if self.window > 1:
-            self.register_buffer("_window_sum", torch.zeros(rows, dtype=dtype, device=device))
-
-    def _named(self) -> List[Tuple[str, Tensor]]:
-        named = self._source.resolve(type(self).__name__)
-        if self.dim is None:
-            self._setup(named)
-        return named
-
-    def _vector(self) -> Tensor:
-        cls = type(self).__name__
-        named = self._named()
-        shapes = [p.shape for _, p in named]
-        if shapes != self._shapes:
+        live = self._attached.get(id(optimizer))
+        if live is not None and live[1].id in getattr(optimizer, "_optimizer_step_post_hooks", {}):
             raise ValueError(
-                f"{cls}: parameter shapes must stay {[tuple(s) for s in self._shapes]!r} between collections, "
-                f"got {[tuple(s) for s in shapes]!r}; nothing was collected. Build a new SWAG for the new model."
+                f"{type(swag).__name__}: optimizer must not be attached twice (every step would be collected twice), "
+                "got one that is attached already. Call handle.remove() on the first handle to attach again."
             )
-        ref = self._ref
-        for name, p in named:
-            if p.dtype != ref.dtype or p.device != ref.device:
-                raise ValueError(
-                    f"{cls}: parameters must be on {ref.device} with dtype {ref.dtype} like the posterior, got "
-                    f"{name!r} on {p.device} with dtype {p.dtype}. Call swag.to(...) after moving the model."
-                )
-        flat = getattr(self, "_flat", None)
-        if flat is None or flat.dtype != ref.dtype or flat.device != ref.device:
-            flat = self._flat = torch.empty_like(ref)
-        lo, hi = (0, self.dim) if self._sharding is None else (self._sharding.lo, self._sharding.hi)
-        return flatten_slice([p for _, p in named], lo, hi, flat)  # this rank's coordinates
+        handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: swag.step())
+        # the optimizer is held weakly: optimizer -> hook -> SWAG -> optimizer would be a reference cycle,
+        # freed only by the garbage collector (under DDP possibly at exit, after the process group is gone)
+        self._attached[id(optimizer)] = (weakref.ref(optimizer), handle)
+        return handle
 
-    @torch.no_grad()
-    def collect(self) -> bool:
-        """Collect the current parameter vector now (whatever the step schedule).
+    # ------------------------------------------------------------- collecting
+    def setup(self, swag, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Register the window's running sum on ``swag`` (its checkpoint key ``_window_sum``)."""
+        if self.window > 1:
+            swag.register_buffer("_window_sum", torch.zeros(rows, dtype=dtype, device=device))
 
-        Returns
-        -------
-        bool
-            Whether a vector reached the fit (``False`` while a window fills, or
-            when a non-finite vector was skipped).
-
-        Raises
-        ------
-        ValueError
-            If the parameter shapes changed, the parameters moved to another
-            device or dtype, or the vector holds NaN / inf (with
-            ``on_nonfinite="raise"``); the state is unchanged.
-        """
-        theta = self._vector()
-        reason, diverged = self._refusal(theta)
+    def collect(self, swag, theta: Tensor) -> bool:
+        """Hand ``theta`` (this rank's rows) to ``swag``'s fit unless refused; whether it reached the fit."""
+        cls = type(swag).__name__
+        reason, diverged = self._refusal(swag, theta)
         if diverged and self._relocated():
             warnings.warn(
-                f"{type(self).__name__}: the last {len(self._streak)} vectors lay beyond max_deviation="
+                f"{cls}: the last {len(self._streak)} vectors lay beyond max_deviation="
                 f"{self.max_deviation:g} times the collected spread without moving further away (a run that "
                 "changed regime, e.g. a new learning rate or collect_every, not one that diverged): collecting "
-                "again.", RuntimeWarning, stacklevel=3)
+                "again.", RuntimeWarning, stacklevel=4)
             reason, diverged = None, False
         if reason is None:
             self._streak.clear()
         if diverged:
             # the divergence guard is a heuristic: it skips with a warning and never stops training
             # (a diverged run soon gives non-finite vectors, which on_nonfinite="raise" raises on)
-            self._n_refused += 1
-            warnings.warn(f"{type(self).__name__}: {reason} It was not collected and the posterior is unchanged "
-                          f"({self._n} vectors collected).", RuntimeWarning, stacklevel=3)
+            self.n_refused += 1
+            warnings.warn(f"{cls}: {reason} It was not collected and the posterior is unchanged "
+                          f"({swag._n} vectors collected).", RuntimeWarning, stacklevel=4)
             return False
         if reason is None and self.window > 1:
-            if self._n_window + 1 < self.window:
-                self._window_sum.add_(theta)
-                self._n_window += 1
+            if self.n_window + 1 < self.window:
+                swag._window_sum.add_(theta)
+                self.n_window += 1
                 return False
-            theta = (self._window_sum + theta) / self.window
+            theta = (swag._window_sum + theta) / self.window
         if reason is None:
             try:
-                self._fit.update(self, theta)
+                swag._fit.update(swag, theta)
             except ValueError as err:  # the online fit refused an update that would overflow its dtype
                 reason = str(err).split(": ", 1)[-1]
         if reason is not None:
-            self._n_refused += 1
-            msg = (f"{type(self).__name__}: {reason} It was not collected and the posterior is unchanged "
-                   f"({self._n} vectors collected).")
+            self.n_refused += 1
+            msg = f"{cls}: {reason} It was not collected and the posterior is unchanged ({swag._n} vectors collected)."
             if self.on_nonfinite == "skip":
-                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+                warnings.warn(msg, RuntimeWarning, stacklevel=4)
                 return False
             raise ValueError(msg + " Pass on_nonfinite='skip' to skip such vectors with a warning.")
         if self.window > 1:
-            self._window_sum.zero_()
-            self._n_window = 0
+            swag._window_sum.zero_()
+            self.n_window = 0
         return True
 
     def _relocated(self) -> bool:
@@ -196,21 +194,14 @@ class IterateCollector:
         last = self._streak[-(_GUARD_PATIENCE // 2):]
         return max(last) <= 2.0 * min(last)
 
-    def _refusal(self, theta: Tensor) -> Tuple[Optional[str], bool]:
+    def _refusal(self, swag, theta: Tensor) -> Tuple[Optional[str], bool]:
         """Why ``theta`` must not be collected, or None; and whether the reason is the divergence guard."""
-        guard = self.max_deviation is not None and self._n >= _GUARD_AFTER
-        if self._sharding is not None:
-            dist2, spread2, bad = self._sharded_distance(theta, guard)  # summed over the ranks
-            count_bad = lambda: bad  # noqa: E731
-        else:
-            dist2 = spread2 = 0.0
-            if guard:
-                # the distance in the state's dtype (the mean rounded once is close enough for a guard);
-                # a non-finite distance sends us to the finiteness check below
-                dist2 = float(torch.linalg.vector_norm(theta - self.loc)) ** 2
-                moments = self._fit.moments(self)
-                spread2 = float(moments.sq_dev.sum()) / self._n
-            count_bad = lambda: int((~torch.isfinite(theta)).sum())  # noqa: E731
+        guard = self.max_deviation is not None and swag._n >= _GUARD_AFTER
+        def spread2(over_all_ranks: bool) -> float:  # the running squared deviations' sum per collected vector
+            fit = swag._fit
+            return (fit.sq_dev_total(swag) if over_all_ranks else float(fit.moments(swag).sq_dev.sum())) / swag._n
+
+        dist2, spread2, count_bad = swag._rows.distance(theta, swag.loc, guard, spread2)  # sharded: over the ranks
         # no spread yet (identical vectors, e.g. after a schedule that ended at rate 0): no judgement
         if guard and math.isfinite(dist2) and (spread2 == 0.0 or dist2 <= self.max_deviation ** 2 * spread2):
             return None, False
@@ -226,121 +217,19 @@ class IterateCollector:
                 f"{math.sqrt(spread2):.3g} (the run looks diverged; if it only changed regime, pass a larger "
                 "max_deviation, or None)."), True
 
-    def step(self) -> bool:
-        """Count one optimizer step and collect if the schedule says so.
+    # ------------------------------------------------------------- state
+    def state_dict(self) -> Dict[str, int]:
+        """The counts a checkpoint keeps (SWAG composes them into its extra state)."""
+        return {"n_steps": self.n_steps, "n_window": self.n_window, "n_refused": self.n_refused}
 
-        Step :math:`t` (counted from one) is collected when ``t > start_after`` and
-        ``(t - start_after) % collect_every == 0``. This is what the hook of
-        :meth:`attach` calls; Pyro users call it after each ``svi.step``.
+    def check_state(self, cls: str, state) -> None:
+        """Refuse (``ValueError``) saved counts this collector cannot hold."""
+        for key in ("n_steps", "n_window", "n_refused"):
+            check_count(cls, state, key, 0)
+        if state["n_window"] >= self.window:
+            raise ValueError(f"{cls}: the saved state's 'n_window' must be < window={self.window}, got "
+                             f"{state['n_window']!r}; nothing was loaded.")
 
-        Returns
-        -------
-        bool
-            Whether a vector reached the fit.
-        """
-        self._n_steps += 1
-        t = self._n_steps - self.start_after
-        if t > 0 and t % self.collect_every == 0:
-            return self.collect()
-        return False
-
-    def attach(self, optimizer: torch.optim.Optimizer):
-        """Collect after the steps of ``optimizer`` (per ``start_after`` / ``collect_every``).
-
-        Parameters
-        ----------
-        optimizer : torch.optim.Optimizer
-
-        Returns
-        -------
-        torch.utils.hooks.RemovableHandle
-            ``handle.remove()`` detaches.
-        """
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"{type(self).__name__}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}. "
-                "With pyro.optim, call swag.step() after each svi.step(...)."
-            )
-        attached = self.__dict__.setdefault("_attached", {})
-        live = attached.get(id(optimizer))
-        if live is not None and live[1].id in getattr(optimizer, "_optimizer_step_post_hooks", {}):
-            raise ValueError(
-                f"{type(self).__name__}: optimizer must not be attached twice (every step would be collected twice), "
-                "got one that is attached already. Call handle.remove() on the first handle to attach again."
-            )
-        handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: self.step())
-        # the optimizer is held weakly: optimizer -> hook -> SWAG -> optimizer would be a reference cycle,
-        # freed only by the garbage collector (under DDP possibly at exit, after the process group is gone)
-        attached[id(optimizer)] = (weakref.ref(optimizer), handle)
-        return handle
-
-    @property
-    def n_collected(self) -> int:
-        return self._n
-
-    @property
-    def n_steps(self) -> int:
-        return self._n_steps
-
-    @property
-    def n_refused(self) -> int:
-        """Vectors not collected: non-finite, overflowing, or from a diverged run (see ``max_deviation``)."""
-        return self._n_refused
-
-    def _split(self, theta: Tensor) -> List[Tensor]:
-        out, offset = [], 0
-        for shape in self._shapes:
-            n = shape.numel()
-            out.append(theta[..., offset:offset + n].reshape(theta.shape[:-1] + shape))
-            offset += n
-        return out
-
-    @contextlib.contextmanager
-    def sampled_weights(self, theta: Optional[Tensor] = None, loader=None, generator: Optional[torch.Generator] = None):
-        """Load sampled weights into the model for the ``with`` block, then restore the originals.
-
-        Parameters
-        ----------
-        theta : Tensor of shape (D,), optional
-            The weights to load; default one draw of :meth:`sample`.
-        loader : iterable, optional
-            Training batches: batch-norm statistics are recomputed for the
-            sampled weights by ``torch.optim.swa_utils.update_bn`` (module only).
-        generator : torch.Generator, optional
-
-        Yields
-        ------
-        Tensor of shape (D,)
-            The loaded vector. Parameters and buffers are restored on exit, also
-            after an exception.
-        """
-        cls = type(self).__name__
-        theta = self._full_theta(theta)  # sharded: this rank's rows (e.g. swag.loc) are gathered
-        if theta is None:
-            theta = self.sample(generator=generator)
-        elif not torch.is_tensor(theta) or theta.shape != (self.dim,):
-            raise ValueError(f"{cls}: theta must be a tensor of shape ({self.dim},), got {theta!r}.")
-        module = self._source.module
-        if loader is not None and module is None:
-            raise ValueError(f"{cls}: loader needs a SWAG built from an nn.Module, got parameters only.")
-        tensors = [p for _, p in self._named()]
-        with torch.no_grad():
-            saved = [p.detach().clone() for p in tensors]
-            buffers = {k: b.clone() for k, b in module.named_buffers()} if loader is not None else {}
-        try:
-            with torch.no_grad():
-                for p, v in zip(tensors, self._split(theta)):
-                    p.copy_(v)
-            if loader is not None:
-                from torch.optim.swa_utils import update_bn
-
-                update_bn(loader, module)
-            yield theta
-        finally:
-            with torch.no_grad():
-                for p, v in zip(tensors, saved):
-                    p.copy_(v)
-                if buffers:
-                    current = dict(module.named_buffers())
-                    for k, v in buffers.items():
-                        current[k].copy_(v)
+    def load_state_dict(self, state) -> None:
+        self.n_steps, self.n_window = int(state["n_steps"]), int(state["n_window"])
+        self.n_refused = int(state.get("n_refused", 0))

@@ -1,139 +1,91 @@
 r"""SWAG's predictive: sampled networks or the linearised (GLM) network.
 
-A part of :class:`~pyro_fa.swag.SWAG` (kept apart so that the posterior's state and collection stay
-readable): it supplies what :class:`~pyro_fa.predictive.Posterior` asks of a posterior (:meth:`predictive`,
-the linearised outputs' moments), reading the posterior through ``loc``, ``cov_factor``, ``cov_diag``,
-``scale``, ``sample`` and the parameter source; ``predict``, ``predict_proba``, ``predict_log_proba``,
-``predictive_samples``, ``log_likelihood`` and ``tune_scale`` are the protocol's, shared with every posterior.
+What :class:`~pyro_fa.predictive.Posterior` asks of a posterior (its predictive, the linearised outputs'
+moments), built from a :class:`~pyro_fa.swag.SWAG` through ``loc``, ``cov_factor``, ``cov_diag``, ``scale``,
+``sample`` and the followed weights; SWAG's methods call these functions. ``predict``, ``predict_proba``,
+``predict_log_proba``, ``predictive_samples``, ``log_likelihood`` and ``tune_scale`` are the protocol's, shared
+with every posterior. The predictive of each ``pred_type`` is looked up in :data:`PREDICTIVES`.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from pyro_fa.predictive.glm import check_pred_type, linearized_moments, linearized_network
-from pyro_fa.predictive.posterior import Posterior
+from pyro_fa.predictive.glm import linearized_moments as _linearized_moments, linearized_network
 from pyro_fa.predictive.sampled import SampledPredictive
 
-__all__ = ["SWAGPrediction"]
+__all__ = ["PREDICTIVES", "linearized_moments", "linearized_marginals"]
 
 
-class SWAGPrediction(Posterior):
-    """The predictive of :class:`~pyro_fa.swag.SWAG` (see there and :class:`~pyro_fa.predictive.Posterior`)."""
+def _draws(swag):
+    def draws(num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
+        return swag.sample(num_samples, generator=generator)
+    return draws
 
-    def predictive(self, pred_type: str = "nn", *, loader=None) -> SampledPredictive:
-        r"""This posterior's predictive: draws of :meth:`sample` run in the module, or in its linearisation.
 
-        Parameters
-        ----------
-        pred_type : {"nn", "glm"}, default "nn"
-            ``"nn"``: the network at each draw :math:`\theta`. ``"glm"``: the network linearised at
-            the mean, :math:`f(x; c) + J_x(\theta - c)` (Immer, Korzepa & Bauer 2021, §3), one
-            forward-mode product per draw (:func:`~pyro_fa.predictive.linearized_network`).
-        loader : iterable, optional
-            Batch-norm refresh per draw (see :meth:`sampled_weights`); for ``"glm"`` the statistics
-            are those of the mean :math:`c`, where the network is linearised.
+def _deviations(swag):
+    def deviations(num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
+        swag._check_ready("tune_scale()")
+        return swag._deviations(num_samples, generator)
+    return deviations
 
-        Returns
-        -------
-        SampledPredictive
-            With ``loc`` :math:`c` and unscaled ``deviations`` :math:`Fh + \Psi^{1/2}\varepsilon`, for
-            :func:`~pyro_fa.predictive.tune_scale`; ``module`` is ``None`` for a posterior over
-            parameters only.
 
-        Raises
-        ------
-        RuntimeError
-            If nothing has been collected yet, or ``"glm"`` for a posterior over parameters only.
-        ValueError
-            An unknown ``pred_type``.
-        """
-        check_pred_type(type(self).__name__, pred_type)
-        if self._n == 0:
-            self._check_ready("predictive()")
-        return {"nn": self._nn_predictive, "glm": self._glm_predictive}[pred_type](self._source.module, loader)
+def _nn_predictive(swag, loader) -> SampledPredictive:
+    """The network at each draw :math:`\\theta`."""
+    module = swag._source.module
 
-    def _nn_predictive(self, module, loader) -> SampledPredictive:
-        @contextlib.contextmanager
-        def network(theta):
-            with self.sampled_weights(theta, loader=loader):
-                yield module
+    @contextlib.contextmanager
+    def network(theta):
+        with swag.sampled_weights(theta, loader=loader):
+            yield module
 
-        return SampledPredictive(self._draws, network, module=module, loc=self.loc,
-                                 deviations=self._scale_search_deviations)
+    return SampledPredictive(_draws(swag), network, module=module, loc=swag.loc, deviations=_deviations(swag))
 
-    def _draws(self, num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
-        return self.sample(num_samples, generator=generator)
 
-    def _glm_params(self, what: str):
-        """The module and its collected parameters, for linearising (a posterior built from an nn.Module)."""
-        module = self._source.module
-        if module is None:
-            raise RuntimeError(f"{type(self).__name__}: {what} needs a SWAG built from an nn.Module (the network "
-                               "is linearised in its weights), got parameters only. Use pred_type='nn'.")
-        return module, [p for _, p in self._named()]
+def _glm_params(swag, what: str):
+    """The module and its collected parameters, for linearising (a posterior built from an nn.Module)."""
+    module = swag._source.module
+    if module is None:
+        raise RuntimeError(f"{type(swag).__name__}: {what} needs a SWAG built from an nn.Module (the network "
+                           "is linearised in its weights), got parameters only. Use pred_type='nn'.")
+    return module, [p for _, p in swag._named()]
 
-    def _glm_predictive(self, module, loader) -> SampledPredictive:
-        module, params = self._glm_params("pred_type='glm'")
-        loc = self._full_theta(self.loc)  # sharded: the whole mean, as every draw is whole
 
-        @contextlib.contextmanager
-        def network(theta):
-            if loader is None:
+def _glm_predictive(swag, loader) -> SampledPredictive:
+    """The network linearised at the mean, :math:`f(x; c) + J_x(\\theta - c)`, at each draw."""
+    module, params = _glm_params(swag, "pred_type='glm'")
+    loc = swag._rows.full_theta(swag.loc, swag.dim)  # sharded: the whole mean, as every draw is whole
+
+    @contextlib.contextmanager
+    def network(theta):
+        if loader is None:
+            yield linearized_network(module, loc, theta, params)
+        else:  # batch-norm statistics of the mean, the linearisation point
+            with swag.sampled_weights(loc, loader=loader):
                 yield linearized_network(module, loc, theta, params)
-            else:  # batch-norm statistics of the mean, the linearisation point
-                with self.sampled_weights(loc, loader=loader):
-                    yield linearized_network(module, loc, theta, params)
 
-        return SampledPredictive(self._draws, network, module=module, loc=self.loc,
-                                 deviations=self._scale_search_deviations)
+    return SampledPredictive(_draws(swag), network, module=module, loc=swag.loc, deviations=_deviations(swag))
 
-    def linearized_moments(self, *args, chunk_size: Optional[int] = None,
-                           diagonal: bool = False) -> Tuple[Tensor, Tensor]:
-        r"""Mean and covariance of the linearised network's outputs, :math:`f(x; c)` and :math:`s\,J_x(FF^\top + \Psi)J_x^\top`.
 
-        See :func:`pyro_fa.predictive.linearized_moments` (called with :attr:`loc`, :attr:`cov_factor`,
-        :attr:`cov_diag` and :attr:`scale`).
+PREDICTIVES: Dict[str, Callable] = {"nn": _nn_predictive, "glm": _glm_predictive}  # by pred_type
 
-        Parameters
-        ----------
-        *args
-            The module's inputs, each of shape (N, ...).
-        chunk_size : int, optional
-            Examples per chunk of per-example Jacobians.
-        diagonal : bool, default False
-            Only the variances (the contraction :math:`C` times cheaper; the Jacobians cost the same).
 
-        Returns
-        -------
-        mean : Tensor of shape (N, C)
-        cov : Tensor of shape (N, C, C), or (N, C) with ``diagonal=True``
+def linearized_moments(swag, args, chunk_size: Optional[int] = None, diagonal: bool = False) -> Tuple[Tensor, Tensor]:
+    """:meth:`SWAG.linearized_moments <pyro_fa.swag.SWAG.linearized_moments>`."""
+    swag._check_ready("linearized_moments()")
+    module, params = _glm_params(swag, "linearized_moments()")
+    swag._rows.require_whole(type(swag).__name__, "linearized_moments()")
+    return _linearized_moments(module, swag.loc, args, cov_diag=swag.cov_diag, cov_factor=swag.cov_factor,
+                               scale=swag.scale, chunk_size=chunk_size, params=params, diagonal=diagonal)
 
-        Raises
-        ------
-        RuntimeError
-            Nothing collected, a posterior over parameters only, or one sharded over a process group.
-        """
-        cls = type(self).__name__
-        self._check_ready("linearized_moments()")
-        module, params = self._glm_params("linearized_moments()")
-        if self._sharding is not None:
-            raise RuntimeError(f"{cls}: linearized_moments() needs the whole factor, got a SWAG sharded as "
-                               f"{self.sharding!r}; use pred_type='glm' with link_approx='mc' (sampled, collective).")
-        return linearized_moments(module, self.loc, args, cov_diag=self.cov_diag, cov_factor=self.cov_factor,
-                                  scale=self._scale, chunk_size=chunk_size, params=params, diagonal=diagonal)
 
-    def _scale_search_deviations(self, num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
-        self._check_ready("tune_scale()")
-        return self._deviations(num_samples, generator)
-
-    def _linearized_marginals(self, inputs, chunk_size):
-        """The linearised outputs' means and variances (one Gaussian), in the module output's shape."""
-        mean, var = self.linearized_moments(*inputs, chunk_size=chunk_size, diagonal=True)
-        return [_glm_mean_variance(self._source.module, inputs, mean, var, None)]
+def linearized_marginals(swag, inputs, chunk_size):
+    """The linearised outputs' means and variances (one Gaussian), in the module output's shape."""
+    mean, var = linearized_moments(swag, inputs, chunk_size=chunk_size, diagonal=True)
+    return [_glm_mean_variance(swag._source.module, inputs, mean, var, None)]
 
 
 def _glm_mean_variance(module, args, mean: Tensor, var: Tensor, noise_std):

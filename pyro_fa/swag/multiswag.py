@@ -72,7 +72,7 @@ class MultiSWAG(Posterior, nn.Module):
             if first != i:
                 raise ValueError(f"{cls}: members must be distinct posteriors, got the same SWAG as members {first} "
                                  f"and {i} (it would be weighted twice). Pass each independently trained run once.")
-            if m._distributed:
+            if m._rows.distributed:
                 raise ValueError(f"{cls}: members must not be sharded over a process group (not supported), got a "
                                  f"SWAG sharded as {m.sharding!r}. Use SWAG.predict on each sharded member instead.")
         dims = {(m.dim, m.rank) for m in members}
