@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from pyro_fa.fa.fitters import (FitContext, FitState, Fitter, check_step_options, cholesky as _cholesky,
+from pyro_fa.fa.fitters.base import (FitContext, FitState, Fitter, check_step_options, cholesky as _cholesky,
                                 register_fitter, scalar)
 
 __all__ = ["OnlineEM", "EMState"]

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from pyro_fa._state import check_optimizer_state
-from pyro_fa.fa.fitters import (FitContext, FitState, Fitter, check_positive, check_step_options, cholesky,
+from pyro_fa.fa.fitters.base import (FitContext, FitState, Fitter, check_positive, check_step_options, cholesky,
                                 register_fitter, scalar)
 from pyro_fa.fa.fitters.sga_natural import NaturalStep
 

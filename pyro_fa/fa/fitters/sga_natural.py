@@ -36,7 +36,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from pyro_fa.fa.fitters import FitContext, cholesky
+from pyro_fa.fa.fitters.base import FitContext, cholesky
 from pyro_fa.fa.fitters.em import EMState, OnlineEM
 
 __all__ = ["NaturalStep", "EXACT_RATIO"]

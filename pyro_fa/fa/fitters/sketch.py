@@ -27,7 +27,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from pyro_fa.fa.fitters import FitContext, FitState, Fitter, register_fitter
+from pyro_fa.fa.fitters.base import FitContext, FitState, Fitter, register_fitter
 
 __all__ = ["ScatterSketch", "SketchState"]
 
