@@ -102,9 +102,8 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
     lr : float, default 1e-2
         Learning rate of the SGA optimizer, in the standardised coordinates of the ascent.
         Ignored by EM. The thesis's 1e-3 (Brownlie 2021, §5.1), decayed after ``lr_decay_after``
-        steps, moves the factor too little to leave its start: on stationary synthetic FA streams
-        (D = 10-100) it stays at a covariance error of 0.5-0.7 where 1e-2 reaches 1.8-3.3 times
-        scikit-learn's batch error (``docs/benchmarks.md``, "Online SGA").
+        steps, moves the factor too little to leave its start on stationary synthetic FA streams
+        (measured: see ``benchmarks/results/measurements_from_docstrings.md``).
     optimizer : type, callable or "natural", optional
         For SGA: a ``torch.optim.Optimizer`` class, or a callable taking the
         parameter list and returning an optimizer. Default ``torch.optim.Adam``. ``"natural"``: the

@@ -182,7 +182,7 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
         :math:`K \ge 1`.
     method : {"auto", "scatter", "online", "sketch", "randomized", "exact"}, default "auto"
         ``"auto"``: ``"exact"`` when ``dim <= dense_max_dim``, else ``"randomized"`` (shardable; as
-        accurate as the sketch, measured, and 4-10 times faster: ``docs/laplace.md``). ``"exact"`` and
+        accurate as the sketch and faster: ``docs/laplace.md``). ``"exact"`` and
         ``"scatter"`` form the :math:`D\times D` moment; ``"exact"`` fits what ``"randomized"`` fits, from
         the exact top :math:`3K` eigenpairs, ``"scatter"`` runs batch FA on the whole moment.
     num_passes : int, optional
@@ -190,7 +190,7 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
         (default 2: the range, then the projection).
     dense_max_dim : int, default 1024
         Above it the eigendecomposition (:math:`O(D^3)`) of ``"exact"`` costs more than ``"randomized"``'s
-        passes several times over (``benchmarks/bench_laplace_cost.py``: at D = 2015, 6.8 s against 0.27 s).
+        passes several times over (``benchmarks/bench_laplace_cost.py``).
     tol, max_iter : float, int
         Convergence of the batch fit (on the total log-likelihood of the FA model).
     seed : int, default 0

@@ -140,13 +140,9 @@ def select_scale(scales: Sequence[float], point_log_likelihoods: Tensor, rule: s
 
     * ``"gated"`` (default): the mean (scale 0) unless the best scale's gain over it exceeds twice its
       paired standard error, :math:`g(\hat s) > 2\,\mathrm{se}(\hat s)`; then ``"one_se"``'s choice.
-      The one-SE step back, entered only on a significant gain. Chosen by measurement over 145 seeds
-      (``docs/swag.md``; ``benchmarks/bench_scale_rule.py``, 30 seeds of four small tasks, and
-      ``benchmarks/bench_scale_rule_classify.py``, the 25 seeds of ``pyro-fa classify``'s five tables): no
-      seed's test NLL was worse than the mean's by more than 1 % (the worst +0.8 %), and every table's gain
-      where the arg-max gains 15 % or more was kept. ``"one_se"`` kept more on small regression sets (UCI
-      boston with 80 validation points: 0.850 of SWA's NLL against 0.913) but on one seed of the MNIST-1D CNN
-      entered on a gain of 1.7 standard errors over 400 validation signals and was 11.8 % worse than the mean.
+      The one-SE step back, entered only on a significant gain. Chosen by measurement
+      (``benchmarks/bench_scale_rule.py``, ``benchmarks/bench_scale_rule_classify.py``; figures in
+      ``benchmarks/results/measurements_from_docstrings.md``).
     * ``"one_se"`` (the default before): with :math:`\hat s = \arg\max_s \mathcal L(s)` (0 included), the
       smallest candidate :math:`s` with :math:`\mathcal L(\hat s) - \mathcal L(s) \le
       \mathrm{se}_i\big(\ell_i(\hat s) - \ell_i(s)\big)`, the *paired* standard error of the
@@ -155,9 +151,7 @@ def select_scale(scales: Sequence[float], point_log_likelihoods: Tensor, rule: s
       The mean (scale 0) is chosen whenever the best gain over it is within its paired
       standard error. The test curve's optimum tends to sit at or below the validation
       optimum, with a steep cliff above it: the smallest scale that the validation points
-      cannot tell from the best keeps clear of it. On 30 seeds of four small tasks no seed's
-      test NLL was worse than the mean's by more than 1 %, with most of the arg-max's gain kept
-      (``benchmarks/bench_scale_rule.py``).
+      cannot tell from the best keeps clear of it (``benchmarks/bench_scale_rule.py``).
       (A standard error of :math:`\mathcal L` itself rather than of the paired difference
       is an order of magnitude larger and picks the mean nearly always.)
     * ``"fraction"``: :math:`s^\dagger = \arg\max_{s > 0}\, g(s) - z\,\mathrm{se}(s)`

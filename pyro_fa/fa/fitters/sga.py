@@ -68,14 +68,12 @@ class OnlineSGA(Fitter):
     Cost per update with the default Adam: two passes over the :math:`D\times K` arrays (the
     E-step's projection and the fused step), no :math:`D\times K` temporary, and two
     :math:`O(DK^2)` products per row block (the gradient's :math:`\tilde F\,E[hh^\top]` and the
-    next capacitance): 14.2 times two :math:`D\times K` mat-vecs at :math:`D = 10^6`, :math:`K = 20`,
-    float32, one thread (the project's online-EM benchmark).
+    next capacitance).
 
-    Where it works and where not (measured, see the project's benchmark docs, "Online SGA"): on
-    stationary FA streams the default ``lr=1e-2`` ends at about twice scikit-learn's batch
-    covariance error (0.024 against 0.011 at :math:`D = 10`, :math:`K = 2`, 20 000 vectors); on the
-    drifting SGD iterates that SWAG collects it is no better than a diagonal (26-2873 times batch
-    FA's error at any ``lr`` from 1e-3 to 1e-2). A step :math:`\gamma_t \propto 1/t` in the
+    Where it works and where not: on stationary FA streams the default ``lr=1e-2`` ends within a small
+    multiple of scikit-learn's batch covariance error; on the drifting SGD iterates that SWAG collects it is no
+    better than a diagonal at any ``lr`` from 1e-3 to 1e-2 (measured: see
+    ``benchmarks/results/measurements_from_docstrings.md``). A step :math:`\gamma_t \propto 1/t` in the
     parameters makes about :math:`\log T` EM iterations' worth of progress, and the few dominant
     directions of drift need many; online EM (``method="em"``), whose statistics take a full step
     per vector, the natural step below, or the scatter sketch (``method="sketch"``) are the methods for those
@@ -83,8 +81,8 @@ class OnlineSGA(Fitter):
 
     ``optimizer="natural"`` replaces the optimizer by the EM-preconditioned gradient step of
     :class:`~pyro_fa.fa.fitters.sga_natural.NaturalStep` (size ``optimizer_kwargs={"step": eta}``, eta in
-    (0, 1], default 1): within 1.07–1.34 times batch FA's error on those streams, at 1.89 times two
-    mat-vecs per update; ``lr``, ``lr_decay_after`` and ``average`` do not apply to it.
+    (0, 1], default 1), close to batch FA's error on those streams; ``lr``, ``lr_decay_after`` and
+    ``average`` do not apply to it.
     """
 
     def __init__(self, lr: float = 1e-2, optimizer=None, optimizer_kwargs: Optional[Dict[str, Any]] = None,

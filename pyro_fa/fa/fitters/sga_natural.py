@@ -58,13 +58,8 @@ class NaturalStep(OnlineEM):
 
     Notes
     -----
-    Measured (the project's benchmark docs, "Online SGA on the same streams"): on the SGD-iterate
-    streams of its SGA-stream benchmark 1.07–1.34 times batch FA's covariance error at ``eta = 1``,
-    float32 and float64, 1.11–1.41 at 0.5 but 1.84 on the nearly isotropic linear model at
-    :math:`T = 6000` (the fused Adam step: 38–514); with the step every 10th update 1.12–1.41.
-    Cost at :math:`D = 10^6`, :math:`K = 20`, float32, one thread: 1.89 times two :math:`D\times K`
-    mat-vecs per update with 2.60 :math:`DK` numbers of added peak memory (a step at every update:
-    6.3 times; ``eta < 1`` costs five :math:`O(DK^2)` products per step against two).
+    ``eta < 1`` costs five :math:`O(DK^2)` products per step against two.
+    Measured error and cost: see ``benchmarks/results/measurements_from_docstrings.md``.
     """
 
     def __init__(self, eta: float = 1.0, step_scale: float = 2.0, step_ramp=None, m_step_every=None):

@@ -88,14 +88,10 @@ class ScatterSketch(Fitter):
     Memory: :math:`(\ell + K + 1) D` numbers, :math:`4DK` for :math:`\ell = 2K` (online EM: 2DK).
     Cost per update: one copy of the vector, and every :math:`K` updates a compression of
     :math:`O(3K^2D)` (Gram of the new rows) plus :math:`O(6K^2D)` (the rotation), about
-    :math:`9KD` multiply-adds per update; measured 1.5 times two :math:`D\times K` mat-vecs at
-    :math:`D = 10^6, K = 20` (the compression is a compute-bound matrix product, the mat-vecs are
-    memory-bound; online EM 2.1 times in the same run, project's online-EM benchmark). A refit
-    costs :math:`O((\ell+K)^2 D)` per iteration (19–50 two mat-vecs) and is done only when the
-    posterior is read; its iteration count follows scikit-learn's absolute stopping rule:
-    0.01–0.07 s a refit on the benchmark's SGD iterates (D about 600), 59 iterations (19 s) on a
-    white-noise buffer at :math:`D = 10^6` (769, 422 s, without the relative rule), so at large D
-    read the posterior rarely.
+    :math:`9KD` multiply-adds per update (the compression is a compute-bound matrix product). A refit
+    costs :math:`O((\ell+K)^2 D)` per iteration and is done only when the posterior is read; its
+    iteration count follows scikit-learn's absolute stopping rule, so at large D read the posterior
+    rarely. Measured cost: see ``benchmarks/results/measurements_from_docstrings.md``.
     Not shardable (the Gram matrices would need an all-reduce per compression):
     ``process_group`` is refused.
 
