@@ -13,42 +13,48 @@ University of Edinburgh, 2023.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import sys
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import Dict, Optional, Sequence, Tuple
 
 from pyro_fa.experiments import output_dir_arg
 
-#: subcommand name -> experiment module (imported only when its subcommand is parsed: `pyro-fa --help` imports none)
-EXPERIMENTS = {
-    "online-fa": "pyro_fa.experiments.online_fa",
-    "vifa-synthetic": "pyro_fa.experiments.vifa_synthetic",
-    "vifa-linreg": "pyro_fa.experiments.vifa_linreg",
-    "sgd-iterates": "pyro_fa.experiments.sgd_iterates",
-    "linreg-ensembles": "pyro_fa.experiments.linreg_ensembles",
-    "uci": "pyro_fa.experiments.uci.command",
-    "classify": "pyro_fa.experiments.classify.command",
-    "revrand": "pyro_fa.experiments.revrand.command",
-    "posteriordb": "pyro_fa.experiments.posteriordb.command",
-}
+def _declared_help(path: Path) -> Optional[str]:
+    """The string a module assigns to ``HELP`` at its top level, read from its source (None when it has none)."""
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id == "HELP"):
+            return ast.literal_eval(node.value)
+    return None
 
-_HELP = {
-    "online-fa": "Brownlie (2021) Chapter 5: online EM / online SGA vs batch factor analysis on synthetic FA models.",
-    "vifa-synthetic": "Jiang (2023) Table 1: VIFA (Gaussian and Laplace priors) vs the exact 2-D "
-                      "linear-regression posterior.",
-    "vifa-linreg": "Jiang (2023) Figs. 2-5: VIFA vs exact linear-regression posteriors on four UCI datasets.",
-    "sgd-iterates": "Brownlie (2021) Table 6.1, Figs. 6.1-6.2: SGD iterates vs the exact 2-D "
-                    "linear-regression posterior.",
-    "linreg-ensembles": "Brownlie (2021) Table A.1: pre-trained, SWA, SGA-FA and EM-FA ensembles of linear "
-                        "regression on UCI.",
-    "uci": "The UCI Bayesian-neural-network benchmark: VIFA / VIPPCA vs Pyro's guides and SWAG on the standard splits.",
-    "classify": "Classification on MNIST-1D and digits: calibration and OOD detection of SWAG, MultiSWAG, VIFA, "
-                "deep ensembles, MC dropout, Laplace and IVON.",
-    "revrand": "Steinberg et al., revrand technical report, Tables 2-4: random-feature SLM and GLM (FA posterior) "
-               "vs scikit-learn's GPs, SVMs and random forests on Boston, digits 3 vs 5 and UCI protein.",
-    "posteriordb": "Pyro's guides, Pathfinder and the factor-analysis guide scored against posteriordb's reference "
-                   "draws (W1, debiased W1, moment errors, k-hat, gradient evaluations; Zhang et al. 2022).",
-}
+
+def _discover(root: Optional[Path] = None, package: str = "pyro_fa.experiments") -> Tuple[Dict[str, str], Dict[str, str]]:
+    """Every experiment of ``pyro_fa/experiments/``: a public module, or a public package's ``command.py``, that
+    declares ``HELP``; the subcommand is its name with ``-`` for ``_``. Read from the source files, so that
+    building the parser imports no experiment: adding one is its module alone."""
+    modules, helps = {}, {}
+    root = Path(__file__).parent / "experiments" if root is None else Path(root)
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith(("_", ".")):
+            continue
+        if entry.is_dir():
+            path, module = entry / "command.py", f"{package}.{entry.name}.command"
+        elif entry.suffix == ".py":
+            path, module = entry, f"{package}.{entry.stem}"
+        else:
+            continue
+        text = _declared_help(path) if path.is_file() else None
+        if text is not None:
+            name = (entry.name if entry.is_dir() else entry.stem).replace("_", "-")
+            modules[name], helps[name] = module, text
+    return modules, helps
+
+
+#: subcommand name -> experiment module, and its help (imported only when its subcommand is parsed: `pyro-fa
+#: --help` imports none)
+EXPERIMENTS, _HELP = _discover()
 
 
 class _SubcommandParser(argparse.ArgumentParser):

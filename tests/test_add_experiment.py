@@ -3,7 +3,6 @@
 import json
 import re
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -14,16 +13,35 @@ ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 
 @pytest.fixture
-def toy(monkeypatch):
-    """The docs' toy experiment as the module ``toy_experiment``, registered as ``pyro-fa toy`` for one test."""
+def toy(monkeypatch, tmp_path):
+    """The docs' toy experiment written as the one file ``toy.py`` of a package of experiments, found by the
+    CLI's discovery (as ``pyro_fa/experiments/`` is) and registered as ``pyro-fa toy`` for one test."""
     section = ARCHITECTURE.read_text().split("## Add an experiment", 1)[1].split("\n## ", 1)[0]
     code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
-    module = types.ModuleType("toy_experiment")
-    exec(compile(code, "docs/architecture.md (Add an experiment)", "exec"), module.__dict__)
-    monkeypatch.setitem(sys.modules, "toy_experiment", module)
-    monkeypatch.setitem(cli.EXPERIMENTS, "toy", "toy_experiment")
-    monkeypatch.setitem(cli._HELP, "toy", "The mean of a few standard normal draws.")
-    return module
+    package = tmp_path / "toy_experiments"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "_private.py").write_text('HELP = "never a subcommand: private"\n')
+    (package / "notes.py").write_text("# no HELP: not a subcommand\n")
+    (package / "toy.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found, helps = cli._discover(package, "toy_experiments")
+    assert found == {"toy": "toy_experiments.toy"}
+    assert helps == {"toy": "The mean of a few standard normal draws."}
+    monkeypatch.setitem(cli.EXPERIMENTS, "toy", found["toy"])
+    monkeypatch.setitem(cli._HELP, "toy", helps["toy"])
+    yield
+    for name in ("toy_experiments.toy", "toy_experiments"):
+        sys.modules.pop(name, None)
+
+
+def test_every_experiment_of_the_package_is_found_without_importing_it():
+    """The nine experiments of pyro_fa/experiments/ are the subcommands, each with its module's HELP."""
+    assert set(cli.EXPERIMENTS) == {"online-fa", "vifa-synthetic", "vifa-linreg", "sgd-iterates",
+                                    "linreg-ensembles", "uci", "classify", "revrand", "posteriordb"}
+    assert cli.EXPERIMENTS["uci"] == "pyro_fa.experiments.uci.command"
+    assert cli.EXPERIMENTS["online-fa"] == "pyro_fa.experiments.online_fa"
+    assert cli._HELP["uci"].startswith("The UCI Bayesian-neural-network benchmark")
 
 
 def test_the_docs_toy_experiment_runs_as_a_subcommand(toy, tmp_path, capsys):

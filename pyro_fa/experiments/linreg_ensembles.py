@@ -31,6 +31,9 @@ from pyro_fa.experiments._io import OutputFolder, atomic_savefig, atomic_write_j
 from pyro_fa.experiments._io import int_in_range, nonnegative_int, positive_int
 from pyro_fa.swag.swag import SWAG
 
+#: the subcommand's one-line help, which `pyro-fa` reads without importing this module
+HELP = 'Brownlie (2021) Table A.1: pre-trained, SWA, SGA-FA and EM-FA ensembles of linear regression on UCI.'
+
 DATASETS = {"energy": "Energy", "bostonHousing": "Boston", "concrete": "Concrete", "yacht": "Yacht"}
 METHODS = ("pretrained", "swa", "sga_fa", "em_fa", "swag")
 #: the thesis's cross-validation: 10 folds; ``--folds k`` runs the first k of them

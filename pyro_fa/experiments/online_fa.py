@@ -28,6 +28,9 @@ from pyro_fa.experiments._io import OutputFolder, atomic_savefig, atomic_write_j
     mean_se, progress_bar
 from pyro_fa.fa.online import OnlineFactorAnalysis
 
+#: the subcommand's one-line help, which `pyro-fa` reads without importing this module
+HELP = 'Brownlie (2021) Chapter 5: online EM / online SGA vs batch factor analysis on synthetic FA models.'
+
 #: Brownlie (2021), Figure 5.1 narrative / table at T = 100 000: (batch SVD, online EM, online SGA), mean and s.e.
 THESIS_T100K = {
     (100, (1, 10)): ((0.0454, 0.0077), (0.0399, 0.0058), (0.0426, 0.0005)),

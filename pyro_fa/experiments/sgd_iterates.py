@@ -35,6 +35,9 @@ from pyro_fa.experiments._io import nonnegative_int, positive_int
 from pyro_fa.swag.swag import SWAG
 from pyro_fa.fa.linalg import gaussian_wasserstein2
 
+#: the subcommand's one-line help, which `pyro-fa` reads without importing this module
+HELP = 'Brownlie (2021) Table 6.1, Figs. 6.1-6.2: SGD iterates vs the exact 2-D linear-regression posterior.'
+
 ALPHA, BETA, N = 0.01, 0.1, 1000
 SETTINGS = [(0.1, 0.1), (0.1, 0.001), (0.01, 0.1), (0.01, 0.001)]
 #: Table 6.1: (lr, lambda) -> (mean, se) of relative mean distance, relative covariance distance, W2

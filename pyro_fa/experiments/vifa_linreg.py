@@ -32,6 +32,9 @@ from pyro_fa.experiments._io import OutputFolder, atomic_savefig, atomic_write_j
 from pyro_fa.experiments._io import nonnegative_int, positive_int
 from pyro_fa.experiments.vifa_synthetic import _schedule, laplace_scale
 
+#: the subcommand's one-line help, which `pyro-fa` reads without importing this module
+HELP = 'Jiang (2023) Figs. 2-5: VIFA vs exact linear-regression posteriors on four UCI datasets.'
+
 DATASETS = {"energy": "Energy", "bostonHousing": "Boston", "concrete": "Concrete", "yacht": "Yacht"}
 RANK = 3
 

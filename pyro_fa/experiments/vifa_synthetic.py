@@ -51,6 +51,10 @@ from pyro_fa.experiments._io import (
     quiet_plate_guess,
 )
 
+#: the subcommand's one-line help, which `pyro-fa` reads without importing this module
+HELP = ('Jiang (2023) Table 1: VIFA (Gaussian and Laplace priors) vs the exact 2-D linear-regression '
+        'posterior.')
+
 ALPHA, BETA, N = 0.01, 0.1, 1000
 BAR_COV, BAR_MEAN = 0.02, 0.002
 #: (mean, covariance, scaled W2) as published in Jiang (2023) Table 1 (its Gaussian row quotes Brownlie 2021)

@@ -58,6 +58,10 @@ from pyro_fa.experiments.classify.results import path_of, read_done, refuse_to_r
 from pyro_fa.experiments._io import OutputFolder, atomic_write_json, atomic_write_text, mean_se, positive_int, \
     progress_bar
 
+#: the subcommand's one-line help, which `pyro-fa` reads without importing this module
+HELP = ('Classification on MNIST-1D and digits: calibration and OOD detection of SWAG, MultiSWAG, VIFA, deep '
+        'ensembles, MC dropout, Laplace and IVON.')
+
 #: (dataset, network) pairs the benchmark runs
 COMBOS = (("mnist1d", "mlp"), ("mnist1d", "cnn"), ("digits", "mlp"), ("mnist1d-8", "mlp"), ("digits-8", "mlp"))
 DEFAULT_SEEDS = 5

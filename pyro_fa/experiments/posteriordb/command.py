@@ -23,6 +23,10 @@ from typing import Dict, List
 from pyro_fa.experiments._io import (OutputFolder, atomic_write_json, atomic_write_text, markdown_table,
                                      positive_int, progress_bar, read_record, unit_path)
 
+#: the subcommand's one-line help, which `pyro-fa` reads without importing this module
+HELP = ("Pyro's guides, Pathfinder and the factor-analysis guide scored against posteriordb's reference draws "
+        '(W1, debiased W1, moment errors, k-hat, gradient evaluations; Zhang et al. 2022).')
+
 COMMAND = "pyro-fa posteriordb"
 #: bumped when a change alters what a unit computes: older unit files are then not reused
 UNIT_PROTOCOL = 1

@@ -59,6 +59,10 @@ import torch
 from pyro_fa.experiments._io import OutputFolder, atomic_write_json, atomic_write_text, check_device, int_in_range, \
     positive_int, progress_bar
 
+#: the subcommand's one-line help, which `pyro-fa` reads without importing this module
+HELP = ('Steinberg et al., revrand technical report, Tables 2-4: random-feature SLM and GLM (FA posterior) vs '
+        "scikit-learn's GPs, SVMs and random forests on Boston, digits 3 vs 5 and UCI protein.")
+
 TABLES = ("2", "3", "4")
 #: the UCI datasets a table reads (Table 3 uses scikit-learn's bundled digits)
 UCI_NEEDED = {"2": "boston", "4": "protein"}

@@ -76,6 +76,10 @@ from pyro_fa.experiments.uci.protocol import (DEFAULT_METHODS, METHODS, QUICK_ME
 from pyro_fa.experiments.uci.swag_family import run_swag
 from pyro_fa.experiments.uci.results import _legacy_path, _run_key, _same_run, _unit_key, _unit_path, _units, read_unit
 
+#: the subcommand's one-line help, which `pyro-fa` reads without importing this module
+HELP = ("The UCI Bayesian-neural-network benchmark: VIFA / VIPPCA vs Pyro's guides and SWAG on the standard "
+        'splits.')
+
 __all__ = ["Budget", "DEFAULT_METHODS", "METHODS", "Method", "QUICK_METHODS", "SWAG_METHODS", "SplitData",
            "add_arguments", "evaluate", "final_data", "heldout_ll", "keep_freed_memory", "n_tune_splits", "read_unit",
            "report", "run", "run_swag", "run_unit", "run_vi", "train", "tuning_data"]
