@@ -23,6 +23,12 @@ PAGES = sorted((ROOT / "docs").glob("*.md"))
 BLOCK = re.compile(r"(?:<!--\s*no-test:(?P<reason>[^>]*?)-->\s*\n)?```python\n(?P<code>.*?)```", flags=re.S)
 #: at most this many marked blocks over all pages: the convention is for exceptions
 MAX_SKIPPED = 7
+#: the user guide: one page per way to a posterior, and the laplace-torch user's page; each holds a runnable
+#: example whose printed numbers carry none of autograd's bookkeeping
+GUIDE = ["variational.md", "swag.md", "laplace.md", "from_laplace_torch.md"]
+NOISE = ("grad_fn", "requires_grad", "Parameter containing")
+#: printed after each block, so that each block's output can be told apart
+_END = "--- end of python block "
 
 
 def _blocks(text):
@@ -36,6 +42,7 @@ def _program(page):
     for i, (code, reason) in enumerate(_blocks(page.read_text())):
         if reason is None:
             parts.append(f"exec(compile({code!r}, {f'{page.name}[python block {i}]'!r}, 'exec'), _ns)")
+            parts.append(f"print({_END!r} + '{i}', flush=True)")
     return "\n".join(parts) + "\n"
 
 
@@ -50,6 +57,12 @@ def test_a_failing_block_fails_the_page(tmp_path):
     page.write_text("```python\nx = 1\n```\n\n```python\nassert x == 2, 'the second block sees the first'\n```\n")
     run = subprocess.run([sys.executable, "-c", _program(page)], capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode != 0 and "bad.md[python block 1]" in run.stderr
+
+
+def test_every_guide_page_has_a_runnable_example():
+    for name in GUIDE:
+        code = [c for c, reason in _blocks((ROOT / "docs" / name).read_text()) if reason is None]
+        assert any(c.startswith(("import ", "from ")) for c in code), f"docs/{name} has no runnable example"
 
 
 def test_markers_are_few_and_give_reasons():
@@ -67,3 +80,11 @@ def test_docs_page_python_blocks_run_as_written(page, tmp_path):
     run = subprocess.run([sys.executable, "-c", _program(page)], capture_output=True, text=True, cwd=tmp_path,
                          env=env, timeout=900)
     assert run.returncode == 0, f"{page.name}: a python block fails as written:\n{run.stderr[-4000:]}"
+    if page.name in GUIDE:
+        printed = dict(zip((i for i, (_, r) in enumerate(_blocks(page.read_text())) if r is None),
+                           re.split(re.escape(_END) + r"\d+\n", run.stdout)))
+        for i, (code, reason) in enumerate(_blocks(page.read_text())):
+            if reason is None and code.startswith(("import ", "from ")):  # an example, not an excerpt
+                assert printed[i].strip(), f"{page.name}: python block {i}, an example, prints nothing"
+        for noise in NOISE:
+            assert noise not in run.stdout, f"{page.name}: an example prints {noise!r}: {run.stdout[-2000:]}"
