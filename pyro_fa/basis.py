@@ -1,58 +1,36 @@
 r"""Basis functions :math:`\phi: \mathbb{R}^d \to \mathbb{R}^D` for Bayesian linear and generalised linear models.
 
-A basis is a :class:`torch.nn.Module` mapping inputs of shape
-``(N, in_features)`` to features of shape ``(N, out_features)``; its
-learnable hyperparameters (length scales) are ordinary parameters, so they are
-fitted by autograd with the model that uses them
-(:class:`~pyro_fa.linear_model.StandardLinearModel`,
-:class:`~pyro_fa.linear_model.GeneralizedLinearModel`). Bases concatenate
-(``basis_a + basis_b``), which approximates a sum of kernels (Steinberg et
-al. 2016, §1.4 eqs. 36–37).
-
-:class:`RandomFourierBasis` is the random-feature approximation of a
-stationary kernel by Bochner's theorem (Rahimi & Recht 2007; Steinberg et al.
-2016, §1.4 eqs. 32–35 and Table 1):
-
-.. math::
-
-    k(x - x') = \mathbb{E}_{\omega \sim p(\omega)}\big[\cos(\omega^\top (x - x'))\big]
-    \approx \phi(x)^\top \phi(x'), \qquad
-    \phi(x) = \frac{1}{\sqrt n}\big[\cos(x^\top W),\; \sin(x^\top W)\big]
-
-with the :math:`n` columns of :math:`W` drawn from the kernel's spectral
-density :math:`p(\omega)`.
+A basis is a :class:`torch.nn.Module` mapping ``(N, in_features)`` to ``(N, out_features)``; its length scales
+are ordinary parameters, fitted by autograd with the model that uses it
+(:class:`~pyro_fa.linear_model.StandardLinearModel`, :class:`~pyro_fa.linear_model.GeneralizedLinearModel`).
+Bases concatenate (``basis_a + basis_b``), which approximates a sum of kernels (Steinberg et al. 2016, §1.4
+eqs. 36–37). :class:`RandomFourierBasis` approximates a stationary kernel of :data:`KERNELS` by Bochner's
+theorem (Rahimi & Recht 2007; Steinberg et al. 2016, §1.4 eqs. 32–35 and Table 1).
 
 References
 ----------
-Rahimi & Recht (2007), *Random features for large-scale kernel machines*,
-NIPS. Steinberg, Tiao, McCalman, Reid & O'Callaghan (2016), *revrand:
-technical report*, CSIRO Data61, §1.4 and Table 1. Yu, Suresh, Choromanski,
-Holtmann-Rice & Kumar (2016), *Orthogonal random features*, NIPS, §3.
+Rahimi & Recht (2007), *Random features for large-scale kernel machines*, NIPS. Steinberg, Tiao, McCalman,
+Reid & O'Callaghan (2016), *revrand: technical report*, CSIRO Data61, §1.4 and Table 1. Yu, Suresh,
+Choromanski, Holtmann-Rice & Kumar (2016), *Orthogonal random features*, NIPS, §3.
 """
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Sequence, Union
+from typing import Dict, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
 __all__ = [
     "KERNELS",
+    "Kernel",
     "Basis",
     "RandomFourierBasis",
     "LinearBasis",
     "BiasBasis",
     "ConcatBasis",
 ]
-
-#: Kernels :class:`RandomFourierBasis` approximates.
-KERNELS = ("rbf", "laplace", "cauchy", "matern32", "matern52")
-
-#: Degrees of freedom :math:`2\nu` of the Student-t spectral density of the Matérn kernels.
-_MATERN_DOF = {"matern32": 3, "matern52": 5}
-
 
 def _check_int(cls: str, arg: str, value, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -71,9 +49,8 @@ def _check_bool(cls: str, arg: str, value) -> bool:
 class Basis(nn.Module):
     r"""Base class of bases: a module mapping ``(N, in_features)`` to ``(N, out_features)``.
 
-    Subclasses set ``in_features`` and ``out_features`` and implement
-    :meth:`forward`; ``a + b`` concatenates two bases
-    (:class:`ConcatBasis`).
+    Subclasses set ``in_features`` and ``out_features`` and implement :meth:`forward`; ``a + b``
+    concatenates two bases (:class:`ConcatBasis`).
 
     Attributes
     ----------
@@ -116,11 +93,9 @@ class RandomFourierBasis(Basis):
         \sin\big((x \oslash \ell)^\top W\big)\Big] \in \mathbb{R}^{2n},
         \qquad \mathbb{E}_W\big[\phi(x)^\top\phi(x')\big] = k(x, x'),
 
-    where the :math:`n` columns :math:`\omega_i` of :math:`W` are drawn once
-    from the spectral density of the kernel at unit length scale
-    (Steinberg et al. 2016, Table 1) and :math:`\ell` (a scalar, or one per
-    input dimension with ``ard=True``) divides the inputs. The kernels, with
-    :math:`r = \lVert (x - x') \oslash \ell \rVert_2` and unit amplitude:
+    where the :math:`n` columns :math:`\omega_i` of :math:`W` are drawn once from the kernel's spectral
+    density at unit length scale and :math:`\ell` (a scalar, or one per input dimension with ``ard=True``)
+    divides the inputs. The kernels, with :math:`r = \lVert (x - x') \oslash \ell \rVert_2`:
 
     ============  ====================================================  ==========================================
     kernel        :math:`k(x, x')`                                      :math:`\omega_i`
@@ -132,23 +107,8 @@ class RandomFourierBasis(Basis):
     ``matern52``  :math:`(1 + \sqrt5 r + 5r^2/3)\,e^{-\sqrt5 r}`        :math:`t_5(0, I_d)`
     ============  ====================================================  ==========================================
 
-    These follow Table 1 of Steinberg et al. (2016), made precise in three
-    places. Dividing the inputs by :math:`\ell` gives frequencies
-    :math:`\omega/\ell`, of covariance :math:`\ell^{-2} I` for the RBF
-    kernel :math:`\exp(-\lVert x - x'\rVert^2/2\ell^2)` (the table's
-    :math:`l_\phi^{-1}` is read as a scale, not a variance). The
-    Laplace kernel is the one its product-of-Cauchy frequencies actually
-    estimate, :math:`\exp(-\lVert x - x'\rVert_1/\ell)` with the
-    :math:`\ell_1` norm (Rahimi & Recht 2007, Figure 1; scikit-learn's
-    ``laplacian_kernel`` with ``gamma = 1/ℓ``), where the table writes the
-    norm without its index. The Cauchy kernel's multivariate-Laplace
-    (symmetric generalised asymmetric Laplace) frequencies are written as
-    the Gaussian scale mixture :math:`\sqrt{2E}\,z` with
-    :math:`E \sim \mathrm{Exp}(1)` and :math:`z \sim N(0, I_d)`, whose characteristic
-    function is :math:`\mathbb{E}_E[e^{-E\lVert\tau\rVert^2}] =
-    1/(1 + \lVert\tau\rVert^2)`. The Matérn-:math:`\nu` spectral density is
-    the multivariate Student-t with :math:`2\nu` degrees of freedom and unit
-    scale matrix.
+    These follow Steinberg et al. (2016, Table 1), made precise in three places (:class:`RBFKernel`,
+    :class:`LaplaceKernel`, :class:`CauchyKernel`); each kernel is an entry of :data:`KERNELS`.
 
     Parameters
     ----------
@@ -165,24 +125,14 @@ class RandomFourierBasis(Basis):
         One length scale per input dimension (automatic relevance
         determination) instead of one shared scalar.
     orthogonal : bool, default False
-        Orthogonal random features (Yu et al. 2016, §3): the frequencies come
-        in blocks of :math:`d` mutually orthogonal directions, each block the
-        rows of a Haar-random orthogonal matrix (QR of a Gaussian matrix with
-        the signs of :math:`\mathrm{diag}(R)` fixed), with independent norms
-        drawn from the kernel's radial distribution — chi with :math:`d`
-        degrees of freedom for ``rbf`` (exactly the paper's
-        :math:`W_{\mathrm{ORF}} = SQ`), :math:`\chi_d\sqrt{2E}` for
-        ``cauchy`` and :math:`\chi_d/\sqrt{\chi^2_{2\nu}/2\nu}` for the
-        Matérn kernels. Each frequency keeps its marginal distribution, so
-        the estimate stays unbiased; within a block the frequencies are
-        negatively coupled, which lowers the variance. Not available for
+        Orthogonal random features (Yu et al. 2016, §3): blocks of :math:`d` Haar-random orthonormal
+        directions with independent norms from the kernel's radial distribution (:class:`RadialKernel`).
+        Each frequency keeps its marginal, so the estimate stays unbiased with lower variance. Not for
         ``laplace``, whose spectral density is not rotation-invariant.
     learn_lengthscale : bool, default True
-        Store :math:`\log\ell` as a parameter (fitted with the model) or as a
-        buffer (fixed).
+        Store :math:`\log\ell` as a parameter (fitted with the model) or as a buffer (fixed).
     seed : int, optional
-        Seeds a private generator for :math:`W` (leaves the global RNG
-        untouched). At most one of ``seed`` and ``generator``.
+        Seeds a private generator for :math:`W` (the global RNG is untouched); not with ``generator``.
     generator : torch.Generator, optional
         Draws :math:`W`; the global RNG is used when neither is given.
     dtype : torch.dtype, optional
@@ -202,21 +152,17 @@ class RandomFourierBasis(Basis):
     Raises
     ------
     TypeError
-        If ``in_features`` / ``n_components`` are not ints, a flag is not a
-        bool, ``seed`` is not an int or ``generator`` not a
-        ``torch.Generator``.
+        If an int, bool, ``seed``, ``generator`` or ``dtype`` argument has the wrong type.
     ValueError
-        If ``in_features`` / ``n_components`` are below 1, ``kernel`` is
-        unknown, ``lengthscale`` is not positive and finite or has the wrong
-        length, both ``seed`` and ``generator`` are given, or
-        ``orthogonal=True`` with ``kernel="laplace"``.
+        If ``in_features`` / ``n_components`` are below 1, ``kernel`` is unknown, ``lengthscale`` is not
+        positive and finite or has the wrong length, both ``seed`` and ``generator`` are given, or
+        ``orthogonal=True`` with a kernel that is not rotation-invariant (``laplace``).
 
     Notes
     -----
-    ``forward`` costs :math:`O(Ndn)`. The Monte Carlo error of the Gram
-    matrix :math:`\Phi\Phi^\top` is :math:`O(n^{-1/2})`. The frequencies are
-    drawn on the CPU in float64 and then cast, so a seed gives the same basis
-    on every device.
+    ``forward`` costs :math:`O(Ndn)`; the Monte Carlo error of :math:`\Phi\Phi^\top` is
+    :math:`O(n^{-1/2})`. :math:`W` is drawn on the CPU in float64 and then cast, so a seed gives the same
+    basis on every device.
 
     References
     ----------
@@ -258,17 +204,18 @@ class RandomFourierBasis(Basis):
         self.n_components = _check_int(name, "n_components", n_components)
         self.out_features = 2 * self.n_components
         if not isinstance(kernel, str) or kernel not in KERNELS:
-            raise ValueError(f"{name}: kernel must be one of {KERNELS}, got {kernel!r}.")
+            raise ValueError(f"{name}: kernel must be one of {tuple(KERNELS)}, got {kernel!r}.")
         self.kernel_name = kernel
+        self._kernel = KERNELS[kernel]
         self.ard = _check_bool(name, "ard", ard)
         self.orthogonal = _check_bool(name, "orthogonal", orthogonal)
         learn_lengthscale = _check_bool(name, "learn_lengthscale", learn_lengthscale)
-        if orthogonal and kernel == "laplace":
+        if orthogonal and not self._kernel.rotation_invariant:
+            radial = tuple(k for k, v in KERNELS.items() if v.rotation_invariant)
             raise ValueError(
-                f"{name}: orthogonal must be False for kernel='laplace', got orthogonal=True: its spectral "
-                "density (a product of Cauchy densities) is not rotation-invariant, so orthogonal directions "
-                "would bias the kernel estimate. Use orthogonal=False or a radial kernel ('rbf', 'cauchy', "
-                "'matern32', 'matern52')."
+                f"{name}: orthogonal must be False for kernel={kernel!r}, got orthogonal=True: its spectral "
+                "density is not rotation-invariant, so orthogonal directions would bias the kernel estimate. "
+                f"Use orthogonal=False or a radial kernel {radial}."
             )
         if seed is not None and generator is not None:
             raise ValueError(f"{name}: give at most one of seed and generator, got seed={seed!r} and a generator.")
@@ -287,22 +234,21 @@ class RandomFourierBasis(Basis):
             self.log_lengthscale = nn.Parameter(log_ell)
         else:
             self.register_buffer("log_lengthscale", log_ell)
-        W = _spectral_sample(kernel, self.in_features, self.n_components, self.orthogonal, generator)
+        W = self._kernel.spectral_sample(self.in_features, self.n_components, self.orthogonal, generator)
         self.register_buffer("frequencies", W.to(dtype=dtype, device=device))
 
     def _initial_log_lengthscale(self, lengthscale) -> Tensor:
         name = type(self).__name__
+        wrong_type = f"{name}: lengthscale must be a positive float or a sequence of them, got {lengthscale!r}."
         if isinstance(lengthscale, bool):
-            raise TypeError(f"{name}: lengthscale must be a positive float or a sequence of them, got {lengthscale!r}.")
+            raise TypeError(wrong_type)
         if isinstance(lengthscale, numbers.Real):
             value = torch.tensor(float(lengthscale), dtype=torch.float64)
         else:
             try:
                 value = torch.as_tensor(lengthscale, dtype=torch.float64).detach().cpu()
             except (TypeError, ValueError, RuntimeError):
-                raise TypeError(
-                    f"{name}: lengthscale must be a positive float or a sequence of them, got {lengthscale!r}."
-                ) from None
+                raise TypeError(wrong_type) from None
         if not (torch.isfinite(value).all() and (value > 0).all()):
             raise ValueError(f"{name}: lengthscale must be positive and finite, got {lengthscale!r}.")
         if value.dim() == 0:
@@ -348,10 +294,8 @@ class RandomFourierBasis(Basis):
 
         Raises
         ------
-        TypeError
-            If ``x`` is not a floating tensor of the basis's dtype.
-        ValueError
-            If ``x`` does not have shape (N, in_features).
+        TypeError, ValueError
+            If ``x`` is not a floating tensor of the basis's dtype and shape (N, in_features).
         """
         x = self._check_input(x)
         self._check_dtype(x, "x")
@@ -370,61 +314,24 @@ class RandomFourierBasis(Basis):
         Returns
         -------
         Tensor of shape (N1, N2)
-            The limit of ``self(x1) @ self(x2).T`` as ``n_components`` grows.
-
-        Raises
-        ------
-        TypeError, ValueError
-            As :meth:`forward`.
+            The limit of ``self(x1) @ self(x2).T`` as ``n_components`` grows (raises as :meth:`forward`).
 
         Notes
         -----
-        Distances are computed by differences, not by the expansion
-        :math:`\lVert a\rVert^2 + \lVert b\rVert^2 - 2a^\top b`, so close points
-        keep full precision; memory is :math:`O(N_1 N_2)`.
+        Distances are computed by differences, not by the expansion :math:`\lVert a\rVert^2 + \lVert
+        b\rVert^2 - 2a^\top b`, so close points keep full precision; memory is :math:`O(N_1 N_2)`.
         """
         x1 = self._check_input(x1, "x1")
         self._check_dtype(x1, "x1")
         x2 = x1 if x2 is None else self._check_input(x2, "x2")
         self._check_dtype(x2, "x2")
-        a, b = x1 / self.lengthscale, x2 / self.lengthscale
-        if self.kernel_name == "laplace":
-            return torch.exp(-torch.cdist(a, b, p=1.0))
-        r = torch.cdist(a, b, p=2.0, compute_mode="donot_use_mm_for_euclid_dist")
-        if self.kernel_name == "rbf":
-            return torch.exp(-0.5 * r * r)
-        if self.kernel_name == "cauchy":
-            return 1 / (1 + r * r)
-        if self.kernel_name == "matern32":
-            s = math.sqrt(3) * r
-            return (1 + s) * torch.exp(-s)
-        s = math.sqrt(5) * r  # matern52
-        return (1 + s + s * s / 3) * torch.exp(-s)
+        return self._kernel(x1 / self.lengthscale, x2 / self.lengthscale)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, n_components={self.n_components}, kernel={self.kernel_name!r}, "
             f"ard={self.ard}, orthogonal={self.orthogonal}"
         )
-
-
-def _radial_scale(kernel: str, n: int, generator: Optional[torch.Generator]) -> Tensor:
-    r"""Per-frequency factors :math:`s` with :math:`\omega = s z`, :math:`z \sim N(0, I)`, for radial kernels.
-
-    ``rbf``: 1; ``cauchy``: :math:`\sqrt{2E}`, :math:`E \sim \mathrm{Exp}(1)`
-    (a Gaussian scale mixture giving :math:`1/(1+\lVert\tau\rVert^2)`);
-    Matérn: :math:`1/\sqrt{\chi^2_{2\nu}/2\nu}` (a Student-t with
-    :math:`2\nu` degrees of freedom).
-    """
-    kw = {"dtype": torch.float64, "generator": generator}
-    if kernel == "rbf":
-        return torch.ones(n, dtype=torch.float64)
-    if kernel == "cauchy":
-        u = torch.rand(n, **kw)
-        return (-2 * torch.log1p(-u)).sqrt()  # -log(1 - U) ~ Exp(1), finite for U in [0, 1)
-    dof = _MATERN_DOF[kernel]
-    chi2 = torch.randn(n, dof, **kw).pow(2).sum(-1)
-    return (dof / chi2).sqrt()
 
 
 def _haar_directions(d: int, n: int, generator: Optional[torch.Generator]) -> Tensor:
@@ -436,20 +343,135 @@ def _haar_directions(d: int, n: int, generator: Optional[torch.Generator]) -> Te
     return Q.transpose(-1, -2).reshape(blocks * d, d)[:n]
 
 
-def _spectral_sample(
-    kernel: str, d: int, n: int, orthogonal: bool, generator: Optional[torch.Generator]
-) -> Tensor:
-    """Frequencies at unit length scale, shape (d, n), float64 on the CPU (Steinberg et al. 2016, Table 1)."""
-    if kernel == "laplace":
+class Kernel:
+    r"""A stationary kernel of unit amplitude and unit length scale, with the sampler of its spectral density.
+
+    Subclasses implement :meth:`__call__` (the kernel of scaled inputs) and :meth:`spectral_sample` (the
+    frequencies :math:`W` of :class:`RandomFourierBasis`, Steinberg et al. 2016, Table 1); a new kernel is one
+    subclass registered in :data:`KERNELS`. ``rotation_invariant``: whether the spectral density is radial,
+    so that orthogonal random features keep the estimate unbiased.
+    """
+
+    rotation_invariant = True
+
+    def __call__(self, a: Tensor, b: Tensor) -> Tensor:
+        """:math:`k(a, b)` for inputs already divided by the length scale, shape (N1, N2)."""
+        raise NotImplementedError
+
+    def spectral_sample(self, d: int, n: int, orthogonal: bool, generator: Optional[torch.Generator]) -> Tensor:
+        """Frequencies at unit length scale, shape (d, n), float64 on the CPU."""
+        raise NotImplementedError
+
+
+class RadialKernel(Kernel):
+    r"""A kernel of :math:`r = \lVert a - b\rVert_2` whose frequencies are Gaussian scale mixtures
+    :math:`\omega = s z`, :math:`z \sim N(0, I_d)`; orthogonal features draw the directions in Haar-random
+    orthonormal blocks and the norms as :math:`\chi_d\, s` (Yu et al. 2016, §3)."""
+
+    def profile(self, r: Tensor) -> Tensor:
+        """:math:`k` as a function of the Euclidean distance :math:`r`."""
+        raise NotImplementedError
+
+    def radial_scale(self, n: int, generator: Optional[torch.Generator]) -> Tensor:
+        r"""The ``n`` factors :math:`s` (float64) of the frequencies :math:`\omega = s z`."""
+        raise NotImplementedError
+
+    def __call__(self, a, b):
+        return self.profile(torch.cdist(a, b, p=2.0, compute_mode="donot_use_mm_for_euclid_dist"))
+
+    def spectral_sample(self, d, n, orthogonal, generator):
+        if not orthogonal:
+            z = torch.randn(n, d, dtype=torch.float64, generator=generator)
+            return (z * self.radial_scale(n, generator).unsqueeze(-1)).T.contiguous()
+        directions = _haar_directions(d, n, generator)
+        chi = torch.randn(n, d, dtype=torch.float64, generator=generator).norm(dim=-1)  # chi with d dof
+        norms = chi * self.radial_scale(n, generator)
+        return (directions * norms.unsqueeze(-1)).T.contiguous()
+
+
+class RBFKernel(RadialKernel):
+    r""":math:`\exp(-r^2/2)`; :math:`\omega \sim N(0, I_d)` (:math:`s = 1`).
+
+    Dividing the inputs by :math:`\ell` gives frequencies of covariance :math:`\ell^{-2} I`, the kernel
+    :math:`\exp(-\lVert x - x'\rVert^2/2\ell^2)` (Steinberg et al. 2016, Table 1, whose :math:`l_\phi^{-1}`
+    is read as a scale, not a variance).
+    """
+
+    def profile(self, r):
+        return torch.exp(-0.5 * r * r)
+
+    def radial_scale(self, n, generator):
+        return torch.ones(n, dtype=torch.float64)
+
+
+class CauchyKernel(RadialKernel):
+    r""":math:`1/(1 + r^2)`; :math:`s = \sqrt{2E}`, :math:`E \sim \mathrm{Exp}(1)`.
+
+    The multivariate-Laplace (symmetric generalised asymmetric Laplace) frequencies of the table as the
+    Gaussian scale mixture :math:`\sqrt{2E}\,z`, whose characteristic function is
+    :math:`\mathbb{E}_E[e^{-E\lVert\tau\rVert^2}] = 1/(1 + \lVert\tau\rVert^2)`.
+    """
+
+    def profile(self, r):
+        return 1 / (1 + r * r)
+
+    def radial_scale(self, n, generator):
+        u = torch.rand(n, dtype=torch.float64, generator=generator)
+        return (-2 * torch.log1p(-u)).sqrt()  # -log(1 - U) ~ Exp(1), finite for U in [0, 1)
+
+
+class MaternKernel(RadialKernel):
+    r"""Matérn-:math:`\nu`; :math:`s = 1/\sqrt{\chi^2_{2\nu}/2\nu}` (a Student-t with ``dof`` :math:`= 2\nu`
+    degrees of freedom; Rasmussen & Williams 2006, §4.2)."""
+
+    dof: int
+
+    def radial_scale(self, n, generator):
+        chi2 = torch.randn(n, self.dof, dtype=torch.float64, generator=generator).pow(2).sum(-1)
+        return (self.dof / chi2).sqrt()
+
+
+class Matern32Kernel(MaternKernel):
+    r""":math:`(1 + \sqrt3 r)\,e^{-\sqrt3 r}`."""
+
+    dof = 3
+
+    def profile(self, r):
+        s = math.sqrt(3) * r
+        return (1 + s) * torch.exp(-s)
+
+
+class Matern52Kernel(MaternKernel):
+    r""":math:`(1 + \sqrt5 r + 5r^2/3)\,e^{-\sqrt5 r}`."""
+
+    dof = 5
+
+    def profile(self, r):
+        s = math.sqrt(5) * r
+        return (1 + s + s * s / 3) * torch.exp(-s)
+
+
+class LaplaceKernel(Kernel):
+    r""":math:`\exp(-\lVert a - b\rVert_1)`; :math:`\omega_j \sim \mathrm{Cauchy}(0, 1)` independently.
+
+    The kernel these frequencies estimate, with the :math:`\ell_1` norm where the table writes the norm
+    without its index (Rahimi & Recht 2007, Figure 1; scikit-learn's ``laplacian_kernel`` with
+    ``gamma = 1/ℓ``). Not rotation-invariant: no orthogonal features.
+    """
+
+    rotation_invariant = False
+
+    def __call__(self, a, b):
+        return torch.exp(-torch.cdist(a, b, p=1.0))
+
+    def spectral_sample(self, d, n, orthogonal, generator):
         u = torch.rand(d, n, dtype=torch.float64, generator=generator)
         return torch.tan(math.pi * (u - 0.5))  # Cauchy(0, 1) by inversion
-    if not orthogonal:
-        z = torch.randn(n, d, dtype=torch.float64, generator=generator)
-        return (z * _radial_scale(kernel, n, generator).unsqueeze(-1)).T.contiguous()
-    directions = _haar_directions(d, n, generator)
-    chi = torch.randn(n, d, dtype=torch.float64, generator=generator).norm(dim=-1)  # chi with d dof
-    norms = chi * _radial_scale(kernel, n, generator)
-    return (directions * norms.unsqueeze(-1)).T.contiguous()
+
+
+#: Kernels :class:`RandomFourierBasis` approximates: name -> :class:`Kernel`.
+KERNELS: Dict[str, Kernel] = {"rbf": RBFKernel(), "laplace": LaplaceKernel(), "cauchy": CauchyKernel(),
+                              "matern32": Matern32Kernel(), "matern52": Matern52Kernel()}
 
 
 class LinearBasis(Basis):
@@ -468,10 +490,8 @@ class LinearBasis(Basis):
 
     Raises
     ------
-    TypeError
-        If ``in_features`` is not an int or ``bias`` not a bool.
-    ValueError
-        If ``in_features < 1``.
+    TypeError, ValueError
+        If ``in_features`` is not an int of at least 1 or ``bias`` not a bool.
 
     Examples
     --------
@@ -544,10 +564,8 @@ class ConcatBasis(Basis):
 
     Raises
     ------
-    TypeError
-        If an argument is not a :class:`Basis`.
-    ValueError
-        If no basis is given or their ``in_features`` differ.
+    TypeError, ValueError
+        If an argument is not a :class:`Basis`, no basis is given or their ``in_features`` differ.
 
     Examples
     --------

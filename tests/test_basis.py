@@ -272,5 +272,28 @@ def test_other_bases_refuse_bad_arguments():
         LinearBasis(2) + 1
 
 
+def test_a_registered_kernel_is_one_entry(monkeypatch):
+    """A new radial kernel is one entry of KERNELS: exp(-r^2), frequencies N(0, 2I), is scikit-learn's RBF
+    at length scale ell / sqrt(2); its plain and orthogonal features estimate it."""
+
+    class Gauss2(pyro_fa.basis.RadialKernel):
+        def profile(self, r):
+            return torch.exp(-r * r)
+
+        def radial_scale(self, n, generator):
+            return torch.full((n,), math.sqrt(2.0), dtype=torch.float64)
+
+    monkeypatch.setitem(KERNELS, "gauss2", Gauss2())
+    x = _inputs(20, 3).double()
+    K = RBF(1.5 / math.sqrt(2)).__call__(x.numpy())
+    for orthogonal in (False, True):
+        basis = RandomFourierBasis(3, 20000, kernel="gauss2", lengthscale=1.5, orthogonal=orthogonal, seed=0,
+                                   dtype=torch.float64)
+        np.testing.assert_allclose(basis.kernel(x).detach().numpy(), K, rtol=1e-12, atol=1e-14)
+        with torch.no_grad():
+            phi = basis(x)
+        assert float((phi @ phi.T - torch.as_tensor(K)).abs().max()) < 0.05
+
+
 def test_doctests():
     assert doctest.testmod(pyro_fa.basis, optionflags=doctest.ELLIPSIS).failed == 0

@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pyro_fa import LaplacePrior
 from pyro_fa.basis import LinearBasis, RandomFourierBasis
-from pyro_fa.linear_model import _sklearn, _sklearn_base, _sklearn_glm, glm as glm_module, slm as slm_module
+from pyro_fa.linear_model import _sklearn, _sklearn_base, _sklearn_glm, _slm_ops, glm as glm_module, likelihoods
+from pyro_fa.linear_model import slm as slm_module
 from pyro_fa.linear_model import (
     DegenerateEvidenceWarning,
     GeneralizedLinearModel,
@@ -188,10 +189,35 @@ def test_slm_fit_failing_part_way_leaves_the_fitted_model_unchanged(monkeypatch)
     torch.testing.assert_close(slm.predict(X, return_std=True), pred, rtol=0, atol=0)
 
 
+def test_slm_optimiser_is_one_table_entry(monkeypatch):
+    """A new optimiser is one entry of the table; its default learning rate comes with it."""
+    seen = {}
+
+    def gradient_descent(objective, params, n_iter, lr, bar):
+        seen["lr"] = lr
+        opt = torch.optim.SGD(params, lr=lr)
+        for _ in range(n_iter):
+            opt.zero_grad()
+            objective().backward()
+            opt.step()
+        return n_iter
+
+    monkeypatch.setitem(_slm_ops.OPTIMIZERS, "gd", _slm_ops.Optimiser(gradient_descent, 0.5))
+    X, y = _regression(n=120)
+    X, y = X.double(), y.double()
+    ref = StandardLinearModel(LinearBasis(3, bias=False)).fit(X, y)
+    slm = StandardLinearModel(LinearBasis(3, bias=False)).fit(X, y, n_iter=3000, optimizer="gd")
+    assert seen["lr"] == 0.5 and slm.n_iter_ == 3000
+    torch.testing.assert_close(slm.prior_precision, ref.prior_precision, rtol=1e-4, atol=0)
+    torch.testing.assert_close(slm.noise_variance, ref.noise_variance, rtol=1e-4, atol=0)
+    with pytest.raises(ValueError, match=r"optimizer must be one of \('lbfgs', 'adam', 'gd'\), got 'sgd'"):
+        slm.fit(X, y, optimizer="sgd")
+
+
 def test_slm_cholesky_failure_is_explained():
-    slm = StandardLinearModel(LinearBasis(1, bias=False))
-    with pytest.raises(RuntimeError, match="not numerically positive definite, even with jitter"):
-        slm._cholesky(torch.tensor([[-1.0]]), "test matrix")
+    with pytest.raises(RuntimeError, match="StandardLinearModel: the test matrix is not numerically positive "
+                                           "definite, even with jitter"):
+        _slm_ops.jittered_cholesky("StandardLinearModel", torch.tensor([[-1.0]]), "test matrix")
 
 
 # ======================================================================== GeneralizedLinearModel
@@ -326,6 +352,58 @@ def test_glm_custom_likelihood_and_laplace_prior():
     mean, std = glm.predict(X[:5], return_std=True, n_samples=500)
     assert mean.shape == (5,) and bool((std > 0.3).all())
     assert glm.log_predictive(X[:5], y[:5], n_samples=100).shape == (5,)
+
+
+class _Exponential(likelihoods.Likelihood):
+    """y ~ Exponential with mean exp(f) (log link), with closed-form predictive moments:
+    E[y] = E[e^f] = exp(mu + v/2), V[y] = E[e^{2f}] + V[e^f] = 2 exp(2 mu + 2 v) - E[y]^2."""
+
+    def distribution(self, f, noise=None):
+        return dist.Exponential(torch.exp(-f))
+
+    def predictive_moments(self, glm, X, n_samples):
+        mu, v = glm._f_moments(X)
+        mean = (mu + 0.5 * v).exp()
+        return mean, 2 * (2 * mu + 2 * v).exp() - mean.pow(2)
+
+
+def test_glm_registered_likelihood_is_one_class():
+    """A likelihood registered by name fits as the same callable does (same draws: identical posteriors); its
+    closed-form moments match the Monte Carlo moments of the callable; the fit recovers the slope."""
+    likelihoods.register_likelihood("exponential")(_Exponential)
+    try:
+        g = torch.Generator().manual_seed(0)
+        X = torch.randn(400, 2, generator=g, dtype=torch.float64)
+        y = -torch.log1p(-torch.rand(400, generator=g, dtype=torch.float64)) * torch.exp(0.8 * X[:, 0])
+        fits = []
+        for lik in ("exponential", lambda f: dist.Exponential(torch.exp(-f))):
+            torch.manual_seed(0)
+            glm = GeneralizedLinearModel(LinearBasis(2, bias=False), lik, rank=2, init_scale=0.1)
+            fits.append(glm.fit(X, y, n_steps=300, lr=0.05))
+        glm, ref = fits
+        assert "likelihood='exponential'" in repr(glm)
+        q, q_ref = glm.posterior(), ref.posterior()
+        assert torch.equal(q.loc, q_ref.loc) and torch.equal(q.cov_factor, q_ref.cov_factor)
+        torch.testing.assert_close(q.loc, q.loc.new_tensor([0.8, 0.0]), atol=0.15, rtol=0)
+        Xt = X[:5]
+        mean, std = glm.predict(Xt, return_std=True)
+        torch.manual_seed(1)
+        mc_mean, mc_std = ref.predict(Xt, return_std=True, n_samples=100_000)
+        torch.testing.assert_close(mean, mc_mean, rtol=0.01, atol=0)
+        torch.testing.assert_close(std, mc_std, rtol=0.02, atol=0)
+        torch.manual_seed(2)
+        lp = glm.log_predictive(Xt, y[:5], n_samples=50)
+        torch.manual_seed(2)
+        assert torch.equal(lp, ref.log_predictive(Xt, y[:5], n_samples=50))
+    finally:
+        likelihoods.LIKELIHOODS.pop("exponential")
+    with pytest.raises(ValueError, match="likelihood must be one of .* or a callable, got 'exponential'"):
+        GeneralizedLinearModel(LinearBasis(2), "exponential")
+
+
+def test_register_likelihood_refuses_a_taken_name():
+    with pytest.raises(ValueError, match="register_likelihood: name must be new, got 'gaussian'"):
+        likelihoods.register_likelihood("gaussian")
 
 
 def test_glm_leaves_the_global_param_store_alone_and_models_do_not_clash():
@@ -634,6 +712,6 @@ def test_estimators_pass_sklearn_checks(estimator, check):
     check(estimator)
 
 
-@pytest.mark.parametrize("module", [slm_module, glm_module, _sklearn, _sklearn_glm])
+@pytest.mark.parametrize("module", [slm_module, glm_module, likelihoods, _sklearn, _sklearn_glm])
 def test_doctests(module):
     assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0

@@ -1,11 +1,15 @@
 r"""The computational helpers of :class:`~pyro_fa.linear_model.GeneralizedLinearModel` (private): the linear
-predictor over vectorised particles, the block size of chunked prediction and the SVI row batches."""
+predictor over vectorised particles, the block size of chunked prediction, the SVI row batches and loop."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, List, Optional
 
+import pyro
 import torch
+from pyro.infer import SVI
 from torch import Tensor
+
+from pyro_fa import FactorELBO
 
 _CHUNK_ELEMENTS = 2 ** 22  # rows x columns of one block of features or of samples x rows at prediction
 
@@ -35,3 +39,36 @@ class _Batches:
         idx = self._perm[self._pos:self._pos + self.batch_size]
         self._pos += self.batch_size
         return idx
+
+
+def run_svi(model: Callable, guide: Callable, X: Tensor, y: Tensor, n_steps: int, batch_size: Optional[int],
+            lr: float, lr_decay: float, num_particles: int, bar=None) -> List[float]:
+    r"""``n_steps`` of :class:`pyro.infer.SVI` on :class:`~pyro_fa.FactorELBO` with Adam, its learning rate decaying
+    exponentially from ``lr`` to ``lr * lr_decay``, on batches of ``batch_size`` rows (None: all); the losses.
+
+    Runs in the caller's Pyro parameter store; ``bar`` (a tqdm bar or None) shows the loss per data point."""
+    N = X.shape[0]
+    batches = _Batches(N, batch_size, X.device)
+    optim = pyro.optim.ExponentialLR(
+        {"optimizer": torch.optim.Adam, "optim_args": {"lr": lr}, "gamma": lr_decay ** (1.0 / n_steps)}
+    )
+    elbo = FactorELBO(num_particles=num_particles, vectorize_particles=num_particles > 1, max_plate_nesting=1)
+    svi = SVI(model, guide, optim, elbo)
+    losses = []
+    for _ in range(n_steps):
+        loss = svi.step(X, y, batches.next())
+        optim.step()
+        losses.append(loss)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss_per_point=loss / N)
+    return losses
+
+
+def progress_bar(progress: bool, total: int, desc: str):
+    """A tqdm bar of ``total`` steps, or None without ``progress``."""
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc)

@@ -16,6 +16,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from pyro_fa import GaussianPrior
 from pyro_fa.linear_model._sklearn_base import _RandomFeatureEstimator, _transaction
 from pyro_fa.linear_model.glm import GeneralizedLinearModel
+from pyro_fa.linear_model.likelihoods import LIKELIHOODS
 
 __all__ = ["GLMRegressor", "GLMClassifier"]
 
@@ -192,7 +193,7 @@ class GLMRegressor(RegressorMixin, _GLMEstimator):
         self.standardize = standardize
 
     def _glm_kwargs(self) -> dict:
-        return {"noise_scale": self.noise_scale} if self.likelihood == "gaussian" else {}
+        return {"noise_scale": self.noise_scale} if LIKELIHOODS[self.likelihood].has_noise else {}
 
     @_fit_context(prefer_skip_nested_validation=True)
     @_transaction
@@ -219,14 +220,14 @@ class GLMRegressor(RegressorMixin, _GLMEstimator):
         self._torch_device()
         X, y = validate_data(self, X, y, dtype=np.float64, y_numeric=True)
         Z = self._fit_x_scaling(X)
-        gaussian = self.likelihood == "gaussian"
-        if self.standardize and gaussian:
+        has_noise = LIKELIHOODS[self.likelihood].has_noise  # a location-scale likelihood: y may be standardised
+        if self.standardize and has_noise:
             self.y_mean_, self.y_scale_ = float(y.mean()), float(y.std()) or 1.0
         else:
             self.y_mean_, self.y_scale_ = 0.0, 1.0
         t = torch.as_tensor((y - self.y_mean_) / self.y_scale_, dtype=Z.dtype, device=Z.device)
         glm = self._fit_glm(Z, t, self.likelihood)
-        if gaussian:
+        if has_noise:
             self.noise_scale_ = float(glm.noise_scale) * self.y_scale_
         return self
 

@@ -11,6 +11,7 @@ from torch.distributions import MultivariateNormal
 
 from pyro_fa.fa.linalg import MAX_DENSE_DIM, check_dense_dim
 from pyro_fa._validation import positive_float
+from pyro_fa.linear_model._slm_ops import OPTIMIZERS, log_evidence, minimise, posterior
 from pyro_fa.linear_model._validation import (
     as_inputs,
     as_targets,
@@ -32,10 +33,6 @@ class DegenerateEvidenceWarning(UserWarning):
     """
 
 
-_OPTIMIZERS = ("lbfgs", "adam")
-_LOG_2PI = math.log(2 * math.pi)
-
-
 class StandardLinearModel(nn.Module):
     r"""Bayesian linear regression on the features of a basis, with the exact Gaussian posterior.
 
@@ -52,40 +49,34 @@ class StandardLinearModel(nn.Module):
         A = \lambda I + \sigma^{-2}\Phi^\top\Phi, \qquad
         m = A^{-1} b, \quad b = \sigma^{-2}\Phi^\top y, \qquad S = A^{-1}
 
-    (Brownlie 2021, eqs. 2.11 and 2.13, with his :math:`\alpha = \lambda`,
-    :math:`\beta = \sigma^{-2}` and :math:`x_n` replaced by the features
-    :math:`\phi(x_n)`; Steinberg et al. 2016, §1.2). :meth:`fit` first
-    maximises the log evidence (log marginal likelihood)
+    (Brownlie 2021, eqs. 2.11 and 2.13, with :math:`\alpha = \lambda`, :math:`\beta = \sigma^{-2}` and the
+    features :math:`\phi(x_n)` for :math:`x_n`; Steinberg et al. 2016, §1.2). :meth:`fit` first maximises
+    the log evidence
 
     .. math::
 
         \log p(y \mid \lambda, \sigma^2, \theta)
         = \log N\big(y;\, 0,\; \sigma^2 I_N + \lambda^{-1}\Phi\Phi^\top\big)
 
-    over :math:`\log\lambda`, :math:`\log\sigma^2` and the basis's
-    hyperparameters :math:`\theta` (its learnable length scales) by autograd
+    over :math:`\log\lambda`, :math:`\log\sigma^2` and the basis's learnable length scales :math:`\theta`
     (Steinberg et al. 2016, §1.2 eq. 14 and §1.1 eq. 9; Bishop 2006, §3.5).
 
     Parameters
     ----------
     basis : Basis
-        Any module with ``in_features`` / ``out_features`` mapping
-        ``(N, in_features)`` to ``(N, out_features)``, e.g.
-        ``RandomFourierBasis(d, 400) + LinearBasis(d)``. Its parameters are
-        fitted with the model's; freeze them with ``requires_grad_(False)``.
+        A module mapping ``(N, in_features)`` to ``(N, out_features)``, e.g.
+        ``RandomFourierBasis(d, 400) + LinearBasis(d)``; its parameters are fitted with the model's (freeze
+        them with ``requires_grad_(False)``).
     prior_precision : float, default 1.0
         Initial :math:`\lambda > 0` (scikit-learn's ``BayesianRidge.lambda_``).
     noise_variance : float, default 1.0
         Initial :math:`\sigma^2 > 0` (``1 / BayesianRidge.alpha_``).
     min_noise_variance : float, default 1e-8
-        Floor on :math:`\sigma^2` (in the units of :math:`y^2`): the
-        evidence of noiseless data grows without bound as
-        :math:`\sigma^2 \to 0`, so :math:`\sigma^2` is clamped here (with
-        zero gradient below it).
+        Floor on :math:`\sigma^2` (units of :math:`y^2`; the evidence of noiseless data grows without bound as
+        :math:`\sigma^2 \to 0`).
     max_dim : int or None, default 20000
-        The largest number of basis features :math:`D` accepted: the posterior
-        is a dense :math:`D\times D` matrix (3.2 GB in float64 at
-        :math:`D = 20\,000`, 12.8 GB at 40 000). ``None`` lifts the limit.
+        The largest number of features :math:`D` accepted (the posterior is a dense :math:`D\times D`
+        matrix); ``None`` lifts the limit.
 
     Attributes
     ----------
@@ -105,27 +96,16 @@ class StandardLinearModel(nn.Module):
 
     Raises
     ------
-    TypeError
-        If ``basis`` is not a basis module or a hyperparameter not a number.
-    ValueError
-        If a hyperparameter is not positive and finite, the basis lives on the
-        ``meta`` device, or ``basis.out_features > max_dim`` (refused before
-        anything is allocated; the message names the size of the
-        :math:`D\times D` posterior and the :math:`O(DK)` alternative,
-        :class:`~pyro_fa.linear_model.GeneralizedLinearModel`).
+    TypeError, ValueError
+        If ``basis`` is not a basis module (or lives on the ``meta`` device), a hyperparameter is not a
+        positive finite number, or ``basis.out_features > max_dim`` (refused before allocating, naming
+        :class:`~pyro_fa.linear_model.GeneralizedLinearModel`, the :math:`O(DK)` alternative).
 
     Notes
     -----
-    The parameters take the dtype and device of the basis (of its first
-    floating parameter or buffer; the default dtype on the CPU for a basis
-    without any), and ``.to()`` moves everything. :meth:`log_evidence` costs
-    :math:`O(ND\min(N, D) + \min(N, D)^3)`: a Cholesky factor of the
-    :math:`D\times D` matrix :math:`A` when :math:`D \le N`, of the
-    :math:`N\times N` covariance of :math:`y` otherwise. The posterior itself
-    is :math:`D\times D`, so :meth:`fit` costs :math:`O(D^3)` at the end
-    whatever :math:`N`; use
-    :class:`~pyro_fa.linear_model.GeneralizedLinearModel` when :math:`D` is
-    too large for that.
+    The parameters take the basis's dtype and device; ``.to()`` moves everything. :meth:`log_evidence` costs
+    :math:`O(ND\min(N, D) + \min(N, D)^3)` (a Cholesky factor of :math:`A` when :math:`D \le N`, of the
+    covariance of :math:`y` otherwise); the posterior is :math:`D\times D`, :math:`O(D^3)` whatever :math:`N`.
 
     References
     ----------
@@ -203,42 +183,9 @@ class StandardLinearModel(nn.Module):
         r""":math:`\Phi`, a tensor of shape (N, D), for ``X`` of shape (N, in_features) (tensor or array)."""
         return self.basis(self._inputs(X))
 
-    def _cholesky(self, M: Tensor, what: str) -> Tensor:
-        """Cholesky factor of ``M``, retried with a growing diagonal jitter (1e-12 ... 1e-8 of its mean diagonal)."""
-        L, info = torch.linalg.cholesky_ex(M)
-        if not bool(info.any()):
-            return L
-        eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
-        scale = torch.diagonal(M).mean().detach()
-        for exponent in (-12, -11, -10, -9, -8):
-            L, info = torch.linalg.cholesky_ex(M + (10.0 ** exponent) * scale * eye)
-            if not bool(info.any()):
-                return L
-        raise RuntimeError(
-            f"{type(self).__name__}: the {what} is not numerically positive definite, even with jitter "
-            f"(dtype {M.dtype}); use float64, or raise min_noise_variance / the initial prior_precision."
-        )
-
     # ---------------------------------------------------------------- evidence
     def _log_evidence(self, Phi: Tensor, y: Tensor) -> Tensor:
-        N, D = Phi.shape
-        lam, log_lam = self.log_prior_precision.exp(), self.log_prior_precision
-        log_beta = -self._log_noise_variance()
-        beta = log_beta.exp()
-        if D <= N:  # primal: Cholesky of the D x D posterior precision A
-            A = beta * (Phi.T @ Phi) + lam * torch.eye(D, dtype=Phi.dtype, device=Phi.device)
-            L = self._cholesky(A, "posterior precision")
-            m = torch.cholesky_solve((beta * (Phi.T @ y)).unsqueeze(-1), L).squeeze(-1)
-            fit_term = 0.5 * beta * (y - Phi @ m).pow(2).sum() + 0.5 * lam * m.pow(2).sum()
-            return (
-                0.5 * D * log_lam + 0.5 * N * log_beta - fit_term
-                - torch.diagonal(L).log().sum() - 0.5 * N * _LOG_2PI
-            )
-        # dual: Cholesky of the N x N marginal covariance sigma^2 I + Phi Phi^T / lambda
-        C = (Phi @ Phi.T) / lam + (-log_beta).exp() * torch.eye(N, dtype=Phi.dtype, device=Phi.device)
-        L = self._cholesky(C, "marginal covariance of y")
-        z = torch.linalg.solve_triangular(L, y.unsqueeze(-1), upper=False).squeeze(-1)
-        return -0.5 * z.pow(2).sum() - torch.diagonal(L).log().sum() - 0.5 * N * _LOG_2PI
+        return log_evidence(type(self).__name__, Phi, y, self.log_prior_precision, -self._log_noise_variance())
 
     def log_evidence(self, X, y) -> Tensor:
         r"""Log marginal likelihood :math:`\log N(y; 0, \sigma^2 I + \lambda^{-1}\Phi\Phi^\top)`.
@@ -295,8 +242,8 @@ class StandardLinearModel(nn.Module):
         progress : bool, default False
             Show a progress bar with the log evidence per data point.
         optimizer : {"lbfgs", "adam"}, default "lbfgs"
-            L-BFGS suits the deterministic, smooth objective; Adam is there
-            for very noisy or badly scaled problems.
+            L-BFGS (strong-Wolfe line search) for the smooth objective, Adam for very noisy or badly
+            scaled problems.
 
         Returns
         -------
@@ -315,28 +262,19 @@ class StandardLinearModel(nn.Module):
         Warns
         -----
         DegenerateEvidenceWarning
-            If hyperparameters are optimised (``n_iter > 0``) on
-            :math:`N \le h` targets, :math:`h` the number of scalars optimised
-            (2 plus the basis's learnable length scales): the evidence of
-            :math:`N` numbers cannot determine :math:`h > N - 1` parameters, and
-            the fit drifts to the boundary (one target gave a prior precision of
-            5e52 and the noise variance's floor).
+            If hyperparameters are optimised (``n_iter > 0``) on :math:`N \le h` targets, :math:`h` the number
+            of scalars optimised (2 plus the basis's length scales): the fit then drifts to the boundary.
 
         Notes
         -----
-        The objective is the log evidence divided by :math:`N`. Every
-        parameter of the module with ``requires_grad`` is optimised:
-        :math:`\log\lambda`, :math:`\log\sigma^2` and the basis's length
-        scales. Each evaluation costs as :meth:`log_evidence`; the features are
-        computed once when the basis has nothing to learn.
+        The objective is the log evidence over :math:`N`, maximised over every parameter with
+        ``requires_grad``; the features are computed once when the basis has nothing to learn.
         """
         name = type(self).__name__
         n_iter = integer(name, "n_iter", n_iter, 0)
-        if optimizer not in _OPTIMIZERS:
-            raise ValueError(f"{name}: optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}.")
-        if lr is None:
-            lr = 1.0 if optimizer == "lbfgs" else 0.05
-        lr = positive_float(name, "lr", lr)
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"{name}: optimizer must be one of {tuple(OPTIMIZERS)}, got {optimizer!r}.")
+        lr = positive_float(name, "lr", OPTIMIZERS[optimizer].default_lr if lr is None else lr)
         if not isinstance(progress, bool):
             raise TypeError(f"{name}: progress must be a bool, got {progress!r}.")
         X = self._inputs(X)
@@ -364,7 +302,7 @@ class StandardLinearModel(nn.Module):
         saved = ([p.detach().clone() for p in params], self.posterior_mean, self.posterior_precision_cholesky,
                  self.n_iter_, self.log_evidence_)
         try:
-            self._optimise(objective, params, n_iter, lr, optimizer, progress)
+            self.n_iter_ = minimise(objective, params, n_iter, lr, optimizer, progress, name)
             with torch.no_grad():
                 Phi = self.basis(X) if fixed_phi is None else fixed_phi
                 self._set_posterior(Phi, y)
@@ -377,52 +315,10 @@ class StandardLinearModel(nn.Module):
             raise
         return self
 
-    def _optimise(self, objective, params, n_iter: int, lr: float, optimizer: str, progress: bool) -> None:
-        """Maximise the log evidence in place over ``params``; sets ``n_iter_``."""
-        name = type(self).__name__
-        self.n_iter_ = 0
-        if n_iter > 0 and params:
-            bar = _progress_bar(progress, n_iter, name)
-            if optimizer == "lbfgs":
-                opt = torch.optim.LBFGS(
-                    params, lr=lr, max_iter=n_iter, line_search_fn="strong_wolfe",
-                    tolerance_grad=1e-9, tolerance_change=1e-12, history_size=20,
-                )
-
-                def closure():
-                    opt.zero_grad()
-                    loss = objective()
-                    loss.backward()
-                    if bar is not None:
-                        bar.set_postfix(log_evidence_per_point=-float(loss.detach()))
-                    return loss
-
-                opt.step(closure)
-                self.n_iter_ = int(opt.state[params[0]].get("n_iter", 0))
-                if bar is not None:
-                    bar.update(self.n_iter_)
-            else:
-                opt = torch.optim.Adam(params, lr=lr)
-                for _ in range(n_iter):
-                    opt.zero_grad()
-                    loss = objective()
-                    loss.backward()
-                    opt.step()
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(log_evidence_per_point=-float(loss.detach()))
-                self.n_iter_ = n_iter
-            if bar is not None:
-                bar.close()
-
     def _set_posterior(self, Phi: Tensor, y: Tensor) -> None:
-        """Brownlie (2021) eq. 2.13: m = A^{-1} b, S = A^{-1}, with A and b of eq. 2.11 on the features."""
-        D = Phi.shape[1]
         beta = (-self._log_noise_variance()).exp()
-        A = beta * (Phi.T @ Phi) + self.prior_precision * torch.eye(D, dtype=Phi.dtype, device=Phi.device)
-        L = self._cholesky(A, "posterior precision")
-        self.posterior_mean = torch.cholesky_solve((beta * (Phi.T @ y)).unsqueeze(-1), L).squeeze(-1)
-        self.posterior_precision_cholesky = L
+        self.posterior_mean, self.posterior_precision_cholesky = posterior(
+            type(self).__name__, Phi, y, self.prior_precision, beta)
 
     def _check_fitted(self) -> None:
         if self.posterior_mean is None:
@@ -498,10 +394,3 @@ class StandardLinearModel(nn.Module):
     def extra_repr(self) -> str:
         return f"prior_precision={float(self.prior_precision):.4g}, noise_variance={float(self.noise_variance):.4g}"
 
-
-def _progress_bar(progress: bool, total: int, desc: str):
-    if not progress:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc)
