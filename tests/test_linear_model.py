@@ -361,8 +361,8 @@ class _Exponential(likelihoods.Likelihood):
     def distribution(self, f, noise=None):
         return dist.Exponential(torch.exp(-f))
 
-    def predictive_moments(self, glm, X, n_samples):
-        mu, v = glm._f_moments(X)
+    def predictive_moments(self, latent, X, n_samples):
+        mu, v = latent.moments(X)
         mean = (mu + 0.5 * v).exp()
         return mean, 2 * (2 * mu + 2 * v).exp() - mean.pow(2)
 

@@ -1,8 +1,8 @@
 r"""The computational helpers of :class:`~pyro_fa.linear_model.GeneralizedLinearModel` (private): the linear
-predictor over vectorised particles, the block size of chunked prediction, the SVI row batches and loop."""
+predictor over vectorised particles, its moments and draws at new inputs in blocks, the SVI row batches and loop."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import pyro
 import torch
@@ -10,6 +10,7 @@ from pyro.infer import SVI
 from torch import Tensor
 
 from pyro_fa import FactorELBO
+from pyro_fa.linear_model._validation import integer
 
 _CHUNK_ELEMENTS = 2 ** 22  # rows x columns of one block of features or of samples x rows at prediction
 
@@ -72,3 +73,43 @@ def progress_bar(progress: bool, total: int, desc: str):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc)
+
+
+class LatentPredictive:
+    r"""The linear predictor :math:`f_* = \phi(x_*)^\top w` under :math:`q(w)` at new inputs: what a likelihood
+    predicts from (:class:`~pyro_fa.linear_model.likelihoods.Likelihood`).
+
+    ``moments(X)``: mean and variance of :math:`f_*`, :math:`O(DK)` per row; ``samples(X, n)``: blocks of joint
+    draws, shape (n, rows), one set of weight draws for all blocks; ``n_samples(value)``: a checked count;
+    ``noise_scale``: the model's :math:`\sigma`. Features are computed in blocks of ``_CHUNK_ELEMENTS``.
+    """
+
+    def __init__(self, cls: str, basis, q, noise_scale: Tensor):
+        self.cls, self.basis, self.q, self.noise_scale = cls, basis, q, noise_scale
+
+    def _feature_chunks(self, X: Tensor, per_row: int) -> Iterator[Tensor]:
+        rows = max(1, _CHUNK_ELEMENTS // max(per_row, 1))
+        with torch.no_grad():
+            for start in range(0, X.shape[0], rows):
+                yield self.basis(X[start:start + rows])
+
+    @torch.no_grad()
+    def moments(self, X: Tensor) -> Tuple[Tensor, Tensor]:
+        """Mean and variance of f under q, each of shape (M,)."""
+        q = self.q
+        means, variances = [], []
+        for Phi in self._feature_chunks(X, self.basis.out_features):
+            means.append(Phi @ q.loc)
+            variances.append((Phi @ q.cov_factor).pow(2).sum(-1) + Phi.pow(2) @ q.cov_diag)
+        return torch.cat(means), torch.cat(variances)
+
+    @torch.no_grad()
+    def samples(self, X: Tensor, n_samples: int) -> Iterator[Tensor]:
+        """Blocks of joint samples of f, shape (n_samples, rows), one set of weight draws for all blocks."""
+        w = self.q.sample((n_samples,))
+        for Phi in self._feature_chunks(X, max(self.basis.out_features, n_samples)):
+            yield w @ Phi.T
+
+    def n_samples(self, value) -> int:
+        """``value`` checked as a count of at least 1."""
+        return integer(self.cls, "n_samples", value, 1)

@@ -1,7 +1,7 @@
 r"""``GeneralizedLinearModel``: a Bayesian GLM on a basis, fitted by SVI with a factor-analysis posterior."""
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import pyro
 import pyro.distributions as dist
@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from pyro_fa import AutoLowRankFactorGuide, GaussianPrior
 from pyro_fa._validation import positive_float
 from pyro_fa.infer.priors import FactorisedPrior
-from pyro_fa.linear_model._glm_ops import _CHUNK_ELEMENTS, _linear_predictor, progress_bar, run_svi
+from pyro_fa.linear_model._glm_ops import LatentPredictive, _linear_predictor, progress_bar, run_svi
 from pyro_fa.linear_model.likelihoods import make_likelihood
 from pyro_fa.linear_model._validation import (
     as_inputs,
@@ -266,36 +266,14 @@ class GeneralizedLinearModel(nn.Module):
         self._check_fitted()
         return self.guide.get_posterior()
 
-    def _feature_chunks(self, X: Tensor, per_row: int) -> Iterator[Tensor]:
-        rows = max(1, _CHUNK_ELEMENTS // max(per_row, 1))
-        with torch.no_grad():
-            for start in range(0, X.shape[0], rows):
-                yield self.basis(X[start:start + rows])
+    def _latent(self) -> LatentPredictive:
+        """The linear predictor under q, for the likelihood's predictions (RuntimeError before fit)."""
+        return LatentPredictive(type(self).__name__, self.basis, self.posterior(), self.noise_scale)
 
-    @torch.no_grad()
-    def _f_moments(self, X: Tensor) -> Tuple[Tensor, Tensor]:
-        """Mean and variance of f = phi(x)^T w under q, in O(DK) per row."""
-        q = self.posterior()
-        means, variances = [], []
-        for Phi in self._feature_chunks(X, self.basis.out_features):
-            means.append(Phi @ q.loc)
-            variances.append((Phi @ q.cov_factor).pow(2).sum(-1) + Phi.pow(2) @ q.cov_diag)
-        return torch.cat(means), torch.cat(variances)
-
-    @torch.no_grad()
-    def _f_samples(self, X: Tensor, n_samples: int) -> Iterator[Tensor]:
-        """Blocks of joint samples of f, shape (n_samples, rows), one set of weight draws for all blocks."""
-        w = self.posterior().sample((n_samples,))
-        for Phi in self._feature_chunks(X, max(self.basis.out_features, n_samples)):
-            yield w @ Phi.T
-
-    def _check_binary(self, verb: str) -> None:
+    def _binary_latent(self, verb: str) -> LatentPredictive:
         if not self._likelihood.binary:
             raise RuntimeError(f"{type(self).__name__}: {verb} needs likelihood='bernoulli', got {self.likelihood!r}.")
-        self._check_fitted()
-
-    def _n_samples(self, n_samples) -> int:
-        return integer(type(self).__name__, "n_samples", n_samples, 1)
+        return self._latent()
 
     # ---------------------------------------------------------------- prediction
     def predictive_samples(self, X, n_samples: int = 100) -> Tensor:
@@ -304,9 +282,9 @@ class GeneralizedLinearModel(nn.Module):
         ``X`` of shape (M, in_features) gives latent values (before the inverse link) of shape (n_samples, M).
         Raises RuntimeError before :meth:`fit`, TypeError or ValueError for bad ``X`` or ``n_samples``.
         """
-        self._check_fitted()
-        n_samples = self._n_samples(n_samples)
-        return torch.cat(list(self._f_samples(self._inputs(X), n_samples)), -1)
+        latent = self._latent()
+        n_samples = latent.n_samples(n_samples)
+        return torch.cat(list(latent.samples(self._inputs(X), n_samples)), -1)
 
     @torch.no_grad()
     def predict(
@@ -339,9 +317,8 @@ class GeneralizedLinearModel(nn.Module):
         TypeError, ValueError
             For bad ``X``.
         """
-        self._check_fitted()
-        X = self._inputs(X)
-        mean, var = self._likelihood.predictive_moments(self, X, n_samples)
+        latent = self._latent()
+        mean, var = self._likelihood.predictive_moments(latent, self._inputs(X), n_samples)
         return (mean, var.sqrt()) if return_std else mean
 
     @torch.no_grad()
@@ -355,8 +332,8 @@ class GeneralizedLinearModel(nn.Module):
         -------
         Tensor of shape (M, 2)
         """
-        self._check_binary("predict_log_proba")
-        return self._likelihood.log_probabilities(self, self._inputs(X), self._n_samples(n_samples))
+        latent = self._binary_latent("predict_log_proba")
+        return self._likelihood.log_probabilities(latent, self._inputs(X), latent.n_samples(n_samples))
 
     @torch.no_grad()
     def predict_proba(self, X, n_samples: int = 1000) -> Tensor:
@@ -367,8 +344,8 @@ class GeneralizedLinearModel(nn.Module):
         Returns a tensor of shape (M, 2) for ``X`` of shape (M, in_features): rows sum to 1, column 1 is
         :math:`P(y_* = 1)`. Raises RuntimeError before :meth:`fit` or when the likelihood is not binary.
         """
-        self._check_binary("predict_proba")
-        p = self._likelihood.probability(self, self._inputs(X), self._n_samples(n_samples))
+        latent = self._binary_latent("predict_proba")
+        p = self._likelihood.probability(latent, self._inputs(X), latent.n_samples(n_samples))
         return torch.stack([1 - p, p], -1)
 
     @torch.no_grad()
@@ -396,10 +373,9 @@ class GeneralizedLinearModel(nn.Module):
         TypeError, ValueError
             For bad ``X``, ``y`` (as :meth:`fit`) or ``n_samples``.
         """
-        self._check_fitted()
+        latent = self._latent()
         X = self._inputs(X)
-        y = self._targets(y, X.shape[0])
-        return self._likelihood.log_predictive(self, X, y, n_samples)
+        return self._likelihood.log_predictive(latent, X, self._targets(y, X.shape[0]), n_samples)
 
     def extra_repr(self) -> str:
         return f"likelihood={self._likelihood.name!r}, rank={self.rank}, prior={self.prior!r}"

@@ -61,8 +61,11 @@ def register_likelihood(name: str) -> Callable[[Type["Likelihood"]], Type["Likel
 class Likelihood:
     r"""An observation model :math:`p(y \mid f)` of a GLM and its predictions with :math:`w \sim q` integrated out.
 
-    Subclasses implement :meth:`distribution`; the other methods default to Monte Carlo over joint draws of
-    :math:`f_*` from the model (``glm._f_samples``) and are overridden where a closed form exists.
+    Subclasses implement :meth:`distribution`; the predictions default to Monte Carlo over joint draws of
+    :math:`f_*` and are overridden where a closed form exists. They receive ``latent``, the linear predictor
+    under :math:`q` at the inputs: ``latent.moments(X)`` (mean and variance of :math:`f_*`),
+    ``latent.samples(X, n)`` (blocks of joint draws, shape (n, rows)), ``latent.n_samples(value)`` (a checked
+    count) and ``latent.noise_scale`` (:math:`\sigma`).
 
     Attributes
     ----------
@@ -96,21 +99,21 @@ class Likelihood:
         return None
 
     # ------------------------------------------------------------ predictions
-    def predictive_moments(self, glm, X: Tensor, n_samples) -> Tuple[Tensor, Tensor]:
+    def predictive_moments(self, latent, X: Tensor, n_samples) -> Tuple[Tensor, Tensor]:
         """Mean and variance of :math:`y_*` by Monte Carlo (law of total variance over the draws of :math:`f_*`)."""
         means, variances = [], []
-        for f in glm._f_samples(X, glm._n_samples(n_samples)):
+        for f in latent.samples(X, latent.n_samples(n_samples)):
             d = self.distribution(f, None)
             m = d.mean
             means.append(m.mean(0))
             variances.append(d.variance.mean(0) + m.var(0, unbiased=False))
         return torch.cat(means), torch.cat(variances)
 
-    def log_predictive(self, glm, X: Tensor, y: Tensor, n_samples) -> Tensor:
+    def log_predictive(self, latent, X: Tensor, y: Tensor, n_samples) -> Tensor:
         r""":math:`\log \frac1S \sum_s p(y_* \mid f_*^{(s)})` over ``n_samples`` weight draws (biased low, O(1/S))."""
-        n_samples = glm._n_samples(n_samples)
+        n_samples = latent.n_samples(n_samples)
         out, start = [], 0
-        for f in glm._f_samples(X, n_samples):
+        for f in latent.samples(X, n_samples):
             yb = y[start:start + f.shape[-1]]
             start += f.shape[-1]
             out.append(torch.logsumexp(self.distribution(f, None).log_prob(yb), 0) - math.log(n_samples))
@@ -141,13 +144,13 @@ class Gaussian(Likelihood):
     def fitted_noise(self, learn):
         return pyro.param("noise_scale").detach().clone() if learn else None
 
-    def predictive_moments(self, glm, X, n_samples):
-        mu, v = glm._f_moments(X)
-        return mu, v + glm.noise_scale.pow(2)
+    def predictive_moments(self, latent, X, n_samples):
+        mu, v = latent.moments(X)
+        return mu, v + latent.noise_scale.pow(2)
 
-    def log_predictive(self, glm, X, y, n_samples):
-        mu, v = glm._f_moments(X)
-        return dist.Normal(mu, (v + glm.noise_scale.pow(2)).sqrt()).log_prob(y)
+    def log_predictive(self, latent, X, y, n_samples):
+        mu, v = latent.moments(X)
+        return dist.Normal(mu, (v + latent.noise_scale.pow(2)).sqrt()).log_prob(y)
 
 
 @register_likelihood("bernoulli")
@@ -168,22 +171,22 @@ class Bernoulli(Likelihood):
             bad = y[(y != 0) & (y != 1)][:3].tolist()
             raise ValueError(f"{cls}: y must hold labels in {{0, 1}} for likelihood='bernoulli', got {bad}.")
 
-    def probability(self, glm, X: Tensor, n_samples: int) -> Tensor:
+    def probability(self, latent, X: Tensor, n_samples: int) -> Tensor:
         """:math:`p_*`, shape (M,), a Monte Carlo average of the sigmoid over ``n_samples`` weight draws."""
-        return torch.cat([torch.sigmoid(f).mean(0) for f in glm._f_samples(X, n_samples)])
+        return torch.cat([torch.sigmoid(f).mean(0) for f in latent.samples(X, n_samples)])
 
-    def log_probabilities(self, glm, X: Tensor, n_samples: int) -> Tensor:
+    def log_probabilities(self, latent, X: Tensor, n_samples: int) -> Tensor:
         r""":math:`[\log(1 - p_*), \log p_*]`, shape (M, 2), as logsumexp of log-sigmoids minus :math:`\log S`.
 
         Finite where every draw lies far in a tail (the log of the averaged probability is -inf there).
         """
         logsig = torch.nn.functional.logsigmoid
         out = torch.cat([torch.stack([torch.logsumexp(logsig(-f), 0), torch.logsumexp(logsig(f), 0)], -1)
-                         for f in glm._f_samples(X, n_samples)])
+                         for f in latent.samples(X, n_samples)])
         return out - math.log(n_samples)
 
-    def predictive_moments(self, glm, X, n_samples):
-        mean = self.probability(glm, X, glm._n_samples(n_samples))
+    def predictive_moments(self, latent, X, n_samples):
+        mean = self.probability(latent, X, latent.n_samples(n_samples))
         return mean, mean * (1 - mean)
 
 
@@ -203,8 +206,8 @@ class Poisson(Likelihood):
             bad = y[(y < 0) | (y != y.round())][:3].tolist()
             raise ValueError(f"{cls}: y must hold non-negative integer counts for likelihood='poisson', got {bad}.")
 
-    def predictive_moments(self, glm, X, n_samples):
-        mu, v = glm._f_moments(X)
+    def predictive_moments(self, latent, X, n_samples):
+        mu, v = latent.moments(X)
         mean = (mu + 0.5 * v).exp()
         return mean, mean + mean.pow(2) * torch.expm1(v)
 
