@@ -221,7 +221,7 @@ class ShardedOnlineFactorAnalysis(OnlineFactorAnalysis):
                 t, tmax = moments.deviation(x[0])
                 if not n_old:
                     tmax = tmax * 0.0  # the first vector deviates from nothing (but must be finite)
-                d = torch.mul(t, n_old / n, out=self._scratch("_d", self.loc.dtype)).unsqueeze(0)
+                d = torch.mul(t, n_old / n, out=self._work.vector("d", self.loc.dtype, self.loc.device)).unsqueeze(0)
                 if math.isfinite(tmax):
                     sq_new = float(moments.sq_dev.sum()) + n_old / n * float(torch.dot(t, t))
             else:

@@ -131,11 +131,11 @@ class FitContext:
 
     def block_rows(self, element_size: int) -> int:
         """Rows per block of a pass over a (rows, K) array (about 1 MB)."""
-        return self._model._block_rows(element_size)
+        return self._model._work.block_rows(element_size)
 
     def workspace(self, rows: int, like: Tensor) -> Tensor:
         """Two (rows, K) work blocks of ``like``'s dtype and device, reused across updates."""
-        return self._model._workspace(rows, like)
+        return self._model._work.blocks(rows, like)
 
     def has_spread(self) -> bool:
         """Whether the vectors seen so far differ (there is a scale to fit)."""
