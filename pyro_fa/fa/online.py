@@ -18,7 +18,7 @@ from pyro_fa._random import draw_seed
 from pyro_fa.fa._online_checks import OnlineChecks, check_density_input, check_fitted
 from pyro_fa.fa._online_options import check_arguments
 from pyro_fa.fa._fit_binding import Workspace, bind_state, current_state
-from pyro_fa.fa._online_warmup import end_warmup, fit_step, floor_values, has_spread
+from pyro_fa.fa._online_warmup import end_warmup, fit_step, has_spread
 from pyro_fa.fa.fitters import FitContext, FitState, Fitter, cholesky
 from pyro_fa.fa.moments import RunningMoments
 from pyro_fa.distributions import StableLowRankMultivariateNormal
@@ -237,12 +237,6 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
     def variance(self) -> Tensor:
         """Running (maximum-likelihood) variance of each coordinate, shape (D,), in the state's dtype."""
         return self._moments.variance(self._n).to(self.loc.dtype)
-
-    def _floor(self, psi: Tensor, var: Tensor) -> Tensor:
-        return torch.maximum(psi, self._floor_values(var))
-
-    def _floor_values(self, var: Tensor) -> Tensor:
-        return floor_values(self, var)
 
     def _estimate(self):
         if self._cache is not None:
