@@ -118,7 +118,8 @@ def test_sga_step_is_gradient_of_log_prob(batch):
     _, _, _, X = _fa_data(T=1 + batch)
     fa = OnlineFactorAnalysis(12, 3, method="sga", warmup=1, seed=0, optimizer=torch.optim.SGD, lr=1.0, lr_decay_after=0)
     fa.update(X[0])  # warm-up: only the running moments move
-    fa.fitter._rescale_to_data = lambda state, ctx: None  # keep the initial point to compare with autograd
+    # keep the initial point to compare with autograd
+    fa.fitter.step_for(fa._ctx)._rescale_to_data = lambda state, ctx: None
     F0 = fa._F.detach().clone().requires_grad_()
     log_psi0 = fa._log_psi.detach().clone().requires_grad_()
     new_mean = (fa.loc + X[1:].sum(0)) / (1 + batch)

@@ -17,7 +17,7 @@ def test_fused_adam_matches_torch_adam(batch):
     X = _stream()
     kw = dict(method="sga", warmup=20, seed=0, dtype=torch.float64, lr=1e-2, lr_decay_after=30)
     fused = OnlineFactorAnalysis(40, 3, **kw)
-    fused._block_rows = lambda element_size: 7  # several blocks, the last one partial
+    fused._work.block_rows = lambda element_size: 7  # several blocks, the last one partial
     ref = OnlineFactorAnalysis(40, 3, optimizer=torch.optim.Adam, **kw)
     assert fused.fit_state.fused and not ref.fit_state.fused
     for chunk in X.split(batch):
@@ -33,18 +33,18 @@ def test_fused_adam_matches_torch_adam(batch):
 def test_cached_capacitance_is_that_of_the_current_iterate():
     X = _stream()
     fa = OnlineFactorAnalysis(40, 3, method="sga", warmup=20, seed=0, dtype=torch.float64, lr=1e-2)
-    fa._block_rows = lambda element_size: 9
+    fa._work.block_rows = lambda element_size: 9
     fa.update(X)
     for x in X[:30]:
         fa.update(x)
     F, psi = fa._F.detach(), fa._log_psi.detach().exp()
     dense = torch.eye(3, dtype=torch.float64) + F.T @ torch.diag(1 / psi) @ F
-    assert torch.allclose(fa.fitter._sga_capacitance(fa.fit_state, fa._ctx), dense)
+    assert torch.allclose(fa.fitter.step_for(fa._ctx)._sga_capacitance(fa.fit_state, fa._ctx), dense)
     # a change from outside (here load_state_dict) is noticed, not served from the cache
     other = OnlineFactorAnalysis(40, 3, method="sga", warmup=20, seed=5, dtype=torch.float64, lr=1e-2)
     other.update(X[:60])
     other.load_state_dict(fa.state_dict())
-    assert torch.allclose(other.fitter._sga_capacitance(other.fit_state, other._ctx), dense)
+    assert torch.allclose(other.fitter.step_for(other._ctx)._sga_capacitance(other.fit_state, other._ctx), dense)
 
 
 def test_standardising_scale_follows_running_variance():

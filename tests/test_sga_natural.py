@@ -141,7 +141,7 @@ def test_swag_takes_the_natural_step_and_float32():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(optimizer="newton"), "optimizer must be"),
+    (dict(optimizer="newton"), r"optimizer must be a torch optimizer class, .* one of \('natural',\) .*got 'newton'"),
     (dict(optimizer="natural", optimizer_kwargs={"step": 0.0}), r"step.*\(0, 1\], got 0.0"),
     (dict(optimizer="natural", optimizer_kwargs={"step": 1.5}), r"\(0, 1\], got 1.5"),
     (dict(optimizer="natural", optimizer_kwargs={"lr": 0.1}), "takes only 'step'"),
@@ -150,6 +150,28 @@ def test_swag_takes_the_natural_step_and_float32():
 def test_refusals(kwargs, match):
     with pytest.raises(ValueError, match=match):
         OnlineFactorAnalysis(20, 3, method="sga", **kwargs)
+
+
+def test_a_named_step_is_taken_from_the_table(monkeypatch):
+    # optimizer=<name> goes through NAMED_STEPS: a step registered there is the one taken
+    from pyro_fa.fa.fitters import sga
+
+    built = []
+
+    def half_step(fitter, owner, *, rank, warmup):
+        built.append((owner, rank, warmup))
+        return NaturalStep(0.5, step_scale=fitter.step_scale, step_ramp=fitter.step_ramp,
+                           m_step_every=fitter.m_step_every)
+
+    monkeypatch.setitem(sga.NAMED_STEPS, "half", half_step)
+    X = torch.randn(80, 12, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    by_table = OnlineFactorAnalysis(12, 3, method="sga", optimizer="half", warmup=10, seed=0, dtype=torch.float64,
+                                    step_scale=1.0)
+    natural = _natural(12, 3, step=0.5, warmup=10)
+    for fa in (by_table, natural):
+        fa.update(X)
+    assert built and built[0] == ("OnlineFactorAnalysis", 3, 10)
+    assert torch.equal(by_table.cov_factor, natural.cov_factor) and torch.equal(by_table.cov_diag, natural.cov_diag)
 
 
 def _ar_stream(D=60, K=4, T=1500, rho=0.99, seed=0):

@@ -39,6 +39,12 @@ from pyro_fa.fa.fitters import Fitter, cholesky
 __all__ = ["ShardedOnlineFactorAnalysis"]
 
 _SIGNATURE = inspect.signature(OnlineFactorAnalysis.__init__)
+#: the constructor's arguments that are not the model's own (its receiver, and where the ranks run and which
+#: rows each holds): left out of the agreement of the ranks' arguments
+_SELF = frozenset({"self"})
+_PLACEMENT = frozenset({"process_group", "shard", "device"})
+#: saved entries a rank may hold as its partial sum (the capacitance while cap_pending): not checked for definiteness
+_PARTIAL_SUMS = frozenset({"_cap"})
 
 
 class ShardedOnlineFactorAnalysis(OnlineFactorAnalysis):
@@ -71,9 +77,9 @@ class ShardedOnlineFactorAnalysis(OnlineFactorAnalysis):
     def __init__(self, *args, process_group=None, shard=None, **kwargs):
         bound = _SIGNATURE.bind(self, *args, **kwargs)
         bound.apply_defaults()
-        arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
+        arguments = {k: v for k, v in bound.arguments.items() if k not in _SELF}
         # the ranks agree on every argument before any is checked: a bad one then raises alike on every rank
-        fields = {k: v for k, v in arguments.items() if k not in ("process_group", "shard", "device")}
+        fields = {k: v for k, v in arguments.items() if k not in _PLACEMENT}
         if isinstance(fields.get("method"), Fitter):  # a fitter object: its class and options
             fields["method"] = repr(fields["method"])
         fields["dtype"] = arguments["dtype"] or torch.get_default_dtype()
@@ -107,7 +113,7 @@ class ShardedOnlineFactorAnalysis(OnlineFactorAnalysis):
 
     def _check_values(self, state_dict, prefix: str = "", owner: Optional[str] = None) -> None:
         # a saved capacitance may be this rank's partial sum (cap_pending): not checked for definiteness
-        super()._check_values({k: v for k, v in state_dict.items() if k != "_cap"}, prefix, owner)
+        super()._check_values({k: v for k, v in state_dict.items() if k not in _PARTIAL_SUMS}, prefix, owner)
 
     def _rows_note(self) -> str:
         return f" (this rank's rows {self._sharding.lo}:{self._sharding.hi})"
@@ -221,7 +227,7 @@ class ShardedOnlineFactorAnalysis(OnlineFactorAnalysis):
                 t, tmax = moments.deviation(x[0])
                 if not n_old:
                     tmax = tmax * 0.0  # the first vector deviates from nothing (but must be finite)
-                d = torch.mul(t, n_old / n, out=self._scratch("_d", self.loc.dtype)).unsqueeze(0)
+                d = torch.mul(t, n_old / n, out=self._work.vector("d", self.loc.dtype, self.loc.device)).unsqueeze(0)
                 if math.isfinite(tmax):
                     sq_new = float(moments.sq_dev.sum()) + n_old / n * float(torch.dot(t, t))
             else:

@@ -41,6 +41,10 @@ __all__ = [
 
 _WIDE = torch.float64  # what the collectives carry: partial sums of float32 states are added in float64
 _SEED_MIX = 0x9E3779B1  # odd: rank -> seed offset is a bijection modulo 2**32
+#: another rank's error, by its class name, re-raised here as this class (every other error as ValueError)
+_RAISED_AS = {"TypeError": TypeError}
+#: the extra-state entries that record a rank's place (differ by rank): left out of the checkpoints' agreement
+_PLACE_KEYS = frozenset({"shard"})
 
 
 def shard_bounds(dim: int, world_size: int, rank: int) -> Tuple[int, int]:
@@ -168,7 +172,7 @@ def agree(group, cls: str, same: Dict[str, Any], own: Optional[Dict[str, Any]] =
             finally:  # no frame <-> traceback cycle: it would keep the process group alive until exit
                 error = None
         r, (kind, msg) = failed[0]
-        exc = TypeError if kind == "TypeError" else ValueError
+        exc = _RAISED_AS.get(kind, ValueError)
         raise exc(f"{cls}: rank {r} refused its input ({msg}), so every rank stops and nothing was changed.")
     keys = [sorted(p["same"]) for p in out]
     if any(k != keys[0] for k in keys):
@@ -448,7 +452,7 @@ def check_loadable(module, state_dict, strict: bool, sharding: Optional["Shardin
     if error is None:
         own["sq"] = float(sum(float(v.double().sum()) for k, v in state_dict.items()
                               if k.endswith("_moments.sq_dev") and torch.is_tensor(v)))
-        own["counts"] = checksum([(k, {kk: vv for kk, vv in v.items() if kk != "shard"})
+        own["counts"] = checksum([(k, {kk: vv for kk, vv in v.items() if kk not in _PLACE_KEYS})
                                   for k, v in sorted(state_dict.items())
                                   if k.endswith("_extra_state") and isinstance(v, dict)])
     cls = type(module).__name__

@@ -55,6 +55,10 @@ def whitened_gram(cov_factor: Tensor, cov_diag: Tensor) -> Tensor:
 def capacitance_tril(cov_factor: Tensor, cov_diag: Tensor) -> Tensor:
     r"""Lower Cholesky factor of :math:`I + F^\top\Psi^{-1}F`, in float64 (see :func:`whitened_gram`).
 
+    The one implementation of the capacitance's factor: the family's members keep it in float64 for their
+    solves, and :func:`pyro_fa.fa.linalg.capacitance_cholesky`, the factor-analysis core's checked form,
+    returns this factor in the dtype of ``cov_factor``.
+
     Returns
     -------
     Tensor of shape (..., K, K), float64 (float32 on MPS)

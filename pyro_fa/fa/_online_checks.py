@@ -16,7 +16,23 @@ from torch import Tensor
 
 from pyro_fa._state import check_count, check_state_dict
 
-__all__ = ["OnlineChecks"]
+__all__ = ["OnlineChecks", "check_fitted", "check_density_input"]
+
+
+def check_fitted(owner: str, what: str, n_updates: int) -> None:
+    """Refuse to read a fit out before its first update (``what``: the call refused)."""
+    if n_updates == 0:
+        raise RuntimeError(f"{owner}: {what} needs at least one update, got none. Call update(x) first.")
+
+
+def check_density_input(owner: str, x, dtype: torch.dtype) -> None:
+    """Refuse a point to evaluate the density at that is not a tensor of the state's ``dtype`` (torch's
+    distributions do not convert)."""
+    if not torch.is_tensor(x):
+        raise TypeError(f"{owner}: x must be a torch.Tensor of shape (..., D), got {type(x).__name__}.")
+    if x.dtype != dtype:
+        raise TypeError(f"{owner}: x must have dtype {dtype} like the model state, got "
+                        f"{x.dtype}. Convert x (x.to({dtype})) or call .to({x.dtype}) on the model.")
 
 
 class OnlineChecks:

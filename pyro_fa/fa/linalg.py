@@ -79,11 +79,13 @@ def capacitance_cholesky(cov_factor: Tensor, cov_diag: Tensor) -> Tensor:
 
     Notes
     -----
-    Cost :math:`O(DK^2)`. The capacitance has eigenvalues :math:`\ge 1`; it is formed as
-    :math:`I + W^\top W`, :math:`W = \Psi^{-1/2}F`, summed in float64 and factorised there
-    (:func:`pyro_fa.distributions.numerics.capacitance_tril`), so it is positive definite by construction
-    even where float32 sums would not be (tiny :math:`\psi` against :math:`F`). The factor is
-    returned in the dtype of ``cov_factor`` (its diagonal is :math:`\ge 1`).
+    Cost :math:`O(DK^2)`. The arithmetic is that of
+    :func:`pyro_fa.distributions.numerics.capacitance_tril` (the one implementation, in the lower layer):
+    the capacitance has eigenvalues :math:`\ge 1`; it is formed as :math:`I + W^\top W`,
+    :math:`W = \Psi^{-1/2}F`, summed in float64 and factorised there, so it is positive definite by
+    construction even where float32 sums would not be (tiny :math:`\psi` against :math:`F`). This function
+    adds the checks of its arguments and returns the factor in the dtype of ``cov_factor`` (its diagonal
+    is :math:`\ge 1`), which the core's solves work in.
     """
     _check_pair(cov_factor, cov_diag, "capacitance_cholesky")
     return capacitance_tril(cov_factor, cov_diag).to(cov_factor.dtype)

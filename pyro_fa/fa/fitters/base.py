@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from pyro_fa._registry import ClassRegistry
+from pyro_fa.fa._online_warmup import floor_values
 
 __all__ = ["Fitter", "FitState", "FitContext", "FITTERS", "register_fitter", "fitter_class", "resolve_fitter",
            "iterate_fitters", "curvature_fitters", "cholesky", "check_positive", "check_step_options", "scalar"]
@@ -123,19 +124,19 @@ class FitContext:
 
     def floor(self, psi: Tensor, var: Tensor) -> Tensor:
         r""":math:`\psi` floored relative to the variances ``var`` (``min_variance`` times each)."""
-        return self._model._floor(psi, var)
+        return torch.maximum(psi, floor_values(self._model, var))
 
     def floor_values(self, var: Tensor) -> Tensor:
         r"""The floor of :math:`\psi` for the variances ``var``."""
-        return self._model._floor_values(var)
+        return floor_values(self._model, var)
 
     def block_rows(self, element_size: int) -> int:
         """Rows per block of a pass over a (rows, K) array (about 1 MB)."""
-        return self._model._block_rows(element_size)
+        return self._model._work.block_rows(element_size)
 
     def workspace(self, rows: int, like: Tensor) -> Tensor:
         """Two (rows, K) work blocks of ``like``'s dtype and device, reused across updates."""
-        return self._model._workspace(rows, like)
+        return self._model._work.blocks(rows, like)
 
     def has_spread(self) -> bool:
         """Whether the vectors seen so far differ (there is a scale to fit)."""

@@ -64,9 +64,33 @@ class OnlineEM(Fitter):
     (:math:`\bar H_t = LL^\top`, PX-EM) or :math:`F = \bar A_t \bar H_t^{-1}`, and
     :math:`\psi = \mathrm{diag}(S_t) - \mathrm{diag}(F \bar A_t^\top)` (Brownlie 2021, eqs. 4.33–4.35).
 
-    Options: ``step_scale``, ``expand``, ``step_ramp``, ``m_step_every`` (see
-    :class:`~pyro_fa.OnlineFactorAnalysis`). State: :class:`EMState` (the model's buffers ``_F``,
-    ``_psi``, ``_A``, ``_H``, ``_cap``).
+    Use it as ``OnlineFactorAnalysis(dim, rank, method=OnlineEM(step_scale=1.0))`` or ``method="em"`` with
+    the same keyword options. State: :class:`EMState` (the model's buffers ``_F``, ``_psi``, ``_A``,
+    ``_H``, ``_cap``).
+
+    Parameters
+    ----------
+    step_scale : float, default 2.0
+        :math:`a \ge 1` in the step :math:`\gamma_t = a/(t+a-1)` (:math:`t` counts observations). The
+        statistics weigh observation :math:`i` in proportion to :math:`i^{a-1}`: early E-steps, made with
+        a poor :math:`F`, fade like :math:`(i/t)^a`, at the price of an effective sample size
+        :math:`t(2a-1)/a^2` (0.75 t for the default). ``1`` is the thesis's :math:`1/t`.
+    expand : bool, default True
+        The parameter-expanded M-step (PX-EM): it estimates the latent covariance as well and absorbs it
+        into :math:`F`, which sets the scale of :math:`F` in one step where plain EM crawls (see Notes); one
+        :math:`K\times K` triangular inverse per M-step. ``False`` is the thesis's M-step.
+    step_ramp : int, optional
+        Observations over which :math:`a_t` grows linearly from 1 to ``step_scale``; default ``2 * dim``.
+        The :math:`D\times K` statistic :math:`\bar A` needs of the order of D observations before its
+        M-step is better than noise; until then plain averaging (:math:`a = 1`) is the stable,
+        minimum-variance choice, and forgetting the early E-steps pays only after.
+    m_step_every : int, optional
+        Run the M-step (the :math:`O(DK^2)` part of an update) after every ``m_step_every``-th update
+        past the warm-up; the statistics are updated at every update, and E-steps in between use the last
+        :math:`F, \psi`. Default ``max(1, dim // 100_000)``: every update up to :math:`D = 2\cdot 10^5`,
+        every 10th at :math:`D = 10^6`, where an update then costs about one pass over :math:`\bar A` and
+        one over :math:`F` plus a tenth of an M-step; the stale factor of a few updates is negligible
+        beside the :math:`1/t` weight of each new observation.
 
     Notes
     -----

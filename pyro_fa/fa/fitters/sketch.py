@@ -1,8 +1,8 @@
 r"""Factor analysis refitted from a streamed sketch of the scatter (``method="sketch"``).
 
 Online EM sums E-steps made under every intermediate factor; on the autocorrelated,
-drifting iterates of SGD those stale E-steps keep it 1.1–1.5 times (2–2.6 times on a
-nearly isotropic linear model) off batch FA's covariance error. This fitter keeps no
+drifting iterates of SGD those stale E-steps keep it off batch FA's covariance error
+(measured: see ``benchmarks/results/measurements_from_docstrings.md``). This fitter keeps no
 E-step at all: it keeps a rank-:math:`\ell` sketch :math:`B` (:math:`\ell\times D`) of the
 exactly centred scatter, :math:`\sum_t (x_t-\bar x)(x_t-\bar x)^\top \approx B^\top B`, and when
 the posterior is read runs batch factor analysis (the SVD algorithm of scikit-learn's
