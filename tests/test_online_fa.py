@@ -337,7 +337,7 @@ def test_update_and_use_errors():
     with pytest.raises(TypeError, match="x must have dtype torch.float64"):
         fa.update(torch.randn(5, dtype=torch.float32))
     fa.update(torch.randn(5))
-    with pytest.raises(ValueError, match="n must be a positive integer"):
+    with pytest.raises(ValueError, match="num_samples must be an integer >= 1 or None, got 0"):
         fa.sample(0)
     big = OnlineFactorAnalysis(20_001, 1, seed=0, dtype=torch.float32)
     big.update(torch.randn(20_001, dtype=torch.float32))
@@ -400,3 +400,23 @@ def test_online_em_strong_signal_matches_sample_covariance():
     assert err < 1.5 * sample_err, (err, sample_err)
     ratio = fa.covariance().diagonal() / true.diagonal()
     assert 0.85 < ratio.median() < 1.15
+
+
+@pytest.mark.parametrize("cls", ["online", "batch"])
+def test_sample_follows_the_posterior_protocol(cls):
+    # sample(num_samples=None, *, generator=None): (D,) without a count, reproducible on a generator, and the
+    # draws are the family distribution's own draws on that generator
+    from pyro_fa import BatchFactorAnalysis
+
+    X = torch.randn(200, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    if cls == "online":
+        fa = OnlineFactorAnalysis(6, 2, seed=0)
+        fa.update(X)
+    else:
+        fa = BatchFactorAnalysis(6, 2).fit(X)
+    assert fa.sample().shape == (6,)
+    a = fa.sample(5, generator=torch.Generator().manual_seed(3))
+    b = fa.get_posterior().sample((5,), generator=torch.Generator().manual_seed(3))
+    assert a.shape == (5, 6) and torch.equal(a, b)
+    with pytest.raises(ValueError, match="num_samples must be an integer >= 1 or None, got True"):
+        fa.sample(True)

@@ -17,13 +17,14 @@ of :mod:`pyro_fa.distributions.numerics`), never the other way round. The sharde
 code (:mod:`pyro_fa.distributed`).
 """
 from pyro_fa.distributions import numerics
-from pyro_fa.distributions.base import FactorNormal
+from pyro_fa.distributions.base import FactorNormal, draw
 from pyro_fa.distributions.covariance import StableLowRankMultivariateNormal
 from pyro_fa.distributions.mixture import FactorNormalMixture
 from pyro_fa.distributions.point_mass import PointMassNormal
 from pyro_fa.distributions.precision import BlockLowRankPrecisionNormal, LowRankPrecisionNormal
 
 __all__ = [
+    "draw",
     "numerics",
     "FactorNormal",
     "StableLowRankMultivariateNormal",

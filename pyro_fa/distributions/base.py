@@ -19,7 +19,7 @@ from torch.distributions import Distribution, constraints
 
 from pyro_fa.distributions.numerics import check_dense_dim
 
-__all__ = ["FactorNormal"]
+__all__ = ["FactorNormal", "draw"]
 
 
 class FactorNormal(Distribution):
@@ -95,3 +95,23 @@ class FactorNormal(Distribution):
                         "Use variance, cov_factor / cov_diag, covariance_matvec or rsample().")
         B = self.cov_factor
         return torch.diag_embed(self.cov_diag) + self.factor_sign * (B @ B.transpose(-1, -2))
+
+
+def draw(owner: str, posterior, num_samples=None, generator: Optional[torch.Generator] = None) -> Tensor:
+    """The protocol's ``sample(num_samples=None, *, generator=None)`` written once: draws of ``posterior``.
+
+    Shape (num_samples, D), or (D,) when ``num_samples`` is None; ``generator`` is used where the distribution
+    takes one. ``owner`` names the caller in the error.
+
+    Raises
+    ------
+    ValueError
+        If ``num_samples`` is neither None nor an integer >= 1.
+    """
+    if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
+                                    or num_samples < 1):
+        raise ValueError(f"{owner}: num_samples must be an integer >= 1 or None, got {num_samples!r}.")
+    shape = torch.Size() if num_samples is None else torch.Size((num_samples,))
+    if generator is None:
+        return posterior.sample(shape)
+    return posterior.sample(shape, generator=generator)

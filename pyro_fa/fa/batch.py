@@ -47,6 +47,7 @@ from torch.distributions import LowRankMultivariateNormal
 from pyro_fa.fa import linalg
 from pyro_fa.fa._batch_solvers import BATCH_STEPS, EMResult, em_from_covariance, gaussian_loglike, initial_factors
 from pyro_fa.fa.scatter import ScatterStatistics
+from pyro_fa.distributions import draw
 
 __all__ = [
     "ConvergenceWarning",
@@ -317,9 +318,9 @@ class BatchFactorAnalysis(nn.Module):
         """Log-density of ``x`` (shape (..., D)) under the fit; shape (...)."""
         return self.get_posterior().log_prob(x)
 
-    def sample(self, n: int = 1) -> Tensor:
-        """``n`` samples from the fit, a Tensor of shape (n, D)."""
-        return self.get_posterior().sample((n,))
+    def sample(self, num_samples: Optional[int] = None, *, generator: Optional[torch.Generator] = None) -> Tensor:
+        """Draws from the fit: shape (num_samples, D), or (D,) when ``num_samples`` is None."""
+        return draw(type(self).__name__, self.get_posterior(), num_samples, generator)
 
     def latent_posterior(self, x: Tensor) -> tuple:
         """Posterior mean (shape (..., K)) and covariance (K, K) of the factors of ``x``.

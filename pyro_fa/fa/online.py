@@ -21,7 +21,7 @@ from pyro_fa.fa._fit_binding import Workspace, bind_state, current_state
 from pyro_fa.fa._online_warmup import end_warmup, fit_step, has_spread
 from pyro_fa.fa.fitters import FitContext, FitState, Fitter, cholesky
 from pyro_fa.fa.moments import RunningMoments
-from pyro_fa.distributions import StableLowRankMultivariateNormal
+from pyro_fa.distributions import StableLowRankMultivariateNormal, draw
 
 __all__ = ["OnlineFactorAnalysis"]
 
@@ -282,11 +282,9 @@ class OnlineFactorAnalysis(OnlineChecks, nn.Module):
         check_density_input(type(self).__name__, x, self.loc.dtype)
         return self.get_posterior().log_prob(x)
 
-    def sample(self, n: int = 1) -> Tensor:
-        """Draw ``n`` vectors from the fitted Gaussian, a tensor of shape (n, D)."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{type(self).__name__}: n must be a positive integer, got {n!r}.")
-        return self.get_posterior().sample((n,))
+    def sample(self, num_samples: Optional[int] = None, *, generator: Optional[torch.Generator] = None) -> Tensor:
+        """Draws from the fitted Gaussian: shape (num_samples, D), or (D,) when ``num_samples`` is None."""
+        return draw(type(self).__name__, self.get_posterior(), num_samples, generator)
 
     def covariance(self) -> Tensor:
         r"""The dense :math:`D\times D` covariance :math:`FF^\top+\Psi` (small D only)."""
