@@ -379,9 +379,14 @@ class BatchAndMatch:
             if not bool(torch.isfinite(g).all()):
                 skipped += 1
                 continue
-            mu_new, cov = _bam_step(mu, F, psi, z, g, lam)
-            floor = cov.diagonal().abs().max() * math.sqrt(torch.finfo(self.dtype).eps)
-            F_new, psi_new = _patch(cov, F, psi, self.num_em_iters, floor)
+            try:
+                mu_new, cov = _bam_step(mu, F, psi, z, g, lam)
+                floor = cov.diagonal().abs().max() * math.sqrt(torch.finfo(self.dtype).eps)
+                F_new, psi_new = _patch(cov, F, psi, self.num_em_iters, floor)
+            except torch.linalg.LinAlgError as err:  # a numerically singular step: keep the state
+                self._last_error = err
+                skipped += 1
+                continue
             if not (bool(torch.isfinite(mu_new).all() and torch.isfinite(F_new).all()
                          and torch.isfinite(psi_new).all()) and bool((psi_new > 0).all())):
                 skipped += 1
