@@ -230,10 +230,10 @@ class BatchAndMatch:
     learning_rate : float or callable, optional
         :math:`\lambda_t`: a positive constant, or a callable ``t -> lambda_t`` (t = 0, 1, ...); default the
         papers' schedule :math:`\lambda_t = BD/(t+1)`.
-    num_em_iters : int, default 20
+    num_em_iters : int, default 100
         EM steps of the patch per iteration (warm-started from the previous :math:`F, \Psi`). EM for factor
-        analysis converges slowly, and a patch that stops short of the projection slows BaM down; each step
-        costs :math:`O(D(K+B)K)`, little beside B gradients.
+        analysis converges slowly where the covariance is badly conditioned, and a patch that stops short of the
+        projection leaves :math:`q` too narrow there; each step costs :math:`O(D(K+B)K)`.
     init_loc : Tensor of shape (D,), optional
         :math:`\mu_0`; default 0.
     init_scale : float, default 1.0
@@ -278,7 +278,7 @@ class BatchAndMatch:
     def __init__(self, model: Optional[Callable] = None, *, log_density: Optional[Callable] = None,
                  dim: Optional[int] = None, rank: int = 5, batch_size: int = 16, num_iters: int = 200,
                  max_grad_evals: Optional[int] = None,
-                 learning_rate: Union[None, float, Callable[[int], float]] = None, num_em_iters: int = 20,
+                 learning_rate: Union[None, float, Callable[[int], float]] = None, num_em_iters: int = 100,
                  init_loc: Optional[Tensor] = None, init_scale: float = 1.0, init_loc_fn: Optional[Callable] = None,
                  dtype: torch.dtype = torch.float64):
         name = type(self).__name__
