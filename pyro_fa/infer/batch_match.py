@@ -255,6 +255,14 @@ class BatchAndMatch:
         Iterations whose batch had a non-finite score or whose update was not a valid covariance (the state was
         kept; their gradients are counted).
 
+    Notes
+    -----
+    Per iteration: B gradient evaluations, :math:`O(D(K+B)^2)` for the match and :math:`O(D(K+B)K)` per EM
+    step of the patch. Far from the posterior the large scores shrink :math:`\Sigma` along them (the
+    :math:`\bar g\bar g^\top` term of :math:`U`) and each mean step is about one current standard deviation, so
+    a poor start can stall short of the mode: start near the posterior (e.g. Pathfinder's mean, with a small
+    ``init_scale``).
+
     See Also
     --------
     pyro_fa.infer.Pathfinder : another fast factor-analysis posterior, from the L-BFGS path.
