@@ -237,8 +237,8 @@ class BatchAndMatch:
     init_loc : Tensor of shape (D,), optional
         :math:`\mu_0`; default 0.
     init_scale : float, default 1.0
-        :math:`\Psi_0 = ` ``init_scale``:sup:`2` :math:`I`; :math:`F_0` has random orthogonal columns of norm
-        ``init_scale / 2`` (EM cannot grow :math:`F` from 0).
+        s: :math:`\Psi_0 = s^2 I`, and :math:`F_0` has random orthogonal columns of norm :math:`s/2` (EM cannot
+        grow :math:`F` from 0).
     init_loc_fn : callable, optional
         A Pyro init strategy used only to trace the model once (its shapes).
     dtype : torch.dtype, default torch.float64
