@@ -15,6 +15,7 @@
   ``get_transform`` returns, for Pyro's ``NeuTraReparam``.
 """
 from pyro_fa.infer._jit_elbo import JitFactorELBO
+from pyro_fa.infer.batch_match import BatchAndMatch
 from pyro_fa.infer.elbo import FactorELBO
 from pyro_fa.infer.guide import AutoLowRankFactorGuide
 from pyro_fa.infer.pathfinder import Pathfinder
@@ -30,6 +31,7 @@ from pyro_fa.infer.transforms import LowRankAffine
 __all__ = [
     "AutoLowRankFactorGuide",
     "Pathfinder",
+    "BatchAndMatch",
     "FactorELBO",
     "JitFactorELBO",
     "FactorisedPrior",
