@@ -52,6 +52,7 @@ the allocation. No held-out or OOD data enter the choice.
 """
 from __future__ import annotations
 
+import enum
 import queue
 import threading
 import warnings
@@ -253,6 +254,18 @@ def fit_blocks(passes: Callable[[], Iterator[Tensor]], blocks: BlockRanks, *, nu
     return [r[0] for r in results], [r[1] for r in results], info
 
 
+class _Msg(enum.Enum):
+    """What a fit's thread tells the caller's: it wants a pass, the next block, it is done, or it failed."""
+    PASS = enum.auto()
+    NEXT = enum.auto()
+    DONE = enum.auto()
+    ERROR = enum.auto()
+
+
+#: a fit waiting for vectors: at the start of a pass or within one
+_WAITING = frozenset({_Msg.PASS, _Msg.NEXT})
+
+
 def _lockstep(passes, bounds, fits):
     """Run ``fits[i](stream_i)`` for every ``i`` where ``stream_i()`` yields ``V[:, a_i:e_i]`` of each block ``V`` of
     ``passes()``: one thread per fit, one of them running at a time, one run of ``passes()`` per round of passes.
@@ -262,7 +275,7 @@ def _lockstep(passes, bounds, fits):
     outbox = [queue.SimpleQueue() for _ in range(n)]
 
     def stream(i):
-        outbox[i].put(("pass", None))
+        outbox[i].put((_Msg.PASS, None))
         while True:
             msg = inbox[i].get()
             if msg is _END:
@@ -270,13 +283,13 @@ def _lockstep(passes, bounds, fits):
             if isinstance(msg, _Abort):
                 raise msg
             yield msg
-            outbox[i].put(("next", None))
+            outbox[i].put((_Msg.NEXT, None))
 
     def work(i):
         try:
-            outbox[i].put(("done", fits[i](lambda: stream(i))))
+            outbox[i].put((_Msg.DONE, fits[i](lambda: stream(i))))
         except BaseException as exc:  # handed to the caller's thread, raised there
-            outbox[i].put(("error", exc))
+            outbox[i].put((_Msg.ERROR, exc))
 
     last, threads = {}, []
 
@@ -295,25 +308,25 @@ def _lockstep(passes, bounds, fits):
             ask(i)
         while True:
             for kind, value in last.values():
-                if kind == "error":
+                if kind is _Msg.ERROR:
                     raise value
-            wanting = [i for i in range(n) if last[i][0] == "pass"]
+            wanting = [i for i in range(n) if last[i][0] is _Msg.PASS]
             if not wanting:
                 break
             runs += 1
             for V in passes():
                 for i in wanting:
-                    if last[i][0] in ("pass", "next"):  # still in this pass
+                    if last[i][0] in _WAITING:  # still in this pass
                         a, e = bounds[i]
-                        if ask(i, V[:, a:e].contiguous())[0] == "error":
+                        if ask(i, V[:, a:e].contiguous())[0] is _Msg.ERROR:
                             raise last[i][1]
             for i in wanting:
-                if last[i][0] in ("pass", "next"):
+                if last[i][0] in _WAITING:
                     ask(i, _END)
     except BaseException as exc:
         for i in range(len(threads)):  # every fitter still waiting for vectors ends (raising _Abort)
             for _ in range(3):
-                if last.get(i, ("",))[0] not in ("pass", "next"):
+                if last.get(i, (None,))[0] not in _WAITING:
                     break
                 ask(i, _Abort(f"abandoned: {exc!r}"))
         for t in threads:

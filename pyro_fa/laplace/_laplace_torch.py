@@ -28,10 +28,14 @@ from typing import Dict
 
 __all__ = ["translate", "raise_laplace_torch_only", "dense_precision", "dense_covariance", "shaped_prior", "HESSIAN_STRUCTURES", "PRIOR_STRUCTURES"]
 
-#: laplace-torch's ``hessian_structure`` values this library has: low rank plus diagonal, or the exact curvature
-HESSIAN_STRUCTURES = ("lowrank", "full")
-#: laplace-torch's ``prior_structure`` values this library has
-PRIOR_STRUCTURES = ("scalar", "layerwise")
+#: laplace-torch's ``hessian_structure`` values this library has -> whether the curvature is kept exactly (rank D)
+#: rather than low rank plus diagonal
+_FULL_CURVATURE: Dict[str, bool] = {"lowrank": False, "full": True}
+HESSIAN_STRUCTURES = tuple(_FULL_CURVATURE)
+#: laplace-torch's ``prior_structure`` values this library has -> whether the prior precision is one per parameter
+#: tensor (shape (L,)) rather than one (shape (1,))
+_LAYERWISE_PRIOR: Dict[str, bool] = {"scalar": False, "layerwise": True}
+PRIOR_STRUCTURES = tuple(_LAYERWISE_PRIOR)
 
 #: laplace-torch's keywords with no counterpart here -> what to use instead
 _ONLY_THERE: Dict[str, str] = {
@@ -97,8 +101,8 @@ def translate(owner: str, subset, subset_of_weights, hessian_structure, prior_st
     if prior_structure is not None and prior_structure not in PRIOR_STRUCTURES:
         raise ValueError(f"{owner}: prior_structure={prior_structure!r} is not available; use 'scalar' or "
                          "'layerwise' (prior_precision of shape (1,) or one per parameter tensor, (L,)).")
-    layerwise = None if prior_structure is None else prior_structure == "layerwise"
-    return subset, hessian_structure == "full", layerwise
+    layerwise = None if prior_structure is None else _LAYERWISE_PRIOR[prior_structure]
+    return subset, _FULL_CURVATURE.get(hessian_structure, False), layerwise
 
 
 #: the largest D whose dense (D, D) posterior precision or covariance is formed

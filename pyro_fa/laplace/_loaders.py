@@ -17,7 +17,7 @@ from typing import Tuple, Union
 import torch
 from torch import Tensor, nn
 
-__all__ = ["reiterable", "check_inputs", "slice_inputs", "n_examples", "check_batch", "batch_loss"]
+__all__ = ["reiterable", "check_inputs", "slice_inputs", "n_examples", "check_batch", "batch_loss", "BATCH_LOSSES"]
 
 Inputs = Union[Tensor, Tuple[Tensor, ...]]
 
@@ -102,14 +102,22 @@ def batch_loss(la, out: Tensor, y: Tensor) -> Tensor:
         raise ValueError(f"{name}: the model's outputs must have shape (B, C) or (B,), got {tuple(out.shape)!r}; "
                          "flatten them (end the model with nn.Flatten()) and the targets alike.")
     out = out.unsqueeze(-1) if out.dim() == 1 else out
+    return BATCH_LOSSES[la.likelihood](name, out, y)
+
+
+def _squared_errors(name: str, out: Tensor, y: Tensor) -> Tensor:
+    """A Gaussian likelihood's loss (at unit noise): the sum of squared errors of outputs (B, C)."""
+    y = y.to(out.dtype)
+    y = y.unsqueeze(-1) if y.dim() == 1 else y
+    if y.shape != out.shape:
+        raise ValueError(f"{name}: regression targets must have the outputs' shape {tuple(out.shape)!r} "
+                         f"(or ({out.shape[0]},) for one output), got {tuple(y.shape)!r}.")
+    return (y - out).pow(2).sum()
+
+
+def _cross_entropy(name: str, out: Tensor, y: Tensor) -> Tensor:
+    """A categorical likelihood's loss of logits (B, C), summed (a Bernoulli's for one logit)."""
     C = out.shape[-1]
-    if la.likelihood == "regression":
-        y = y.to(out.dtype)
-        y = y.unsqueeze(-1) if y.dim() == 1 else y
-        if y.shape != out.shape:
-            raise ValueError(f"{name}: regression targets must have the outputs' shape {tuple(out.shape)!r} "
-                             f"(or ({out.shape[0]},) for one output), got {tuple(y.shape)!r}.")
-        return (y - out).pow(2).sum()
     if y.is_floating_point() and bool((y != y.round()).any()):
         raise ValueError(f"{name}: classification targets must be integer class labels, got non-integer values.")
     y = y.long().reshape(-1)
@@ -120,3 +128,7 @@ def batch_loss(la, out: Tensor, y: Tensor) -> Tensor:
     if C == 1:
         return nn.functional.binary_cross_entropy_with_logits(out.reshape(-1), y.to(out.dtype), reduction="sum")
     return nn.functional.cross_entropy(out, y, reduction="sum")
+
+
+#: likelihood -> ``(owner, outputs (B, C), targets) -> the batch's summed loss``
+BATCH_LOSSES = {"classification": _cross_entropy, "regression": _squared_errors}

@@ -26,28 +26,24 @@ from torch import Tensor
 from pyro_fa.distributed import all_reduce_sum, replicated
 from pyro_fa.fa.batch import ConvergenceWarning
 from pyro_fa.laplace._laplace_torch import raise_laplace_torch_only
-from pyro_fa.laplace._loaders import n_examples, reiterable
+from pyro_fa.laplace._gridsearch import gridsearch_prior_precision
 from pyro_fa.laplace.curvature import CURVATURES
 from pyro_fa.fa.fitters import Fitter
 from pyro_fa.laplace.moment import moment_fits
 from pyro_fa.predictive.glm import check_pred_type
+from pyro_fa.predictive.registry import PREDICTIVES
 
 __all__ = ["train_log_likelihood", "log_marginal_likelihood", "optimize_prior_precision", "check_prior_precision",
            "check_sigma", "check_options", "method", "PRIOR_METHODS", "EVIDENCE_MODES"]
 
-#: the ways of choosing the prior precision (:func:`optimize_prior_precision`)
+#: the ways of choosing the prior precision (:func:`optimize_prior_precision`; :data:`_PRIOR_SEARCHES` holds them)
 PRIOR_METHODS = ("marglik", "gridsearch")
-#: where the marginal likelihood's fit and prior terms are evaluated (:func:`log_marginal_likelihood`)
+#: where the marginal likelihood's fit and prior terms are evaluated (:func:`log_marginal_likelihood`;
+#: :data:`_EVIDENCE_CORRECTIONS` holds what each adds)
 EVIDENCE_MODES = ("map", "linearized")
 
-_DEFAULT_GRID = tuple(10.0 ** (k / 4) for k in range(-16, 17))  # 1e-4 ... 1e4
 #: the exponents of the common prior precisions the marginal-likelihood search may start from instead (1e-8 ... 1e8)
 _START_DECADES = tuple(range(-8, 9))
-
-
-def _link(pred_type: str, link_approx: str):
-    """The grid search's ``link_approx`` as the predictive reads it: only for the GLM ("nn" always samples)."""
-    return link_approx if pred_type == "glm" else None
 
 
 def show(value) -> str:
@@ -227,12 +223,34 @@ def train_log_likelihood(la, sigma_noise=None) -> Tensor:
     ``sigma_noise``); laplace-torch's ``la.log_likelihood``. (``log_likelihood(inputs, targets, ...)`` is the
     predictive's, every posterior's: :class:`~pyro_fa.predictive.Posterior`.)"""
     la._check_fitted("train_log_likelihood()")
-    if la.likelihood == "classification":
-        return -la.loss
+    return _TRAIN_LOG_LIKELIHOODS[la.likelihood](la, sigma_noise)
+
+
+def _gaussian_log_likelihood(la, sigma_noise) -> Tensor:
+    """A Gaussian's, from the sum of squared errors at the MAP:
+    :math:`-\\mathrm{SSE}/2\\sigma^2 - \\tfrac{NC}2\\log 2\\pi\\sigma^2`."""
     _, sg = la._resolve(None, sigma_noise)
     n_out = la.n_outputs.to(la.loc.dtype)
     N = la.n_data.to(la.loc.dtype)
     return -la.loss / (2 * sg.pow(2)) - 0.5 * N * n_out * torch.log(2 * math.pi * sg.pow(2))
+
+
+#: likelihood -> ``(la, sigma_noise) -> log p(D | theta_*)`` (a classifier's: minus the summed cross-entropy)
+_TRAIN_LOG_LIKELIHOODS = {"classification": lambda la, sigma_noise: -la.loss, "regression": _gaussian_log_likelihood}
+#: likelihood -> the gradient of minus the log-likelihood at the MAP from the stored loss's (a Gaussian's loss is
+#: the sum of squared errors: divided by 2 sigma^2)
+_LOG_LIKELIHOOD_GRADIENTS = {"classification": lambda la, sg: la.loss_grad,
+                             "regression": lambda la, sg: la.loss_grad / (2 * sg.pow(2))}
+
+
+def _at_the_linearized_mode(la, lml: Tensor, post, delta: Tensor, sg: Tensor) -> Tensor:
+    """``mode="linearized"``: :math:`+\\tfrac12 b^\\top P^{-1} b`, :math:`b = g + \\delta\\odot\\theta_*`."""
+    grad = _LOG_LIKELIHOOD_GRADIENTS[la.likelihood](la, sg)
+    return lml + 0.5 * post.covariance_quadratic(grad + delta * la.loc)
+
+
+#: evidence mode -> ``(la, the evidence at theta_*, posterior, prior per weight, sigma) -> the evidence``
+_EVIDENCE_CORRECTIONS = {"map": lambda la, lml, post, delta, sg: lml, "linearized": _at_the_linearized_mode}
 
 
 def log_marginal_likelihood(la, prior_precision=None, sigma_noise=None, mode: str = "map") -> Tensor:
@@ -298,10 +316,7 @@ def log_marginal_likelihood(la, prior_precision=None, sigma_noise=None, mode: st
         sums = all_reduce_sum(sums, la._sharding)
     log_det_ratio = la._structure.log_det(post) - sums[0]
     lml = log_lik - 0.5 * (log_det_ratio + sums[1])
-    if mode == "linearized":
-        grad = la.loss_grad if la.likelihood == "classification" else la.loss_grad / (2 * sg.pow(2))
-        lml = lml + 0.5 * post.covariance_quadratic(grad + delta * la.loc)
-    return lml
+    return _EVIDENCE_CORRECTIONS[mode](la, lml, post, delta, sg)
 
 
 @with_grad
@@ -398,7 +413,7 @@ def optimize_prior_precision(la, method: str = "marglik", *, n_steps: int = 100,
         raise_laplace_torch_only(name, "optimize_prior_precision", laplace_torch)
     if method not in PRIOR_METHODS:
         hint = (" (laplace-torch's first argument is pred_type: pass pred_type=... by keyword here)"
-                if method in ("glm", "nn") else "")
+                if isinstance(method, str) and method in PREDICTIVES else "")
         raise ValueError(f"{name}: method must be one of {PRIOR_METHODS}, got {method!r}{hint}.")
     if grid_size is not None:
         if grid is not None:
@@ -422,12 +437,9 @@ def optimize_prior_precision(la, method: str = "marglik", *, n_steps: int = 100,
     if mode != "map" and method != "marglik":
         raise ValueError(f"{name}: mode={mode!r} chooses the evidence of method='marglik', got "
                          f"method={method!r}.")
-    chosen_t = None
-    if method == "marglik":
-        best = _marglik_prior_precision(la, n_steps, lr, mode)
-    else:
-        best, chosen_t = _gridsearch_prior_precision(la, val_loader, grid, pred_type, link_approx, num_samples,
-                                                          temperature)
+    best, chosen_t = _PRIOR_SEARCHES[method](la, dict(
+        n_steps=n_steps, lr=lr, mode=mode, val_loader=val_loader, grid=grid, pred_type=pred_type,
+        link_approx=link_approx, num_samples=num_samples, temperature=temperature))
     # the choice is checked before it touches the fitted state: nothing changes when it is refused
     best = la._check_prior_precision(best, la.loc)
     la._replace(prior_precision=best)
@@ -488,6 +500,19 @@ def _marglik_prior_precision(la, n_steps: int, lr: float, mode: str = "map") -> 
     return u.exp()
 
 
+def _marglik_search(la, o: dict):
+    return _marglik_prior_precision(la, o["n_steps"], o["lr"], o["mode"]), None
+
+
+def _gridsearch_search(la, o: dict):
+    return gridsearch_prior_precision(la, o["val_loader"], o["grid"], o["pred_type"], o["link_approx"],
+                                       o["num_samples"], o["temperature"])
+
+
+#: method -> ``(la, the options) -> (the chosen prior precision, its temperature or None)``
+_PRIOR_SEARCHES = {"marglik": _marglik_search, "gridsearch": _gridsearch_search}
+
+
 def _evidence_at(la, u: Tensor, mode: str) -> Optional[float]:
     """The log evidence at :math:`\\delta = e^u` without its gradient, None where not finite."""
     with torch.no_grad():
@@ -505,85 +530,3 @@ def _prior_sq(la, pp: Tensor) -> Tensor:
         group = la._prior_diag(torch.arange(pp.numel(), dtype=sq.dtype, device=sq.device)).round().long()
         sums = sq.new_zeros(pp.numel()).index_add_(0, group, sq)
     return sums if la._sharding is None else all_reduce_sum(sums, la._sharding)
-
-
-def _gridsearch_prior_precision(la, val_loader, grid, pred_type, link_approx, n_samples, temperature=False):
-    """``(the chosen prior precision, its temperature or None)``; the scores kept in ``grid_scores_`` (and
-    ``grid_tempered_`` with ``temperature``)."""
-    name = type(la).__name__
-    if val_loader is None:
-        raise ValueError(f"{name}: method='gridsearch' needs val_loader, got None.")
-    val_loader = reiterable(name, val_loader, "val_loader")  # every grid value scored on all of it
-    # link_approx as predict_proba reads it: only for a classifier's GLM ("nn" always samples)
-    check_pred_type(name, pred_type,
-                    link_approx if la.likelihood == "classification" and pred_type == "glm" else None)
-    values = list(_DEFAULT_GRID if grid is None else grid)
-    if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
-                         or not math.isfinite(v) for v in values):
-        raise ValueError(f"{name}: grid must be a non-empty sequence of positive finite floats, got {grid!r}.")
-    saved = la._buffers["prior_precision"]
-    scores, tempered = [], []
-    try:
-        for v in values:  # a fresh tensor per value: the saved one is never written
-            la._buffers["prior_precision"] = torch.full_like(saved, v)
-            if temperature:
-                raw, t_nll, t = _tempered_validation_nll(la, val_loader, pred_type, link_approx, n_samples)
-                scores.append(raw)
-                tempered.append((t_nll, t))
-            else:
-                scores.append(_validation_nll(la, val_loader, pred_type, link_approx, n_samples))
-    finally:
-        la._buffers["prior_precision"] = saved
-    bad = [v for v, sc in zip(values, scores) if not math.isfinite(sc)]
-    bad += [v for v, (sc, _) in zip(values, tempered) if not math.isfinite(sc) and v not in bad]
-    if bad:
-        raise ValueError(f"{name}: optimize_prior_precision('gridsearch'): the validation NLL is not finite at "
-                         f"prior precision(s) {bad!r} of grid (val_loader holds non-finite inputs or targets, "
-                         "or the predictive failed). The prior precision was left as it was.")
-    la.grid_scores_ = (values, scores)
-    if not temperature:
-        return saved.new_full(saved.shape, values[int(torch.tensor(scores).argmin())]), None
-    la.grid_tempered_ = (values, [sc for sc, _ in tempered], [t for _, t in tempered])
-    k = min(range(len(values)), key=lambda i: tempered[i][0])  # the first of equal scores, as argmin
-    return saved.new_full(saved.shape, values[k]), tempered[k][1]
-
-
-def _tempered_validation_nll(la, loader, pred_type, link_approx, n_samples):
-    """``(raw NLL, tempered NLL, temperature)`` per validation point of the classifier's predictive: the
-    temperature of least NLL fitted to the log of its probabilities (float64, floored at 1e-300)."""
-    from pyro_fa.predictive.temperature import fit_temperature
-
-    logs, ys = [], []
-    for batch in loader:
-        x, y = la._batch(batch, "val_loader")
-        p = la.predict_proba(x, pred_type=pred_type, link_approx=_link(pred_type, link_approx),
-                               num_samples=n_samples)
-        logs.append(p.detach().to(torch.float64).clamp_min(1e-300).log())
-        ys.append(y.long().reshape(-1).to(p.device))
-    if not logs:
-        raise ValueError(f"{type(la).__name__}: val_loader must yield at least one batch, got none.")
-    z, y = torch.cat(logs), torch.cat(ys)
-    raw = float(-z.gather(-1, y[:, None]).mean())
-    if not (math.isfinite(raw) and bool(torch.isfinite(z).all())):
-        return math.nan, math.nan, math.nan
-    t = fit_temperature(z, y)
-    return raw, float(-(z / t).log_softmax(-1).gather(-1, y[:, None]).mean()), t
-
-
-def _validation_nll(la, loader, pred_type, link_approx, n_samples) -> float:
-    total, count = 0.0, 0
-    for batch in loader:
-        x, y = la._batch(batch, "val_loader")
-        if la.likelihood == "classification":
-            p = la.predict_proba(x, pred_type=pred_type, link_approx=_link(pred_type, link_approx),
-                                   num_samples=n_samples)
-            total += float(-p.gather(-1, y.long().reshape(-1, 1)).clamp_min(1e-300).log().sum())
-        else:
-            mean, var = la.predict(x, pred_type=pred_type, num_samples=n_samples, return_var=True)
-            y = y.to(mean.dtype).reshape(mean.shape)
-            total += float(0.5 * ((y - mean).pow(2) / var + var.log() + math.log(2 * math.pi)).sum())
-        count += n_examples(x)
-    if count == 0:
-        raise ValueError(f"{type(la).__name__}: val_loader must yield at least one batch, got none.")
-    return total / count
-

@@ -28,9 +28,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, vjp, vmap
 
-__all__ = ["select_parameters", "flat_network", "curvature_vectors", "CURVATURES"]
+__all__ = ["select_parameters", "flat_network", "curvature_vectors", "CURVATURES", "SUBSETS"]
 
-#: the curvature kinds by name
+#: the curvature kinds by name (:data:`_KINDS` holds what each computes)
 CURVATURES = ("ggn", "mc")
 
 
@@ -58,19 +58,10 @@ def select_parameters(model: nn.Module, subset: Union[str, Iterable[Tensor]], ow
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if isinstance(subset, str):
-        if subset == "all":
-            chosen = named
-        elif subset == "last_layer":
-            leaves = [m for m in model.modules()
-                      if not list(m.children()) and any(p.requires_grad for p in m.parameters(recurse=False))]
-            if not leaves:
-                raise ValueError(f"{owner}: subset='last_layer' needs a module with parameters, got none in "
-                                 f"{type(model).__name__}.")
-            ids = {id(p) for p in leaves[-1].parameters(recurse=False) if p.requires_grad}
-            chosen = [(n, p) for n, p in named if id(p) in ids]
-        else:
+        if subset not in SUBSETS:
             raise ValueError(f"{owner}: subset must be 'all', 'last_layer' or an iterable of the model's "
                              f"parameters, got {subset!r}.")
+        chosen = SUBSETS[subset](model, named, owner)
     else:
         try:
             wanted = list(subset)
@@ -87,6 +78,26 @@ def select_parameters(model: nn.Module, subset: Union[str, Iterable[Tensor]], ow
     if not chosen:
         raise ValueError(f"{owner}: subset must select at least one parameter, got none.")
     return chosen
+
+
+def _all_parameters(model: nn.Module, named, owner: str):
+    """``subset="all"``: every parameter that requires a gradient."""
+    return named
+
+
+def _last_layer(model: nn.Module, named, owner: str):
+    """``subset="last_layer"``: the parameters of the last leaf module (in registration order) holding some."""
+    leaves = [m for m in model.modules()
+              if not list(m.children()) and any(p.requires_grad for p in m.parameters(recurse=False))]
+    if not leaves:
+        raise ValueError(f"{owner}: subset='last_layer' needs a module with parameters, got none in "
+                         f"{type(model).__name__}.")
+    ids = {id(p) for p in leaves[-1].parameters(recurse=False) if p.requires_grad}
+    return [(n, p) for n, p in named if id(p) in ids]
+
+
+#: subset by name -> ``(model, named parameters requiring grad, owner) -> the selected (name, parameter) pairs``
+SUBSETS = {"all": _all_parameters, "last_layer": _last_layer}
 
 
 def flat_network(model: nn.Module, named: Sequence[Tuple[str, Tensor]]) -> Callable[[Tensor, Tensor], Tensor]:
@@ -193,40 +204,73 @@ def curvature_vectors(f: Callable, theta: Tensor, x: Tensor, likelihood: str, ki
     gradient per example and draw.
     """
     theta = theta.detach()
-    if kind == "ggn":
-        if likelihood == "classification":
-            # J^T L straight from C vector-Jacobian products: no Jacobian formed, no (B, C, C, D) contraction
-            V = vmap(_softmax_factors, in_dims=(None, None, 0))(f, theta, x)  # (B, C, D)
-            return V.reshape(-1, theta.shape[0]).detach()
-        _, J = _jacobians(f, theta, x)  # (B, C, D): the rows of J for a Gaussian likelihood
-        return J.reshape(-1, J.shape[-1]).detach()
-    if kind != "mc":
+    if kind not in _KINDS:
         raise ValueError(f"curvature_vectors: kind must be one of {CURVATURES}, got {kind!r}.")
+    return _KINDS[kind](f, theta, x, likelihood, num_samples, generator)
+
+
+def _ggn_classification(f: Callable, theta: Tensor, x) -> Tensor:
+    """:math:`J^\\top L` straight from C vector-Jacobian products: no Jacobian formed, no (B, C, C, D) contraction."""
+    V = vmap(_softmax_factors, in_dims=(None, None, 0))(f, theta, x)  # (B, C, D)
+    return V.reshape(-1, theta.shape[0]).detach()
+
+
+def _ggn_regression(f: Callable, theta: Tensor, x) -> Tensor:
+    """The rows of :math:`J` (a Gaussian likelihood's :math:`\\Lambda = I`, the noise applied later)."""
+    _, J = _jacobians(f, theta, x)  # (B, C, D)
+    return J.reshape(-1, J.shape[-1]).detach()
+
+
+#: likelihood -> the exact GGN factors of a batch, ``(f, theta, x) -> (B * C, D)``
+_GGN_FACTORS = {"classification": _ggn_classification, "regression": _ggn_regression}
+
+
+def _ggn(f, theta, x, likelihood, num_samples, generator) -> Tensor:
+    return _GGN_FACTORS[likelihood](f, theta, x)
+
+
+def _gaussian_labels(outs: Tensor, C: int, generator):
+    """Targets drawn from a unit-noise Gaussian around the outputs, and their log-likelihood."""
+    noise = torch.randn(outs.shape, dtype=outs.dtype, device=outs.device, generator=generator)
+
+    def loglik(f, th, xi, yi):
+        return -0.5 * (yi - f(th, _one(xi)).reshape(-1)).pow(2).sum()
+    return outs + noise, loglik
+
+
+def _categorical_labels(outs: Tensor, C: int, generator):
+    """Labels drawn from the model's own categorical (Bernoulli for one logit), and their log-likelihood."""
+    if C == 1:
+        u = torch.rand(outs.shape, dtype=outs.dtype, device=outs.device, generator=generator)
+
+        def loglik(f, th, xi, yi):
+            z = f(th, _one(xi)).reshape(-1)
+            return -nn.functional.binary_cross_entropy_with_logits(z, yi, reduction="sum")
+        return (u < torch.sigmoid(outs)).to(outs.dtype), loglik
+    labels = torch.multinomial(outs.softmax(-1), 1, generator=generator).squeeze(-1)
+
+    def loglik(f, th, xi, yi):
+        z = f(th, _one(xi)).reshape(-1)
+        return (z.log_softmax(-1) * yi).sum()
+    return nn.functional.one_hot(labels, C).to(outs.dtype), loglik
+
+
+#: likelihood -> ``(outputs repeated per draw, C, generator) -> (sampled targets, log-likelihood(f, theta, x, y))``
+_SAMPLED_TARGETS = {"classification": _categorical_labels, "regression": _gaussian_labels}
+
+
+def _monte_carlo(f, theta, x, likelihood, num_samples, generator) -> Tensor:
+    """Gradients of the log-likelihood of labels drawn from the model's predictive, over :math:`\\sqrt{M}`."""
     with torch.no_grad():
         out = _outputs_2d(f(theta, x), "curvature_vectors")
     B, C = out.shape
     M = num_samples
     xs = tuple(t.repeat_interleave(M, 0) for t in x) if isinstance(x, tuple) else x.repeat_interleave(M, 0)
     outs = out.repeat_interleave(M, 0)
-    if likelihood == "regression":
-        noise = torch.randn(outs.shape, dtype=outs.dtype, device=outs.device, generator=generator)
-        targets = outs + noise
-
-        def loglik(th, xi, yi):
-            return -0.5 * (yi - f(th, _one(xi)).reshape(-1)).pow(2).sum()
-    elif C == 1:
-        u = torch.rand(outs.shape, dtype=outs.dtype, device=outs.device, generator=generator)
-        targets = (u < torch.sigmoid(outs)).to(outs.dtype)
-
-        def loglik(th, xi, yi):
-            z = f(th, _one(xi)).reshape(-1)
-            return -nn.functional.binary_cross_entropy_with_logits(z, yi, reduction="sum")
-    else:
-        labels = torch.multinomial(outs.softmax(-1), 1, generator=generator).squeeze(-1)
-        targets = nn.functional.one_hot(labels, C).to(outs.dtype)
-
-        def loglik(th, xi, yi):
-            z = f(th, _one(xi)).reshape(-1)
-            return (z.log_softmax(-1) * yi).sum()
-    g = vmap(grad(loglik), in_dims=(None, 0, 0))(theta, xs, targets)
+    targets, loglik = _SAMPLED_TARGETS[likelihood](outs, C, generator)
+    g = vmap(grad(lambda th, xi, yi: loglik(f, th, xi, yi)), in_dims=(None, 0, 0))(theta, xs, targets)
     return (g / M ** 0.5).detach()
+
+
+#: curvature kind -> ``(f, theta, x, likelihood, num_samples, generator) -> the batch's curvature vectors``
+_KINDS = {"ggn": _ggn, "mc": _monte_carlo}

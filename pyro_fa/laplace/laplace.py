@@ -23,7 +23,6 @@ AISTATS 2021 (``pred_type="glm"``, :mod:`pyro_fa.predictive.glm`).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -40,7 +39,9 @@ from pyro_fa.laplace._prior import (check_options, check_prior_precision, check_
                                     positive_int as _positive_int, with_grad)
 from pyro_fa.distributions import BlockLowRankPrecisionNormal, LowRankPrecisionNormal, PointMassNormal
 from pyro_fa.distributed import ShardedLowRankPrecisionNormal, make_laplace_sharding
-from pyro_fa.predictive.glm import check_eval_mode, check_pred_type, linearized_network
+from pyro_fa.laplace._predictive import FORWARD, NOISE_STD, LaplaceSource
+from pyro_fa.predictive.glm import check_eval_mode, check_pred_type
+from pyro_fa.predictive.registry import build_predictive
 from pyro_fa.predictive.likelihood import LIKELIHOODS, normalize_likelihood
 from pyro_fa.predictive.posterior import Posterior
 from pyro_fa.predictive.sampled import SampledPredictive
@@ -371,7 +372,7 @@ class FactorLaplace(Posterior, nn.Module):
         return x if isinstance(x, tuple) else (x,)
 
     def _default_noise_std(self):
-        return self.sigma_noise if self.likelihood == "regression" else None
+        return NOISE_STD[self.likelihood](self)
 
     def _whole(self, theta: Tensor) -> Tensor:
         """The whole weight vector (sharded: gathered from the ranks' rows, collective)."""
@@ -398,24 +399,7 @@ class FactorLaplace(Posterior, nn.Module):
                              f"fixed), got {type(loader).__name__}.")
         self._check_fitted("predictive()")
         self._check_sampling_mode()
-        network = {"nn": self._network, "glm": self._linearized_network}[pred_type]()
-        return SampledPredictive(self._draws, network, module=self.model, loc=self.loc, deviations=self._deviations)
-
-    def _network(self):
-        """``theta -> context of the network at theta`` (sharded: theta gathered from the ranks' rows)."""
-        def network(theta):
-            whole = self._whole(theta)
-            return contextlib.nullcontext(lambda *x: self._f(whole, self._inputs(x)))
-        return network
-
-    def _linearized_network(self):
-        """``theta -> context of the network linearised at the MAP, evaluated at theta``."""
-        loc = self._whole(self.loc)
-
-        def network(theta):
-            net = linearized_network(self.model, loc, self._whole(theta), self._params)
-            return contextlib.nullcontext(lambda *x: net(*self._inputs(x)))
-        return network
+        return build_predictive(pred_type, LaplaceSource(self), loader)
 
     def _glm_moments(self, x: Tensor):
         # the posterior unscaled (the callers apply the scale)
@@ -438,9 +422,7 @@ class FactorLaplace(Posterior, nn.Module):
         r"""laplace-torch's ``la(x, ...)``: :meth:`predict_proba` for classification, ``predict(x, return_var=True)``
         (the mean and variance, :math:`\sigma^2` added) for regression."""
         kw = dict(pred_type=pred_type, link_approx=link_approx, num_samples=num_samples, generator=generator)
-        if self.likelihood == "classification":
-            return self.predict_proba(x, **kw)
-        return self.predict(x, return_var=True, **kw)
+        return FORWARD[self.likelihood](self, x, kw)
 
     def extra_repr(self) -> str:
         return (f"likelihood={self.likelihood!r}, dim={self.dim}, rank={self.rank}, curvature={self.curvature!r}, "

@@ -14,17 +14,14 @@ around a mean; two routes give it the uncentred moment:
   estimand of ``"randomized"`` without its range finder's error (its limit as the power iteration
   converges), at one pass of the data, one symmetric eigendecomposition (:math:`O(D^3)`) and
   :math:`O(DK^2)` per FA iteration, instead of ``"scatter"``'s :math:`O(D^2K)` per iteration, which needs
-  hundreds of them (a 530-weight MLP of the breast-cancer data, one thread, float64, rank 20: ``"exact"``
-  0.23 s in 77 iterations over its two starts, ``"scatter"`` 7.3 s in 803; rank 50: 1.2 s against 5.8 s;
-  relative errors against the exact GGN 0.046 and 0.048 at rank 20, 0.0053 and 0.0055 at rank 50). Where the
-  curvature beyond its top :math:`3K` eigenvalues is small next to the :math:`K`-th, it agrees with
-  ``"scatter"`` (1.9e-2 at rank 20, 9.0e-4 at rank 50 there). Its :math:`O(D^3)` eigendecomposition makes it
-  the default only up to :math:`D = 1024` (``benchmarks/bench_laplace_cost.py``).
+  hundreds of them. Where the curvature beyond its top :math:`3K` eigenvalues is small next to the
+  :math:`K`-th, it agrees with ``"scatter"``. Its :math:`O(D^3)` eigendecomposition makes it the default only
+  up to :math:`D = 1024` (``benchmarks/bench_laplace_cost.py``; measured times and errors in
+  ``benchmarks/results/measurements_from_docstrings.md``).
 * ``"online"`` / ``"sketch"`` (:math:`O(DK)` memory, any :math:`D`): the stream :math:`\pm v` (each vector
   and its negative, so the mean is exactly zero and the centred covariance *is* the uncentred moment) is
   fed to :class:`pyro_fa.fa.online.OnlineFactorAnalysis`, by online EM (``"online"``, ``num_passes``
-  passes, shardable) or by its scatter sketch refitted by batch FA (``"sketch"``, one pass: on an MLP
-  with D = 1810 its error against the exact GGN was 0.065, online EM's 0.095 after 4 passes).
+  passes, shardable) or by its scatter sketch refitted by batch FA (``"sketch"``, one pass).
 * ``"randomized"`` (:math:`O(DK)` memory, any :math:`D`, shardable): the uncentred moment itself, with no
   :math:`\pm v` doubling, through a randomized range finder and a Nyström approximation (Halko, Martinsson &
   Tropp, *Finding structure with randomness*, SIAM Review 2011, Alg. 4.3; Tropp, Yurtsever, Udell & Cevher,
@@ -245,9 +242,13 @@ def fit_second_moment(passes: Callable[[], Iterator[Tensor]], dim: int, rank: in
 def resolve_fit(method: str, dim: int, dense_max_dim: int = 1024) -> str:
     """The fit ``"auto"`` stands for at ``dim`` weights (``"exact"`` up to ``dense_max_dim``, else
     ``"randomized"``); any other name as it is."""
-    if method == "auto":
-        return "exact" if dim <= dense_max_dim else "randomized"
-    return method
+    resolve = _AUTOMATIC.get(method)
+    return method if resolve is None else resolve(dim, dense_max_dim)
+
+
+#: the fits chosen by the size of the problem: name -> ``(dim, dense_max_dim) -> the fit it stands for``
+_AUTOMATIC: Dict[str, Callable[[int, int], str]] = {
+    "auto": lambda dim, dense_max_dim: "exact" if dim <= dense_max_dim else "randomized"}
 
 
 def _fit_scatter(passes, dim, rank, *, method, num_passes, tol, max_iter, seed, dtype, device, owner,

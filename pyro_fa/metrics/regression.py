@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 DEFAULT_LEVELS = tuple(round(0.05 * i, 2) for i in range(1, 20))  # 0.05, 0.10, …, 0.95
+#: reduction -> what is done to the per-point values
+_REDUCTIONS = {"mean": Tensor.mean, "none": lambda per_point: per_point}
 
 
 def _check_tensor(value, name: str, fn: str) -> Tensor:
@@ -175,7 +177,7 @@ def gaussian_log_likelihood(pred_means: Tensor, pred_vars: Union[Tensor, float],
     fn = "gaussian_log_likelihood"
     if not isinstance(pred_vars, Tensor) and isinstance(pred_means, Tensor):
         pred_vars = torch.as_tensor(pred_vars, dtype=pred_means.dtype, device=pred_means.device)
-    if reduction not in ("mean", "none"):
+    if reduction not in _REDUCTIONS:
         raise ValueError(f"{fn}: reduction must be 'mean' or 'none', got {reduction!r}.")
     y_std = _check_scale(y_std, fn)
     means, variances, y = _mixture(pred_means, pred_vars, y, fn)
@@ -185,7 +187,7 @@ def gaussian_log_likelihood(pred_means: Tensor, pred_vars: Union[Tensor, float],
     var_o = variances * (y_std * y_std)
     log_pdf = -0.5 * (resid.pow(2) / var_o + var_o.log() + math.log(2 * math.pi))  # (S, N)
     per_point = torch.logsumexp(log_pdf, dim=0) - math.log(log_pdf.shape[0])
-    return per_point.mean() if reduction == "mean" else per_point
+    return _REDUCTIONS[reduction](per_point)
 
 
 def mixture_cdf(pred_means: Tensor, pred_vars: Union[Tensor, float], y: Tensor) -> Tensor:

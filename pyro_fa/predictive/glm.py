@@ -32,19 +32,23 @@ import math
 from collections import Counter
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, jvp, vmap
 
+from pyro_fa.predictive.registry import DEFAULT_LINK_APPROX, PREDICTIVES, register_predictive
+from pyro_fa.predictive.sampled import SampledPredictive
+
 __all__ = ["linearized_moments", "linearized_network", "probit_proba", "PRED_TYPES", "LINK_APPROXES",
            "DEFAULT_LINK_APPROX", "check_pred_type", "resolve_link_approx", "check_eval_mode"]
 
-#: the predictives every posterior offers: sampled networks, or the network linearised at the mean
-PRED_TYPES = ("nn", "glm")
-#: how the GLM predictive's Gaussian logits become class probabilities
+#: the predictives every posterior offers (a live view of :data:`~pyro_fa.predictive.registry.PREDICTIVES`):
+#: sampled networks (``"nn"``), the network linearised at the mean (``"glm"``), and any registered since
+PRED_TYPES = PREDICTIVES.keys()
+#: how the predictive's outputs become class probabilities: by draws, or (Gaussian outputs) in closed form
 LINK_APPROXES = ("mc", "probit")
-#: ``link_approx=None`` means, per ``pred_type``: sampled networks average by Monte Carlo, the GLM in closed form
-DEFAULT_LINK_APPROX = {"nn": "mc", "glm": "probit"}
 
 _JACOBIAN_BUDGET = 2 ** 22  # elements of one chunk's per-example Jacobians (n, C, D) when chunk_size is None
 # layers that are random or update their buffers in train mode: the linearisation is then not of one function
@@ -65,13 +69,14 @@ def check_pred_type(fn: str, pred_type, link_approx=None) -> None:
     ValueError
         Naming ``fn``, the argument, the allowed values and the value given.
     """
-    if pred_type not in PRED_TYPES:
-        raise ValueError(f"{fn}: pred_type must be one of {PRED_TYPES}, got {pred_type!r}.")
+    if not isinstance(pred_type, str) or pred_type not in PREDICTIVES:
+        raise ValueError(f"{fn}: pred_type must be one of {tuple(PREDICTIVES)}, got {pred_type!r}.")
     if link_approx is not None:
         if link_approx not in LINK_APPROXES:
             raise ValueError(f"{fn}: link_approx must be one of {LINK_APPROXES}, got {link_approx!r}.")
-        if link_approx == "probit" and pred_type != "glm":
-            raise ValueError(f"{fn}: link_approx='probit' needs pred_type='glm' (Gaussian outputs), got "
+        if link_approx not in PREDICTIVES[pred_type].link_approxes:
+            offering = " or ".join(f"pred_type={p!r}" for p, e in PREDICTIVES.items() if link_approx in e.link_approxes)
+            raise ValueError(f"{fn}: link_approx={link_approx!r} needs {offering} (Gaussian outputs), got "
                              f"pred_type={pred_type!r}. Use link_approx='mc' for sampled networks.")
 
 
@@ -476,3 +481,20 @@ def linearized_network(module: nn.Module, loc: Tensor, theta: Tensor,
         return out + lin
 
     return net
+
+
+def _linearized_networks(source, loader) -> SampledPredictive:
+    r"""``pred_type="glm"``: at each draw :math:`\theta`, the network linearised at the mean,
+    :math:`f(x; c) + J_x(\theta - c)` (with ``loader``, the batch-norm statistics of :math:`c`)."""
+    module, loc, params = source.linearization("pred_type='glm'")
+
+    @contextlib.contextmanager
+    def network(theta):
+        with source.refreshed(loc, loader):
+            yield source.wrap(linearized_network(module, loc, source.whole(theta), params))
+
+    return SampledPredictive(source.draws, network, module=source.module, loc=source.loc,
+                             deviations=source.deviations)
+
+
+register_predictive("glm", _linearized_networks, link_approxes=("mc", "probit"), default_link_approx="probit")

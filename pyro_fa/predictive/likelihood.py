@@ -5,8 +5,8 @@ shape (N, C), :math:`\log \mathrm{softmax}(z)_y`; one logit of shape (N,) or (N,
 ``"regression"`` (the output is means of shape (N,) or (N, 1), :math:`\log N(y \mid \mu, \sigma^2)` with the
 given observation noise :math:`\sigma`). :func:`normalize_likelihood` maps the aliases ``"categorical"`` and
 ``"gaussian"`` to them, once, at the boundary; everything after it dispatches on the two names through
-registries (:data:`LOG_LIKELIHOODS`, :data:`TARGET_CHECKS`). A callable ``(output, targets) -> Tensor of shape
-(N,)`` is used as it is.
+registries (:data:`LOG_LIKELIHOODS`, :data:`TARGET_CHECKS`, :data:`OBSERVATION_NOISE`). A callable
+``(output, targets) -> Tensor of shape (N,)`` is used as it is.
 """
 from __future__ import annotations
 
@@ -17,11 +17,14 @@ import torch
 from torch import Tensor
 
 __all__ = ["Likelihood", "LIKELIHOODS", "LIKELIHOOD_ALIASES", "normalize_likelihood", "point_log_likelihood",
-           "check_targets", "LOG_LIKELIHOODS", "TARGET_CHECKS"]
+           "check_targets", "LOG_LIKELIHOODS", "TARGET_CHECKS", "OBSERVATION_NOISE"]
 
 #: the likelihoods every posterior's predictions take (laplace-torch's names)
 Likelihood = Literal["classification", "regression"]
 LIKELIHOODS = ("classification", "regression")
+#: likelihood name -> whether it has an observation noise (a regression's ``noise_std``, FactorLaplace's
+#: ``sigma_noise``); a classifier's is fixed (its curvature and evidence take :math:`\sigma = 1`)
+OBSERVATION_NOISE: Dict[str, bool] = {"classification": False, "regression": True}
 #: other names accepted at the boundary, and what they mean
 LIKELIHOOD_ALIASES = {"categorical": "classification", "gaussian": "regression"}
 

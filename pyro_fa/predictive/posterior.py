@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from pyro_fa.predictive.glm import probit_proba, resolve_link_approx
-from pyro_fa.predictive.likelihood import LIKELIHOODS, normalize_likelihood
+from pyro_fa.predictive.likelihood import LIKELIHOODS, OBSERVATION_NOISE, normalize_likelihood
 from pyro_fa.predictive.sampled import SampledPredictive, log_mean_exp
 
 __all__ = ["Posterior", "ROUTES", "class_proba", "class_log_proba", "mixture_moments"]
@@ -362,6 +362,6 @@ class Posterior(abc.ABC):
         owner = type(self).__name__
         likelihood = normalize_likelihood(owner, self._default_likelihood() if likelihood is None else likelihood,
                                           allow_callable=True)
-        if likelihood == "regression" and noise_std is None:
+        if noise_std is None and isinstance(likelihood, str) and OBSERVATION_NOISE[likelihood]:
             noise_std = self._default_noise_std()
         return likelihood, noise_std

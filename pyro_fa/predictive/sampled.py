@@ -21,6 +21,8 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 import torch
 from torch import Tensor
 
+from pyro_fa.predictive.registry import register_predictive
+
 __all__ = ["SampledPredictive", "log_mean_exp"]
 
 
@@ -149,3 +151,11 @@ class SampledPredictive:
         """
         return log_mean_exp(self.outputs(draws, *args, fn=lambda z: z.log_softmax(-1), **kwargs))
 
+
+def _sampled_networks(source, loader) -> SampledPredictive:
+    """``pred_type="nn"``: the network at each draw (with ``loader``, its batch-norm statistics refreshed)."""
+    return SampledPredictive(source.draws, lambda theta: source.network(theta, loader), module=source.module,
+                             loc=source.loc, deviations=source.deviations)
+
+
+register_predictive("nn", _sampled_networks)

@@ -33,13 +33,14 @@ from torch import Tensor
 
 from pyro_fa.predictive.glm import check_pred_type
 from pyro_fa.predictive.likelihood import check_targets, normalize_likelihood, point_log_likelihood
+from pyro_fa.predictive.registry import DEFAULT_PRED_TYPE
 from pyro_fa.predictive.sampled import SampledPredictive, log_mean_exp
+from pyro_fa.predictive.scale_rules import RULES, SCALE_RULES, Curve
 
 __all__ = ["ScaleSearch", "ScaleSelectionWarning", "tune_scale", "select_scale", "bma_log_likelihood",
            "DEFAULT_SCALES", "RULES"]
 
 DEFAULT_SCALES = tuple(float(10 ** (k / 2)) for k in range(-4, 9))  # 0.01, 0.032, ..., 1e4 (scale 0 is added)
-RULES = ("gated", "one_se", "fraction", "argmax", "significant")
 MIN_POINTS = 50  # fewer validation points than this: the choice is flagged as undecidable
 
 
@@ -214,47 +215,7 @@ def select_scale(scales: Sequence[float], point_log_likelihoods: Tensor, rule: s
     d = L - L[0]
     gain = d.mean(1).where(finite, L.new_tensor(-math.inf))
     se = (d.std(1, unbiased=True) / math.sqrt(N)).nan_to_num(0.0) if N > 1 else d.new_zeros(len(scales))
-    if rule == "argmax":
-        i = int(mean.argmax())
-        return i, f"the highest validation log-likelihood ({'the mean' if i == 0 else f'scale {scales[i]:.3g}'})"
-    if rule == "fraction":  # the best lower confidence bound on the gain
-        lower = (gain - num_se * se).where(finite, L.new_tensor(-math.inf))
-        best = int(lower[1:].argmax()) + 1 if len(scales) > 1 else 0
-    else:
-        best = int(gain[1:].argmax()) + 1 if len(scales) > 1 else 0
-    g, s = float(gain[best]), float(se[best])
-    if rule == "gated":
-        i = int(mean.argmax())
-        if i == 0 or not float(gain[i]) > 2 * float(se[i]):
-            j = i if i > 0 else best  # the best positive scale, for the record
-            return 0, (f"no scale beats the mean by more than twice its paired standard error (best gain "
-                       f"{float(gain[j]):.3g} +- {float(se[j]):.3g} per point at scale {scales[j]:.3g}): the mean "
-                       "(scale 0)")
-        rule = "one_se"
-    if rule == "one_se":
-        i = int(mean.argmax())
-        dd = L[i] - L
-        se_i = (dd.std(1, unbiased=True) / math.sqrt(N)).nan_to_num(0.0) if N > 1 else dd.new_zeros(len(scales))
-        ok = [j for j in range(len(scales)) if bool(finite[j]) and float(mean[i] - mean[j]) <= float(se_i[j])]
-        if ok[0] == 0:
-            return 0, (f"no scale beats the mean by more than its paired standard error (best gain "
-                       f"{float(mean[i] - mean[0]):.3g} +- {float(se_i[0]):.3g} per point at scale {scales[i]:.3g}): "
-                       "the mean (scale 0)")
-        if ok[0] == i:
-            return i, (f"the best scale, {scales[i]:.3g}: no smaller one within a paired standard error of it (gain "
-                       f"over the mean {float(mean[i] - mean[0]):.3g} +- {float(se_i[0]):.3g} per point)")
-        return ok[0], (f"the smallest scale within one paired standard error ({float(se_i[ok[0]]):.3g}) of the best, "
-                       f"scale {scales[i]:.3g}")
-    if best == 0 or not g > s:
-        return 0, (f"no scale beats the mean by more than its paired standard error (best gain {g:.3g} "
-                   f"+- {s:.3g} per point at scale {scales[best]:.3g}): the mean (scale 0)")
-    if rule == "significant":
-        if g > 2 * s:
-            return best, f"the best scale, whose gain over the mean {g:.3g} exceeds twice its standard error {s:.3g}"
-        return 0, f"the best gain over the mean {g:.3g} is within twice its standard error {s:.3g}: the mean"
-    i = next(j for j in range(1, len(scales)) if float(gain[j]) >= fraction * g)
-    return i, (f"the smallest scale reaching {fraction:g} of the validation gain over the mean at scale "
-               f"{scales[best]:.3g} ({g:.3g} +- {s:.3g} per point, the best lower bound)")
+    return SCALE_RULES[rule].choose(Curve(scales, L, N, finite, mean, gain, se, fraction, num_se))
 
 
 def _stacklevel() -> int:
@@ -298,18 +259,19 @@ def _members(posterior, fn: str) -> list:
 def _predictives(members, pred_type: str, fn: str) -> List[SampledPredictive]:
     """Each member's predictive: ``predictive()`` for ``"nn"``, ``predictive(pred_type=...)`` otherwise."""
     check_pred_type(fn, pred_type)
-    if pred_type == "nn":
-        return [member.predictive() for member in members]
     out = []
     for member in members:
         try:
             params = inspect.signature(member.predictive).parameters
         except (TypeError, ValueError):  # a builtin without a signature: let the call decide
             params = {"pred_type": None}
-        if "pred_type" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        if "pred_type" in params or any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            out.append(member.predictive(pred_type=pred_type))
+            continue
+        if pred_type != DEFAULT_PRED_TYPE:  # predictive() without arguments gives the default one only
             raise TypeError(f"{fn}: pred_type={pred_type!r} needs a posterior whose predictive() takes pred_type, "
                             f"got {type(member).__name__}.predictive() without it; use pred_type='nn'.")
-        out.append(member.predictive(pred_type=pred_type))
+        out.append(member.predictive())
     return out
 
 
@@ -502,7 +464,7 @@ def tune_scale(posterior, inputs, targets, likelihood: Union[str, Callable] = "c
     if N < MIN_POINTS:
         warnings.warn(f"{fn}: {N} validation points are too few to tell scales apart reliably (fewer than "
                       f"{MIN_POINTS}); chose {search.scale:.3g} by {reason}.", ScaleSelectionWarning, stacklevel=_stacklevel())
-    elif search.scale == 0.0 and rule != "argmax":
+    elif search.scale == 0.0 and SCALE_RULES[rule].flat_when_mean:
         warnings.warn(f"{fn}: the validation curve is flat: {reason}.", ScaleSelectionWarning, stacklevel=_stacklevel())
     if best_pos == len(cands) - 1 and float(means[best_pos]) > float(means[0]):
         warnings.warn(f"{fn}: the best scale is still the largest tried ({cands[-1]:.3g}) after widening the grid by "

@@ -25,7 +25,22 @@ __all__ = ["IterateCollector"]
 
 _GUARD_AFTER = 10  # collected vectors before the divergence guard trusts the spread
 _GUARD_PATIENCE = 20  # refusals in a row after which a run that stopped moving away is collected again
-_ON_NONFINITE = ("raise", "skip")
+
+
+def _skip_refused(msg: str) -> bool:
+    """``on_nonfinite="skip"``: warn, and report the vector as not collected."""
+    warnings.warn(msg, RuntimeWarning, stacklevel=5)
+    return False
+
+
+def _raise_refused(msg: str) -> bool:
+    """``on_nonfinite="raise"``: refuse the vector with an error naming the way to skip such vectors."""
+    raise ValueError(msg + " Pass on_nonfinite='skip' to skip such vectors with a warning.")
+
+
+#: on_nonfinite -> what a refused vector does (returns False, or raises)
+ON_NONFINITE = {"raise": _raise_refused, "skip": _skip_refused}
+_ON_NONFINITE = tuple(ON_NONFINITE)
 _DEFAULTS = dict(start_after=0, collect_every=1, window=1, on_nonfinite="raise", max_deviation=10.0)
 
 
@@ -177,10 +192,7 @@ class IterateCollector:
         if reason is not None:
             self.n_refused += 1
             msg = f"{cls}: {reason} It was not collected and the posterior is unchanged ({swag._n} vectors collected)."
-            if self.on_nonfinite == "skip":
-                warnings.warn(msg, RuntimeWarning, stacklevel=4)
-                return False
-            raise ValueError(msg + " Pass on_nonfinite='skip' to skip such vectors with a warning.")
+            return ON_NONFINITE[self.on_nonfinite](msg)
         if self.window > 1:
             swag._window_sum.zero_()
             self.n_window = 0

@@ -4,45 +4,49 @@ What :class:`~pyro_fa.predictive.Posterior` asks of a posterior (its predictive,
 moments), built from a :class:`~pyro_fa.swag.SWAG` through ``loc``, ``cov_factor``, ``cov_diag``, ``scale``,
 ``sample`` and the followed weights; SWAG's methods call these functions. ``predict``, ``predict_proba``,
 ``predict_log_proba``, ``predictive_samples``, ``log_likelihood`` and ``tune_scale`` are the protocol's, shared
-with every posterior. The predictive of each ``pred_type`` is looked up in :data:`PREDICTIVES`.
+with every posterior. The predictive of each ``pred_type`` is the one registry's
+(:mod:`pyro_fa.predictive.registry`), built from the SWAG seen as a :class:`SWAGSource`.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, Optional, Tuple
+from collections.abc import Mapping
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from pyro_fa.predictive.glm import linearized_moments as _linearized_moments, linearized_network
-from pyro_fa.predictive.sampled import SampledPredictive
+from pyro_fa.predictive.glm import linearized_moments as _linearized_moments
+from pyro_fa.predictive.registry import PREDICTIVES as REGISTERED, PredictiveSource
 
-__all__ = ["PREDICTIVES", "linearized_moments", "linearized_marginals"]
-
-
-def _draws(swag):
-    def draws(num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
-        return swag.sample(num_samples, generator=generator)
-    return draws
+__all__ = ["PREDICTIVES", "SWAGSource", "linearized_moments", "linearized_marginals"]
 
 
-def _deviations(swag):
-    def deviations(num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
-        swag._check_ready("tune_scale()")
-        return swag._deviations(num_samples, generator)
-    return deviations
+class SWAGSource(PredictiveSource):
+    """A :class:`~pyro_fa.swag.SWAG` as the predictive builders read it (:mod:`pyro_fa.predictive.registry`)."""
 
+    def __init__(self, swag):
+        self.swag, self.module, self.loc = swag, swag._source.module, swag.loc
 
-def _nn_predictive(swag, loader) -> SampledPredictive:
-    """The network at each draw :math:`\\theta`."""
-    module = swag._source.module
+    def draws(self, num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
+        return self.swag.sample(num_samples, generator=generator)
+
+    def deviations(self, num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
+        self.swag._check_ready("tune_scale()")
+        return self.swag._deviations(num_samples, generator)
 
     @contextlib.contextmanager
-    def network(theta):
-        with swag.sampled_weights(theta, loader=loader):
-            yield module
+    def network(self, theta, loader=None):
+        with self.swag.sampled_weights(theta, loader=loader):
+            yield self.module
 
-    return SampledPredictive(_draws(swag), network, module=module, loc=swag.loc, deviations=_deviations(swag))
+    def linearization(self, what: str):
+        module, params = _glm_params(self.swag, what)
+        return module, self.swag._rows.full_theta(self.swag.loc, self.swag.dim), params  # sharded: the whole mean
+
+    def refreshed(self, theta, loader=None):
+        """The module's batch-norm statistics at ``theta`` from ``loader`` (nothing to do without one)."""
+        return contextlib.nullcontext() if loader is None else self.swag.sampled_weights(theta, loader=loader)
 
 
 def _glm_params(swag, what: str):
@@ -54,23 +58,23 @@ def _glm_params(swag, what: str):
     return module, [p for _, p in swag._named()]
 
 
-def _glm_predictive(swag, loader) -> SampledPredictive:
-    """The network linearised at the mean, :math:`f(x; c) + J_x(\\theta - c)`, at each draw."""
-    module, params = _glm_params(swag, "pred_type='glm'")
-    loc = swag._rows.full_theta(swag.loc, swag.dim)  # sharded: the whole mean, as every draw is whole
+class _ByPredType(Mapping):
+    """``PREDICTIVES[pred_type](swag, loader)``: the registered predictive of ``pred_type`` built from a SWAG."""
 
-    @contextlib.contextmanager
-    def network(theta):
-        if loader is None:
-            yield linearized_network(module, loc, theta, params)
-        else:  # batch-norm statistics of the mean, the linearisation point
-            with swag.sampled_weights(loc, loader=loader):
-                yield linearized_network(module, loc, theta, params)
+    def __getitem__(self, pred_type: str) -> Callable:
+        entry = REGISTERED[pred_type]
+        return lambda swag, loader=None: entry.build(SWAGSource(swag), loader)
 
-    return SampledPredictive(_draws(swag), network, module=module, loc=swag.loc, deviations=_deviations(swag))
+    def __iter__(self):
+        return iter(REGISTERED)
+
+    def __len__(self) -> int:
+        return len(REGISTERED)
 
 
-PREDICTIVES: Dict[str, Callable] = {"nn": _nn_predictive, "glm": _glm_predictive}  # by pred_type
+#: pred_type -> ``(swag, loader) -> SampledPredictive``: every predictive of the one registry
+#: (:data:`pyro_fa.predictive.registry.PREDICTIVES`), built from the SWAG's :class:`SWAGSource`
+PREDICTIVES = _ByPredType()
 
 
 def linearized_moments(swag, args, chunk_size: Optional[int] = None, diagonal: bool = False) -> Tuple[Tensor, Tensor]:
