@@ -92,14 +92,6 @@ def test_link_choice_keeps_link_approx_where_the_pred_type_offers_a_choice():
     assert link_choice("unknown", "probit") == "probit"  # left for check_pred_type to refuse the pred_type
 
 
-def test_swag_reads_the_one_registry(registry):
-    from pyro_fa.swag._prediction import PREDICTIVES as SWAG_PREDICTIVES
-
-    assert list(SWAG_PREDICTIVES) == ["nn", "glm"] and len(SWAG_PREDICTIVES) == 2
-    register_predictive("point", lambda source, loader: source)
-    assert list(SWAG_PREDICTIVES) == ["nn", "glm", "point"]
-
-
 def test_every_likelihood_table_covers_every_likelihood():
     from pyro_fa.laplace import _gridsearch, _loaders, _predictive, _prior, curvature
     from pyro_fa.predictive import likelihood

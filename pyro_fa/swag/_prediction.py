@@ -10,14 +10,13 @@ with every posterior. The predictive of each ``pred_type`` is the one registry's
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
 from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from pyro_fa.predictive.glm import linearized_moments as _linearized_moments
-from pyro_fa.predictive.registry import PREDICTIVES as REGISTERED, PredictiveSource
+from pyro_fa.predictive.registry import PredictiveSource
 
 __all__ = ["PREDICTIVES", "SWAGSource", "linearized_moments", "linearized_marginals"]
 
@@ -56,25 +55,6 @@ def _glm_params(swag, what: str):
         raise RuntimeError(f"{type(swag).__name__}: {what} needs a SWAG built from an nn.Module (the network "
                            "is linearised in its weights), got parameters only. Use pred_type='nn'.")
     return module, [p for _, p in swag._named()]
-
-
-class _ByPredType(Mapping):
-    """``PREDICTIVES[pred_type](swag, loader)``: the registered predictive of ``pred_type`` built from a SWAG."""
-
-    def __getitem__(self, pred_type: str) -> Callable:
-        entry = REGISTERED[pred_type]
-        return lambda swag, loader=None: entry.build(SWAGSource(swag), loader)
-
-    def __iter__(self):
-        return iter(REGISTERED)
-
-    def __len__(self) -> int:
-        return len(REGISTERED)
-
-
-#: pred_type -> ``(swag, loader) -> SampledPredictive``: every predictive of the one registry
-#: (:data:`pyro_fa.predictive.registry.PREDICTIVES`), built from the SWAG's :class:`SWAGSource`
-PREDICTIVES = _ByPredType()
 
 
 def linearized_moments(swag, args, chunk_size: Optional[int] = None, diagonal: bool = False) -> Tuple[Tensor, Tensor]:

@@ -27,6 +27,7 @@ from pyro_fa.distributed.swag import swag_rows
 from pyro_fa.distributions import FactorNormal, PointMassNormal
 from pyro_fa.fa.fitters import Fitter, iterate_fitters
 from pyro_fa.predictive.glm import check_pred_type
+from pyro_fa.predictive.registry import build_predictive
 from pyro_fa.predictive.posterior import Posterior
 from pyro_fa.predictive.sampled import SampledPredictive
 from pyro_fa.swag import _prediction, _state
@@ -376,7 +377,7 @@ class SWAG(Posterior, nn.Module):
         check_pred_type(type(self).__name__, pred_type)
         if self._n == 0:
             self._check_ready("predictive()")
-        return _prediction.PREDICTIVES[pred_type](self, loader)
+        return build_predictive(pred_type, _prediction.SWAGSource(self), loader)
 
     def linearized_moments(self, *args, chunk_size: Optional[int] = None,
                            diagonal: bool = False) -> Tuple[Tensor, Tensor]:
