@@ -26,18 +26,15 @@ __all__ = ["FactorELBO", "spherical_radial_rule"]
 
 @dataclass(frozen=True)
 class _Sampling:
-    """How FactorELBO draws the vectorised particles of an AutoContinuous guide's latent."""
-
-    cubature: bool  # by the spherical-radial rule where it fits (else i.i.d.)
-    required: bool  # refuse where it does not fit
+    """How FactorELBO draws the vectorised particles of an AutoContinuous guide's latent: by the spherical-radial
+    rule where it fits (``cubature``, else i.i.d.), refusing where it does not (``required``)."""
+    cubature: bool
+    required: bool
 
 
 #: ``sampling`` option -> how the particles are drawn
-_SAMPLING = {
-    "auto": _Sampling(cubature=True, required=False),
-    "iid": _Sampling(cubature=False, required=False),
-    "spherical-radial": _Sampling(cubature=True, required=True),
-}
+_SAMPLING = {"auto": _Sampling(cubature=True, required=False), "iid": _Sampling(cubature=False, required=False),
+             "spherical-radial": _Sampling(cubature=True, required=True)}
 _PARTICLE_PLATE = "num_particles_vectorized"  # the plate Pyro's ELBO vectorises particles with
 
 
