@@ -285,7 +285,7 @@ class AutoLowRankFactorGuide(_GuideStateMixin, AutoContinuous):
 
     def _scale_vector(self) -> Tensor:
         scale = self.scale
-        return scale.expand(self.loc.shape) if scale.dim() == 0 else scale
+        return scale if scale.dim() else scale.expand(self.loc.shape)  # fetches loc only when isotropic
 
     @property
     def cov_factor(self) -> Tensor:
