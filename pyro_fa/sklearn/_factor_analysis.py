@@ -134,13 +134,9 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
     Notes
     -----
     The batch algorithms cost :math:`O(ND^2)` for the statistics and :math:`O(D^2K)` per
-    iteration, against :math:`O(NDK)` per iteration for scikit-learn's
-    randomized SVD of the :math:`N \times D` data; transform and scoring cost
-    :math:`O(NDK + DK^2)` through the Woodbury identity. Only
-    :meth:`get_covariance` and :meth:`get_precision` form :math:`D\times D`
-    matrices, as in scikit-learn; past ``n_features = 20 000`` (3.2 GB in
-    float64) they refuse, naming the size and the :math:`O(DK)` alternative,
-    unless given a larger ``max_dim``.
+    iteration (scikit-learn's randomized SVD: :math:`O(NDK)`); transform and scoring cost
+    :math:`O(NDK + DK^2)` (Woodbury). Only :meth:`get_covariance` and :meth:`get_precision`
+    form :math:`D\times D` matrices, and past ``max_dim`` features they refuse.
 
     With ``dtype="float64"`` the batch algorithms floor the noise variances at
     ``1e-12`` as scikit-learn does, so a constant column (e.g. the blank
@@ -156,6 +152,11 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
     analyzers*, CRG-TR-96-1, 1996.
     S. Brownlie, *Extending the Bayesian Deep Learning Method MultiSWAG*,
     MSc thesis, University of Edinburgh, 2021, Algorithms 1 and 2.
+
+    See Also
+    --------
+    sklearn.decomposition.FactorAnalysis : the estimator this one replaces.
+    pyro_fa.OnlineFactorAnalysis : the streaming fitter behind ``"online_em"`` and ``"sga"``.
 
     Examples
     --------
