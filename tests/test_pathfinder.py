@@ -104,6 +104,30 @@ def test_init_guide_sets_the_factor_guide_to_the_pathfinder_posterior():
     torch.testing.assert_close(draws.mean(0), q.mean, atol=0.05, rtol=0)
 
 
+def test_init_guide_gives_an_isotropic_guide_the_mean_noise_and_leaves_a_fixed_one():
+    model, X, y, _, _ = _linreg()
+    pf = Pathfinder(model).fit(X, y, generator=torch.Generator().manual_seed(1))
+    q = pf.get_posterior()
+    r = q.cov_factor.shape[1]
+    pyro.clear_param_store()
+    learned = AutoLowRankFactorGuide(model, rank=r, noise="isotropic")
+    learned(X, y)
+    pf.init_guide(learned)
+    # Psi = sigma^2 I with sigma^2 the mean of the Pathfinder noise variances; the factor F = sigma G is kept
+    sigma = q.cov_diag.mean().sqrt()
+    assert learned.scale.shape == ()
+    torch.testing.assert_close(learned.scale, sigma)
+    order = q.cov_factor.pow(2).sum(0).argsort(descending=True)
+    torch.testing.assert_close(learned.cov_factor, q.cov_factor[:, order])
+    torch.testing.assert_close(learned.get_posterior().loc, q.loc)
+    pyro.clear_param_store()
+    fixed = AutoLowRankFactorGuide(model, rank=r, noise="isotropic", noise_scale=0.05)
+    fixed(X, y)
+    pf.init_guide(fixed)
+    assert fixed.scale.item() == 0.05  # a fixed noise scale is a hyperparameter: left as built
+    torch.testing.assert_close(fixed.factor, q.cov_factor[:, order] / sigma)
+
+
 def test_pathfinder_refuses_bad_arguments_and_unfitted_use():
     with pytest.raises(ValueError, match="Pathfinder: exactly one of model and log_density must be given"):
         Pathfinder()

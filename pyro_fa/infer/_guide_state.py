@@ -16,6 +16,9 @@ from pyro.nn import PyroParam
 from torch import Tensor, nn
 from torch.distributions import transform_to
 
+#: the state keys of Pyro's ``AutoLowRankMultivariateNormal``
+_PYRO_LOW_RANK_KEYS = ("loc", "cov_factor", "scale_unconstrained")
+
 
 class _GuideStateMixin:
     """``from_pyro`` / ``to_pyro`` / ``load_state_dict`` of :class:`~pyro_fa.infer.guide.AutoLowRankFactorGuide`.
@@ -215,8 +218,8 @@ class _GuideStateMixin:
         if self.noise != "diagonal":
             raise RuntimeError(f"{name}: load_state_dict got an AutoLowRankMultivariateNormal state, whose noise is "
                                f"per coordinate, but this guide has noise={self.noise!r}; build it with noise='diagonal'.")
-        out = {k: v for k, v in state.items() if k not in ("loc", "cov_factor", "scale_unconstrained")}
-        for key in ("loc", "cov_factor", "scale_unconstrained"):
+        out = {k: v for k, v in state.items() if k not in _PYRO_LOW_RANK_KEYS}
+        for key in _PYRO_LOW_RANK_KEYS:
             value = state.get(key)
             if not torch.is_tensor(value):
                 raise RuntimeError(f"{name}: load_state_dict: an AutoLowRankMultivariateNormal state needs {key!r}, "

@@ -2,6 +2,7 @@ r"""``FactorELBO``: an ELBO with the entropy and Gaussian / Laplace prior terms 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import pyro.poutine as poutine
@@ -21,7 +22,19 @@ from pyro_fa.infer.priors.closed_forms import base_of, closed_form, expected_log
 
 __all__ = ["FactorELBO", "spherical_radial_rule"]
 
-_SAMPLING = ("auto", "iid", "spherical-radial")
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    """How FactorELBO draws the vectorised particles of an AutoContinuous guide's latent: by the spherical-radial
+    rule where it fits (``cubature``, else i.i.d.), refusing where it does not (``required``)."""
+    cubature: bool
+    required: bool
+
+
+#: ``sampling`` option -> how the particles are drawn
+_SAMPLING = {"auto": _Sampling(cubature=True, required=False), "iid": _Sampling(cubature=False, required=False),
+             "spherical-radial": _Sampling(cubature=True, required=True)}
 _PARTICLE_PLATE = "num_particles_vectorized"  # the plate Pyro's ELBO vectorises particles with
 
 
@@ -324,10 +337,10 @@ class FactorELBO(ELBO):
         sampling: str = "auto",
     ):
         if sampling not in _SAMPLING:
-            raise ValueError(f"FactorELBO: sampling must be one of {_SAMPLING}, got {sampling!r}.")
+            raise ValueError(f"FactorELBO: sampling must be one of {tuple(_SAMPLING)}, got {sampling!r}.")
         if isinstance(num_particles, bool) or not isinstance(num_particles, int) or num_particles < 1:
             raise ValueError(f"FactorELBO: num_particles must be an integer >= 1, got {num_particles!r}.")
-        if sampling == "spherical-radial" and not (vectorize_particles and num_particles > 1):
+        if _SAMPLING[sampling].required and not (vectorize_particles and num_particles > 1):
             raise ValueError(
                 "FactorELBO: sampling='spherical-radial' couples the particles of one vectorised draw, "
                 f"got num_particles={num_particles!r}, vectorize_particles={vectorize_particles!r}. "
@@ -490,11 +503,12 @@ class FactorELBO(ELBO):
 
     def _cubature(self, guide) -> Optional[str]:
         """The guide's latent site to draw by the spherical-radial rule, or None for i.i.d. particles."""
-        if self.sampling == "iid" or not (self.vectorize_particles and self.num_particles > 1):
+        sampling = _SAMPLING[self.sampling]
+        if not sampling.cubature or not (self.vectorize_particles and self.num_particles > 1):
             return None
         inner = poutine.unwrap(guide) if hasattr(poutine, "unwrap") else guide
         if not isinstance(inner, AutoContinuous):  # one Gaussian over every latent: nothing left i.i.d.
-            if self.sampling == "spherical-radial":
+            if sampling.required:
                 raise ValueError(
                     f"FactorELBO: sampling='spherical-radial' needs an AutoContinuous guide, got {guide!r}. "
                     "Use sampling='auto'."
@@ -512,7 +526,7 @@ class FactorELBO(ELBO):
         if site is not None:
             # wrapped here, inside the particle plate, so it sees the site before the plate broadcasts it
             self._rule = _SphericalRadialMessenger(
-                site, self.sampling == "spherical-radial", self.num_particles, -self.max_plate_nesting
+                site, _SAMPLING[self.sampling].required, self.num_particles, -self.max_plate_nesting
             )
             guide = self._rule(guide)
         return super()._get_vectorized_trace(model, guide, args, kwargs)

@@ -1,6 +1,7 @@
 r"""``AutoLowRankFactorGuide``: a factor-analysis (VIFA) or PPCA (VIPPCA) autoguide."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import warnings
@@ -19,11 +20,10 @@ from pyro_fa._validation import positive_float
 from pyro_fa.distributions import StableLowRankMultivariateNormal
 from pyro_fa.fa.linalg import orthogonal_init
 from pyro_fa.infer._guide_state import _GuideStateMixin
+from pyro_fa.infer._noise import NOISE_MODELS
 from pyro_fa.infer.transforms import LowRankAffine
 
 __all__ = ["AutoLowRankFactorGuide"]
-
-_NOISE_OPTIONS = ("diagonal", "isotropic")
 
 
 class FactorLowRankMultivariateNormal(StableLowRankMultivariateNormal, TorchDistributionMixin):
@@ -103,21 +103,13 @@ class AutoLowRankFactorGuide(_GuideStateMixin, AutoContinuous):
     loc_scale : {None, "prior"} or float, default None
         Keyword only. Units of the learned mean. ``None``: :math:`c` itself is the
         parameter, as in Pyro's autoguides. ``"prior"`` or a positive float
-        :math:`\lambda`: the parameter is the *whitened* mean :math:`u` with
-        :math:`c = \lambda \odot u`, where ``"prior"`` takes
-        :math:`\lambda_i` as the prior standard deviation of coordinate
-        :math:`i` (from the site's ``variance`` when its support is the real
-        line, e.g. :math:`\alpha^{-1/2}` for ``GaussianPrior``,
-        :math:`\sqrt2 b` for ``LaplacePrior``; 1 for constrained sites,
-        infinite variances or priors whose parameters are learned). An
-        optimiser such as Adam moves each parameter by about its learning
-        rate per step whatever the gradient's size, so with ``None`` the mean
-        travels at most ``lr`` per step and a mean many ``lr``-steps from its
-        start is reached late or never; whitening makes the step a fraction
-        of the prior's spread (the whitened parameterisation of sparse GPs,
-        GPflow's ``whiten=True``). Use a decaying learning rate with it: a
-        constant one leaves the mean jittering by about ``lr`` prior standard
-        deviations.
+        :math:`\lambda`: the parameter is the *whitened* mean :math:`u`,
+        :math:`c = \lambda \odot u`, with ``"prior"`` taking :math:`\lambda_i`
+        as the prior standard deviation of coordinate :math:`i` where the
+        site's support is the real line and its variance fixed and finite
+        (1 elsewhere). Adam moves a parameter by about ``lr`` per step, so
+        whitening makes the mean's step a fraction of the prior's spread
+        (GPflow's ``whiten=True``); use a decaying learning rate with it.
 
     Attributes
     ----------
@@ -150,12 +142,6 @@ class AutoLowRankFactorGuide(_GuideStateMixin, AutoContinuous):
 
     Notes
     -----
-    Differences from the thesis's settings, all reachable by arguments: the
-    thesis (Brownlie 2021) starts at ``init_scale=0.01``; here the default is
-    Pyro's 0.1, so that a Pyro user's script behaves as with Pyro's guide.
-    The library's own networks and experiments pass 0.01 explicitly, so their
-    recorded numbers are unchanged.
-
     The initial :math:`G` has orthogonal columns (Brownlie 2021, §4.4) of norm
     :math:`\sqrt{D/K}`, so :math:`GG^\top` has unit diagonal on average, and
     :math:`s = \texttt{init\_scale}/\sqrt2`, so each coordinate starts with
@@ -179,6 +165,11 @@ class AutoLowRankFactorGuide(_GuideStateMixin, AutoContinuous):
     report, University of Edinburgh, 2023, §2.
     M. Hoffman et al. (2019), *NeuTra-lizing bad geometry in Hamiltonian Monte
     Carlo using neural transport*.
+
+    See Also
+    --------
+    pyro_fa.infer.FactorELBO : the ELBO with the guide's entropy and Gaussian / Laplace priors in closed form.
+    pyro_fa.infer.Pathfinder : a starting point for the guide (:meth:`Pathfinder.init_guide`).
 
     Examples
     --------
@@ -216,12 +207,12 @@ class AutoLowRankFactorGuide(_GuideStateMixin, AutoContinuous):
             if rank < 1:
                 raise ValueError(f"{name}: rank must be >= 1, got {rank!r}.")
             rank = int(rank)
-        if noise not in _NOISE_OPTIONS:
-            raise ValueError(f"{name}: noise must be one of {_NOISE_OPTIONS}, got {noise!r}.")
+        if noise not in NOISE_MODELS:
+            raise ValueError(f"{name}: noise must be one of {tuple(NOISE_MODELS)}, got {noise!r}.")
         init_scale = positive_float(name, "init_scale", init_scale)
-        if loc_scale is not None and not (isinstance(loc_scale, str) and loc_scale == "prior"):
-            if isinstance(loc_scale, str):
-                raise ValueError(f"{name}: loc_scale must be None, 'prior' or a positive float, got {loc_scale!r}.")
+        if isinstance(loc_scale, str) and loc_scale not in _LOC_SCALES:
+            raise ValueError(f"{name}: loc_scale must be None, 'prior' or a positive float, got {loc_scale!r}.")
+        if loc_scale is not None and not isinstance(loc_scale, str):
             loc_scale = positive_float(name, "loc_scale", loc_scale)
         if noise_scale is not None:
             if noise != "isotropic":
@@ -238,6 +229,7 @@ class AutoLowRankFactorGuide(_GuideStateMixin, AutoContinuous):
                 init_loc_fn = init_to_median
         self.rank = rank
         self.noise = noise
+        self.noise_model = NOISE_MODELS[noise](noise_scale)
         self._init_scale = init_scale
         self._noise_scale = noise_scale
         self._loc_scale_option = loc_scale
@@ -268,71 +260,20 @@ class AutoLowRankFactorGuide(_GuideStateMixin, AutoContinuous):
         if self._loc_scale_option is None:
             self.loc = nn.Parameter(loc)
         else:
-            lam = self._prior_std(loc) if self._loc_scale_option == "prior" else loc.new_full(
-                (D,), self._loc_scale_option
-            )
+            lam = _loc_scale_rule(self._loc_scale_option)(self, loc)
             self.register_buffer("loc_scale", lam)
             self.whitened_loc = nn.Parameter(loc / lam)
         # G with orthogonal columns of norm sqrt(D / K): unit diagonal of G G^T on average
         G = orthogonal_init(D, self.rank, scale=math.sqrt(D / self.rank), dtype=loc.dtype, device=loc.device)
         self.factor = nn.Parameter(G)
-        s0 = self._init_scale / math.sqrt(2)
-        if self.noise == "diagonal":
-            self.scale = PyroParam(loc.new_full((D,), s0), constraint=self.scale_constraint)
-        elif self._noise_scale is None:
-            self.scale = PyroParam(loc.new_tensor(s0), constraint=self.scale_constraint)
-        else:
-            self.register_buffer("scale", loc.new_tensor(self._noise_scale))
-        self._warn_on_stored_shapes(loc)
-
-    def _warn_on_stored_shapes(self, loc: Tensor) -> None:
-        """Warn where Pyro's param store kept an earlier guide's parameter of another shape.
-
-        A parameter whose name is already in the param store takes the stored value, whatever this
-        guide created (Pyro's behaviour): a rank-2 guide built after a rank-1 guide of the same name
-        would silently go on with the rank-1 factor.
-        """
-        D = self.latent_dim
-        expected = {"factor": (D, self.rank)}
-        expected["whitened_loc" if self._loc_scale_option is not None else "loc"] = (D,)
-        if self._noise_scale is None:  # a fixed noise scale is a buffer, never stored
-            expected["scale"] = (D,) if self.noise == "diagonal" else ()
-        for attr, shape in expected.items():
-            try:
-                got = tuple(getattr(self, attr).shape)
-            except AttributeError:
-                continue
-            if got != shape:
-                warnings.warn(
-                    f"{type(self).__name__}: param {self._pyro_get_fullname(attr)!r} must have shape {shape} "
-                    f"(rank={self.rank}, noise={self.noise!r}, D={D}), got {got}: the param store already held "
-                    "that name from an earlier guide and keeps its value. Call pyro.clear_param_store() before "
-                    "building the new guide.",
-                    UserWarning, stacklevel=4)
+        self.noise_model.install(self, loc, self._init_scale / math.sqrt(2))
+        _warn_on_stored_shapes(self)
 
     def __getattr__(self, name):
-        if name == "loc" and "whitened_loc" in self._parameters:
-            return self.whitened_loc * self.loc_scale
+        derived = _DERIVED.get(name)
+        if derived is not None and derived[0] in self._parameters:
+            return derived[1](self)
         return super().__getattr__(name)
-
-    def _prior_std(self, like: Tensor) -> Tensor:
-        """Per-coordinate prior standard deviation of the packed latent (1 where it is not simple)."""
-        parts = []
-        for name, site in self.prototype_trace.iter_stochastic_nodes():
-            shape = self._unconstrained_shapes[name]
-            std = None
-            fn = site["fn"]
-            if fn.support is constraints.real or getattr(fn.support, "base_constraint", None) is constraints.real:
-                try:
-                    var = fn.variance
-                except (NotImplementedError, AttributeError):
-                    var = None
-                if torch.is_tensor(var) and not var.requires_grad:
-                    std = var.detach().to(like).sqrt().expand(shape)
-                    if not (torch.isfinite(std).all() and (std > 0).all()):
-                        std = None
-            parts.append((std if std is not None else like.new_ones(shape)).reshape(-1))
-        return torch.cat(parts)
 
     def _check_setup(self, what: str) -> None:
         if self.prototype_trace is None:
@@ -344,7 +285,7 @@ class AutoLowRankFactorGuide(_GuideStateMixin, AutoContinuous):
 
     def _scale_vector(self) -> Tensor:
         scale = self.scale
-        return scale.expand(self.loc.shape) if scale.dim() == 0 else scale
+        return scale if scale.dim() else scale.expand(self.loc.shape)  # fetches loc only when isotropic
 
     @property
     def cov_factor(self) -> Tensor:
@@ -436,22 +377,109 @@ class AutoLowRankFactorGuide(_GuideStateMixin, AutoContinuous):
         return LowRankAffine(self.loc, self.factor * scale.unsqueeze(-1), scale * scale)
 
     def _unpack_latent(self, latent: Tensor):
-        """Pyro's unpacking, with a flat stack of draws of shape (S, D) put left of the model's plates.
+        """Pyro's unpacking, with a flat stack of draws (S, D) (MCMC draws for ``NeuTraReparam``) read as
+        (S, 1, ..., 1, D), left of the model's plates; other latents are unpacked as Pyro does.
 
-        Pyro asks that a batch of latents sit left of every plate dimension (``latent.unsqueeze(-2)`` for
-        one plate); a stack of MCMC draws, e.g. for ``NeuTraReparam.transform_sample``, is (S, D) and
-        failed to broadcast against a plated site. Here such a stack is read as
-        (S, 1, ..., 1, D), one 1 per plate dimension of the latent sites; a latent with no batch, or with
-        a batch already left of the plates (vectorised particles, ``unsqueeze(-2)``), is unpacked as Pyro does.
+        The sites' offsets and shapes are computed once per batch shape (Pyro recomputes them, with a
+        ``torch.broadcast_shapes`` per site, at every call; FactorELBO unpacks three vectors a step).
         """
         if latent.dim() == 2:
             depth = max((-f.dim for _, site in self.prototype_trace.iter_stochastic_nodes()
                          for f in site["cond_indep_stack"] if f.vectorized and f.dim is not None), default=0)
             if depth:
                 latent = latent.reshape(latent.shape[:1] + (1,) * depth + latent.shape[-1:])
-        return super()._unpack_latent(latent)
+        cache = self.__dict__.get("_unpack_plans")
+        if cache is None or cache[0] is not self.prototype_trace or cache[1] is not self._unconstrained_shapes:
+            cache = self.__dict__["_unpack_plans"] = (self.prototype_trace, self._unconstrained_shapes, {})
+        batch_shape = latent.shape[:-1]
+        plan = cache[2].get(batch_shape)
+        if plan is None:
+            plan = cache[2][batch_shape] = _unpack_plan(self, batch_shape)
+        if not torch._C._get_tracing_state():
+            assert plan[-1] == latent.size(-1)
+        return ((site, latent[..., pos:pos + size].view(shape)) for site, pos, size, shape in plan[0])
 
     def _loc_scale(self, *args, **kwargs):
         self._check_setup("median() / quantiles()")
         scale = self._scale_vector() * (self.factor.pow(2).sum(-1) + 1).sqrt()
         return self.loc, scale
+
+
+def _warn_on_stored_shapes(guide: AutoLowRankFactorGuide) -> None:
+    """Warn where Pyro's param store kept an earlier guide's parameter of another shape.
+
+    A parameter whose name is already in the param store takes the stored value, whatever the
+    guide created (Pyro's behaviour): a rank-2 guide built after a rank-1 guide of the same name
+    would silently go on with the rank-1 factor.
+    """
+    D = guide.latent_dim
+    expected = {"factor": (D, guide.rank)}
+    expected["whitened_loc" if guide._loc_scale_option is not None else "loc"] = (D,)
+    scale_shape = guide.noise_model.stored_shape(D)
+    if scale_shape is not None:
+        expected["scale"] = scale_shape
+    for attr, shape in expected.items():
+        try:
+            got = tuple(getattr(guide, attr).shape)
+        except AttributeError:
+            continue
+        if got != shape:
+            warnings.warn(
+                f"{type(guide).__name__}: param {guide._pyro_get_fullname(attr)!r} must have shape {shape} "
+                f"(rank={guide.rank}, noise={guide.noise!r}, D={D}), got {got}: the param store already held "
+                "that name from an earlier guide and keeps its value. Call pyro.clear_param_store() before "
+                "building the new guide.",
+                UserWarning, stacklevel=4)
+
+
+def _prior_std(guide: AutoLowRankFactorGuide, like: Tensor) -> Tensor:
+    """Per-coordinate prior standard deviation of the packed latent (1 where it is not simple)."""
+    parts = []
+    for name, site in guide.prototype_trace.iter_stochastic_nodes():
+        shape = guide._unconstrained_shapes[name]
+        std = None
+        fn = site["fn"]
+        if fn.support is constraints.real or getattr(fn.support, "base_constraint", None) is constraints.real:
+            try:
+                var = fn.variance
+            except (NotImplementedError, AttributeError):
+                var = None
+            if torch.is_tensor(var) and not var.requires_grad:
+                std = var.detach().to(like).sqrt().expand(shape)
+                if not (torch.isfinite(std).all() and (std > 0).all()):
+                    std = None
+        parts.append((std if std is not None else like.new_ones(shape)).reshape(-1))
+    return torch.cat(parts)
+
+
+def _constant_loc_scale(value: float, guide: AutoLowRankFactorGuide, like: Tensor) -> Tensor:
+    return like.new_full((guide.latent_dim,), value)
+
+
+#: ``loc_scale`` by name -> ``(guide, loc) -> lambda`` of shape (D,); a float is a constant lambda.
+_LOC_SCALES = {"prior": _prior_std}
+
+
+def _loc_scale_rule(option) -> Callable:
+    if isinstance(option, str):
+        return _LOC_SCALES[option]
+    return functools.partial(_constant_loc_scale, option)
+
+
+#: attributes computed from others: name -> (the parameter that makes it derived, how to compute it)
+_DERIVED = {"loc": ("whitened_loc", lambda guide: guide.whitened_loc * guide.loc_scale)}
+
+
+def _unpack_plan(guide: AutoLowRankFactorGuide, batch_shape: torch.Size):
+    """``([(site, offset, size, shape)], D)``: where :meth:`AutoContinuous._unpack_latent` finds each site in a
+    packed latent of batch shape ``batch_shape``, with the shapes it gives them."""
+    plan, pos = [], 0
+    for name, site in guide.prototype_trace.iter_stochastic_nodes():
+        constrained_shape = site["value"].shape
+        unconstrained_shape = guide._unconstrained_shapes[name]
+        size = math.prod(unconstrained_shape)
+        event_dim = site["fn"].event_dim + len(unconstrained_shape) - len(constrained_shape)
+        shape = torch.broadcast_shapes(unconstrained_shape, batch_shape + (1,) * event_dim)
+        plan.append((site, pos, size, shape))
+        pos += size
+    return plan, pos

@@ -120,6 +120,47 @@ def _check_int(name: str, arg: str, value, low: int) -> int:
     return int(value)
 
 
+def _two_loop(g: Tensor, S, Y, alpha: Tensor) -> Tensor:
+    """H g by the L-BFGS two-loop recursion with H0 = diag(alpha) (Nocedal & Wright, Alg. 7.4)."""
+    q = g.clone()
+    rhos, alphas = [], []
+    for s, y in zip(reversed(S), reversed(Y)):
+        rho = 1.0 / float(s @ y)
+        a = rho * float(s @ q)
+        q = q - a * y
+        rhos.append(rho)
+        alphas.append(a)
+    r = alpha * q if S else q
+    for (s, y), rho, a in zip(zip(S, Y), reversed(rhos), reversed(alphas)):
+        b = rho * float(y @ r)
+        r = r + s * (a - b)
+    return r
+
+def _bfgs_gaussian(x: Tensor, g: Tensor, alpha: Tensor, S, Y, it: int) -> Optional[_Gaussian]:
+    """The paper's Algorithm 3 (BFGS-Mat) and the factors of Algorithm 4; None if not positive definite."""
+    Sm, Ym = torch.stack(S, -1), torch.stack(Y, -1)  # (D, m)
+    m = Sm.shape[1]
+    SY = Sm.T @ Ym
+    R = torch.triu(SY)
+    E = torch.diag(SY.diagonal())
+    eye = torch.eye(m, dtype=x.dtype)
+    Rinv = torch.linalg.solve_triangular(R, eye, upper=True)
+    beta = torch.cat([alpha.unsqueeze(-1) * Ym, Sm], dim=1)  # (D, 2m)
+    gamma = torch.zeros(2 * m, 2 * m, dtype=x.dtype)
+    gamma[:m, m:] = -Rinv
+    gamma[m:, :m] = -Rinv.T
+    gamma[m:, m:] = Rinv.T @ (E + Ym.T @ (alpha.unsqueeze(-1) * Ym)) @ Rinv
+    Q, Rb = torch.linalg.qr(beta / alpha.sqrt().unsqueeze(-1))  # thin: (D, k), (k, 2m)
+    k = Q.shape[1]
+    Mmat = torch.eye(k, dtype=x.dtype) + Rb @ gamma @ Rb.T
+    L, info = torch.linalg.cholesky_ex(0.5 * (Mmat + Mmat.T))
+    if int(info) != 0 or not torch.isfinite(L).all():
+        return None
+    # mean: one quasi-Newton step, mu = x + Sigma grad log p = x - Sigma g
+    mu = x - (alpha * g + beta @ (gamma @ (beta.T @ g)))
+    return _Gaussian(mu=mu, alpha=alpha.clone(), Q=Q, L=L, iteration=it)
+
+
 class Pathfinder:
     r"""Single- and multi-path Pathfinder on a Pyro model (Zhang et al. 2022), a factor-analysis posterior.
 
@@ -262,7 +303,7 @@ class Pathfinder:
         u = torch.randn(self.num_elbo_draws, D, dtype=x0.dtype, generator=generator)
         x = x0
         for it in range(1, self.max_iters + 1):
-            d = -self._two_loop(g, S, Y, alpha)
+            d = -_two_loop(g, S, Y, alpha)
             gd = float(g @ d)
             if not gd < 0:  # not a descent direction: restart from steepest descent
                 d, gd, S, Y = -g, -float(g @ g), [], []
@@ -298,7 +339,7 @@ class Pathfinder:
             rel = abs(f_new - f) / max(abs(f_new), abs(f), 1.0)
             x, f, g = x_new, f_new, g_new
             if S:
-                approx = self._gaussian(x, g, alpha, S, Y, it)
+                approx = _bfgs_gaussian(x, g, alpha, S, Y, it)
                 if approx is not None:
                     phi, logq = approx.draw(self.num_elbo_draws, u=u)
                     logp = self._values(phi)
@@ -311,48 +352,6 @@ class Pathfinder:
             raise RuntimeError(f"{type(self).__name__}: L-BFGS made no accepted step with positive curvature from "
                                "its initial point; try another init or seed.")
         return best
-
-    @staticmethod
-    def _two_loop(g: Tensor, S, Y, alpha: Tensor) -> Tensor:
-        """H g by the L-BFGS two-loop recursion with H0 = diag(alpha) (Nocedal & Wright, Alg. 7.4)."""
-        q = g.clone()
-        rhos, alphas = [], []
-        for s, y in zip(reversed(S), reversed(Y)):
-            rho = 1.0 / float(s @ y)
-            a = rho * float(s @ q)
-            q = q - a * y
-            rhos.append(rho)
-            alphas.append(a)
-        r = alpha * q if S else q
-        for (s, y), rho, a in zip(zip(S, Y), reversed(rhos), reversed(alphas)):
-            b = rho * float(y @ r)
-            r = r + s * (a - b)
-        return r
-
-    @staticmethod
-    def _gaussian(x: Tensor, g: Tensor, alpha: Tensor, S, Y, it: int) -> Optional[_Gaussian]:
-        """The paper's Algorithm 3 (BFGS-Mat) and the factors of Algorithm 4; None if not positive definite."""
-        Sm, Ym = torch.stack(S, -1), torch.stack(Y, -1)  # (D, m)
-        m = Sm.shape[1]
-        SY = Sm.T @ Ym
-        R = torch.triu(SY)
-        E = torch.diag(SY.diagonal())
-        eye = torch.eye(m, dtype=x.dtype)
-        Rinv = torch.linalg.solve_triangular(R, eye, upper=True)
-        beta = torch.cat([alpha.unsqueeze(-1) * Ym, Sm], dim=1)  # (D, 2m)
-        gamma = torch.zeros(2 * m, 2 * m, dtype=x.dtype)
-        gamma[:m, m:] = -Rinv
-        gamma[m:, :m] = -Rinv.T
-        gamma[m:, m:] = Rinv.T @ (E + Ym.T @ (alpha.unsqueeze(-1) * Ym)) @ Rinv
-        Q, Rb = torch.linalg.qr(beta / alpha.sqrt().unsqueeze(-1))  # thin: (D, k), (k, 2m)
-        k = Q.shape[1]
-        Mmat = torch.eye(k, dtype=x.dtype) + Rb @ gamma @ Rb.T
-        L, info = torch.linalg.cholesky_ex(0.5 * (Mmat + Mmat.T))
-        if int(info) != 0 or not torch.isfinite(L).all():
-            return None
-        # mean: one quasi-Newton step, mu = x + Sigma grad log p = x - Sigma g
-        mu = x - (alpha * g + beta @ (gamma @ (beta.T @ g)))
-        return _Gaussian(mu=mu, alpha=alpha.clone(), Q=Q, L=L, iteration=it)
 
     # ------------------------------------------------------------------ public verbs
     def fit(self, *args, generator: Optional[torch.Generator] = None, **kwargs) -> "Pathfinder":
@@ -517,10 +516,7 @@ class Pathfinder:
             F = F[:, :K]
         like = guide.loc
         with torch.no_grad():
-            if guide.noise == "diagonal":
-                s = psi.sqrt()
-            else:
-                s = psi.mean().sqrt().expand(D)
+            s = guide.noise_model.scale_from_variances(psi)
             G = F / s.unsqueeze(-1)
             if G.shape[1] < K:
                 extra = torch.randn(D, K - G.shape[1], dtype=G.dtype) * 1e-2
@@ -533,7 +529,4 @@ class Pathfinder:
             else:
                 guide.loc.data.copy_(q.loc.to(like))
             guide.factor.data.copy_(G.to(like))
-            if guide.noise == "diagonal":
-                guide.scale = s.to(like)
-            elif guide._noise_scale is None:
-                guide.scale = s[0].to(like)
+            guide.noise_model.assign(guide, s.to(like))

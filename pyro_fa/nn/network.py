@@ -48,7 +48,35 @@ from pyro_fa.nn.batched.mlp import _architecture
 
 __all__ = ["BayesianNetwork"]
 
-_LIKELIHOODS = ("gaussian", "bernoulli", "categorical")
+
+
+def _gaussian_likelihood(bnn, out: Tensor, y):
+    return pyro.sample("y", dist.Normal(out.squeeze(-1), bnn._noise(out)), obs=y)
+
+
+def _bernoulli_likelihood(bnn, out: Tensor, y):
+    return pyro.sample("y", dist.Bernoulli(logits=out.squeeze(-1)), obs=y)
+
+
+def _categorical_likelihood(bnn, out: Tensor, y):
+    return pyro.sample("y", dist.Categorical(logits=out), obs=y)
+
+
+#: ``likelihood`` option -> ``(network, its output, y) -> the observed site`` (inside the data plate)
+_LIKELIHOODS = {"gaussian": _gaussian_likelihood, "bernoulli": _bernoulli_likelihood,
+                "categorical": _categorical_likelihood}
+
+
+def _module_init_loc(mlp, net, x: Tensor) -> Tensor:
+    return mlp.flatten(net).to(x)
+
+
+def _random_init_loc(mlp, net, x: Tensor) -> None:
+    return None
+
+
+#: ``fit_many``'s ``init`` option -> the initial mean of the batched guide (None: its random initialisation)
+_INIT_LOCS = {"random": _random_init_loc, "module": _module_init_loc}
 _INSTANCES = itertools.count()
 
 
@@ -107,8 +135,8 @@ class BayesianNetwork(_Prediction):
         if not isinstance(prior, FactorisedPrior):
             raise TypeError(f"BayesianNetwork: prior must be a pyro_fa.infer.priors.FactorisedPrior (GaussianPrior, "
                             f"LaplacePrior or any subclass), got {prior!r}.")
-        if likelihood not in _LIKELIHOODS:
-            raise ValueError(f"BayesianNetwork: likelihood must be one of {_LIKELIHOODS}, got {likelihood!r}.")
+        if not isinstance(likelihood, str) or likelihood not in _LIKELIHOODS:
+            raise ValueError(f"BayesianNetwork: likelihood must be one of {tuple(_LIKELIHOODS)}, got {likelihood!r}.")
         if noise_scale is not None:
             if likelihood != "gaussian":
                 raise ValueError(
@@ -162,11 +190,7 @@ class BayesianNetwork(_Prediction):
         out = self.module(x)
         size = dataset_size or n
         with pyro.plate("data", size, subsample=torch.arange(n, device=x.device)):
-            if self.likelihood == "gaussian":
-                return pyro.sample("y", dist.Normal(out.squeeze(-1), self._noise(out)), obs=y)
-            if self.likelihood == "bernoulli":
-                return pyro.sample("y", dist.Bernoulli(logits=out.squeeze(-1)), obs=y)
-            return pyro.sample("y", dist.Categorical(logits=out), obs=y)
+            return _LIKELIHOODS[self.likelihood](self, out, y)
 
     # ------------------------------------------------------------------ train
     def fit(self, loader, optim, epochs: int, device=None, progress: bool = True):
@@ -344,7 +368,7 @@ class BayesianNetwork(_Prediction):
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
                                       or not 0 < value < math.inf):
                 raise ValueError(f"{fn}: {arg} must be a positive finite float, got {value!r}.")
-        if init not in ("random", "module"):
+        if not isinstance(init, str) or init not in _INIT_LOCS:
             raise ValueError(f"{fn}: init must be 'random' or 'module', got {init!r}.")
         if generator is not None and (not isinstance(generator, torch.Generator) or generator.device.type != "cpu"):
             got = f"one on {generator.device}" if isinstance(generator, torch.Generator) else type(generator).__name__
@@ -358,7 +382,7 @@ class BayesianNetwork(_Prediction):
         alphas = [p.precision for p in prior_list]
         R = len(prior_list) * copies
         vi = BatchedVI(mlp, "fa", kind, x.new_tensor(alphas).repeat_interleave(copies), float(lr), replicas=R,
-                       rank=int(rank), init_loc=mlp.flatten(net).to(x) if init == "module" else None,
+                       rank=int(rank), init_loc=_INIT_LOCS[init](mlp, net, x),
                        noise_scale=noise_scale, generator=generator, dtype=x.dtype, device=x.device)
         fit_batched(vi, x, y, steps, batch_size=batch_size, particles=num_particles, lr_schedule=lr_schedule,
                     generator=generator if generator is not None and x.device.type == "cpu" else None,

@@ -1,7 +1,6 @@
 """A drop-in replacement for :class:`sklearn.decomposition.FactorAnalysis`."""
 from __future__ import annotations
 
-import copy
 import functools
 import warnings
 from numbers import Integral, Real
@@ -9,20 +8,16 @@ from numbers import Integral, Real
 import numpy as np
 import torch
 from sklearn.base import BaseEstimator, ClassNamePrefixFeaturesOutMixin, TransformerMixin, _fit_context
-from sklearn.exceptions import ConvergenceWarning
 from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from pyro_fa._validation import TORCH_DTYPES, check_device
 from pyro_fa.fa import linalg
-from pyro_fa.fa.batch import BatchFactorAnalysis
+from pyro_fa.sklearn._algorithms import ALGORITHMS, SKLEARN_NOISE_FLOOR  # noqa: F401 (the floor is documented here)
+from pyro_fa.sklearn._rotation import ROTATIONS, ortho_rotation
 
 __all__ = ["FactorAnalysis"]
-
-_ONLINE = ("online_em", "sga")
-#: scikit-learn's floor on the noise variances (``SMALL`` in sklearn/decomposition/_factor_analysis.py)
-SKLEARN_NOISE_FLOOR = 1e-12
 
 
 def _transaction(method):
@@ -139,13 +134,9 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
     Notes
     -----
     The batch algorithms cost :math:`O(ND^2)` for the statistics and :math:`O(D^2K)` per
-    iteration, against :math:`O(NDK)` per iteration for scikit-learn's
-    randomized SVD of the :math:`N \times D` data; transform and scoring cost
-    :math:`O(NDK + DK^2)` through the Woodbury identity. Only
-    :meth:`get_covariance` and :meth:`get_precision` form :math:`D\times D`
-    matrices, as in scikit-learn; past ``n_features = 20 000`` (3.2 GB in
-    float64) they refuse, naming the size and the :math:`O(DK)` alternative,
-    unless given a larger ``max_dim``.
+    iteration (scikit-learn's randomized SVD: :math:`O(NDK)`); transform and scoring cost
+    :math:`O(NDK + DK^2)` (Woodbury). Only :meth:`get_covariance` and :meth:`get_precision`
+    form :math:`D\times D` matrices, and past ``max_dim`` features they refuse.
 
     With ``dtype="float64"`` the batch algorithms floor the noise variances at
     ``1e-12`` as scikit-learn does, so a constant column (e.g. the blank
@@ -161,6 +152,11 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
     analyzers*, CRG-TR-96-1, 1996.
     S. Brownlie, *Extending the Bayesian Deep Learning Method MultiSWAG*,
     MSc thesis, University of Edinburgh, 2021, Algorithms 1 and 2.
+
+    See Also
+    --------
+    sklearn.decomposition.FactorAnalysis : the estimator this one replaces.
+    pyro_fa.OnlineFactorAnalysis : the streaming fitter behind ``"online_em"`` and ``"sga"``.
 
     Examples
     --------
@@ -179,9 +175,9 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         "noise_variance_init": ["array-like", None],
         "svd_method": [StrOptions({"randomized", "lapack"})],
         "iterated_power": [Interval(Integral, 0, None, closed="left")],
-        "rotation": [StrOptions({"varimax", "quartimax"}), None],
+        "rotation": [StrOptions(set(ROTATIONS)), None],
         "random_state": ["random_state"],
-        "algorithm": [StrOptions({"svd", "em", "online_em", "sga"})],
+        "algorithm": [StrOptions(set(ALGORITHMS))],
         "batch_size": [Interval(Integral, 1, None, closed="left")],
         "warmup": [Interval(Integral, 1, None, closed="left")],
         "learning_rate": [Interval(Real, 0.0, None, closed="neither")],
@@ -239,27 +235,12 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         k = n_features if self.n_components is None else self.n_components
         if k > n_features:
             raise ValueError(f"{name}: n_components must be <= n_features={n_features}, got {k!r}.")
-        if self.algorithm in _ONLINE and not 1 <= k < n_features:
+        if ALGORITHMS[self.algorithm].online and not 1 <= k < n_features:
             raise ValueError(
                 f"{name}: n_components must be in [1, n_features={n_features}) for algorithm="
                 f"{self.algorithm!r}, got {k!r}. Use a batch algorithm ('svd' or 'em') or fewer components."
             )
         return k
-
-    def _noise_init(self, n_features: int):
-        if self.noise_variance_init is None:
-            return None
-        psi = np.asarray(self.noise_variance_init, dtype=np.float64)
-        if psi.shape != (n_features,):
-            raise ValueError(
-                f"{type(self).__name__}: noise_variance_init must have shape ({n_features},), got {psi.shape!r}."
-            )
-        if not (np.all(np.isfinite(psi)) and np.all(psi > 0)):
-            raise ValueError(
-                f"{type(self).__name__}: noise_variance_init must be finite and positive, "
-                f"got {self.noise_variance_init!r}."
-            )
-        return psi
 
     def _seed(self) -> int:
         return int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
@@ -326,82 +307,21 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         X = validate_data(self, X, reset=first, dtype=[np.float64, np.float32])
         return self._fit_batch(X)
 
-    def _new_model(self, n_features: int):
-        dtype, device = self._torch_options()
-        k = self._n_components(n_features)
-        psi0 = self._noise_init(n_features)
-        if self.algorithm not in _ONLINE:
-            return BatchFactorAnalysis(
-                n_features,
-                k,
-                self.algorithm,
-                tol=self.tol,
-                max_iter=self.max_iter,
-                svd_method=self.svd_method,
-                iterated_power=self.iterated_power,
-                noise_variance_init=None if psi0 is None else torch.as_tensor(psi0),
-                seed=self._seed(),
-                # scikit-learn's floor on the noise variances (its SMALL): constant columns get psi = 1e-12
-                # as there, so scores match; float32 keeps the relative floor it needs to stay stable
-                noise_floor=SKLEARN_NOISE_FLOOR if dtype == torch.float64 else None,
-                dtype=dtype,
-                device=device,
-            )
-        from pyro_fa.fa.online import OnlineFactorAnalysis
-
-        return OnlineFactorAnalysis(
-            n_features,
-            k,
-            method="em" if self.algorithm == "online_em" else "sga",
-            warmup=self.warmup,
-            lr=self.learning_rate,
-            seed=self._seed(),
-            dtype=dtype,
-            device=device,
-        )
-
     def _fit_batch(self, X: np.ndarray):
-        n_features = X.shape[1]
         model = getattr(self, "_model", None)
         fresh = model is None
         if fresh:
-            model = self._new_model(n_features)
-        x = self._tensor(X)
-        if isinstance(model, BatchFactorAnalysis):
-            model.update(x)
-            model.fit(warn=False)
-            self.loglike_ = model.loglike.tolist()
-            self.n_iter_ = model.n_iter
-            if not model.converged:
-                warnings.warn(
-                    f"{type(self).__name__}: {self.algorithm!r} did not converge in max_iter={self.max_iter} "
-                    "iterations; you might want to increase max_iter or tol.",
-                    ConvergenceWarning,
-                )
-        else:
-            # the batch is one transaction: an update refused part-way (one that would overflow the
-            # state's dtype) restores the state from before the batch
-            saved = None if fresh else copy.deepcopy(model.state_dict())
-            n_steps = 0
-            try:
-                for chunk in torch.split(x, self.batch_size):
-                    model.update(chunk)
-                    n_steps += 1
-            except ValueError as err:
-                if saved is not None:
-                    model.load_state_dict(saved)
-                raise ValueError(
-                    f"{type(self).__name__}: X must fit the model's dtype, got row {n_steps * self.batch_size} or "
-                    f"after refused ({str(err).split(': ', 1)[-1]}) The model is left as it was before this call."
-                ) from None
-            ll = float(model.log_prob(x).sum())
-            self.n_iter_ = n_steps if fresh else self.n_iter_ + n_steps
-            self.loglike_ = [ll] if fresh else self.loglike_ + [ll]
+            dtype, device = self._torch_options()
+            n_features = X.shape[1]
+            self._algorithm = ALGORITHMS[self.algorithm]
+            model = self._algorithm.build(self, n_features, self._n_components(n_features),
+                                          _noise_init(self, n_features), dtype, device)
+        self._algorithm.update(self, model, self._tensor(X), fresh)
         self._model = model
         F = model.cov_factor.detach()
         self.components_ = F.T.cpu().numpy().astype(X.dtype, copy=True)
         if self.rotation is not None and self.components_.shape[0] > 0:
-            self.components_ = _ortho_rotation(self.components_.T, method=self.rotation).T.copy()
+            self.components_ = ortho_rotation(self.components_.T, method=self.rotation).T.copy()
         self.noise_variance_ = model.cov_diag.detach().cpu().numpy().astype(X.dtype, copy=True)
         self.mean_ = model.loc.detach().cpu().numpy().astype(X.dtype, copy=True)
         return self
@@ -486,7 +406,7 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
             :math:`O(DK)` memory), or :meth:`score_samples` / :meth:`transform`,
             which never form it.
         """
-        self._check_dense("get_covariance()", max_dim)
+        _check_dense(self, "get_covariance()", max_dim)
         _, F, psi = self._fitted_tensors()
         return linalg.dense_covariance(F, psi).cpu().numpy()
 
@@ -510,45 +430,44 @@ class FactorAnalysis(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
             ``pyro_fa.fa.linalg.solve(components_.T, noise_variance_, rhs)``
             (Woodbury, :math:`O(DK^2)`) instead.
         """
-        self._check_dense("get_precision()", max_dim)
+        _check_dense(self, "get_precision()", max_dim)
         _, F, psi = self._fitted_tensors()
         eye = torch.eye(psi.shape[0], dtype=psi.dtype, device=psi.device)
         return linalg.solve(F, psi, eye).cpu().numpy()
-
-    def _check_dense(self, what: str, max_dim) -> None:
-        check_is_fitted(self)
-        name = type(self).__name__
-        if max_dim is not None and (isinstance(max_dim, bool) or not isinstance(max_dim, Integral) or max_dim < 1):
-            raise ValueError(f"{name}: max_dim must be a positive int or None, got {max_dim!r}.")
-        alternative = (
-            "Use components_ and noise_variance_ (the covariance is components_.T @ components_ + "
-            "diag(noise_variance_), O(DK) memory), pyro_fa.fa.linalg.solve(components_.T, noise_variance_, rhs) "
-            "for products with the precision, or score_samples / transform, which never form a D x D matrix; "
-            "or pass max_dim=None to build it anyway."
-        )
-        linalg.check_dense_dim(name, what, self.n_features_in_, self._torch_options()[0], alternative,
-                               max_dim=max_dim, argument="n_features")
 
     @property
     def _n_features_out(self):
         return self.components_.shape[0]
 
 
-def _ortho_rotation(components: np.ndarray, method: str = "varimax", tol: float = 1e-6, max_iter: int = 100):
-    """Varimax or quartimax rotation of loadings of shape (n_features, n_components) (Kaiser 1958).
+def _noise_init(est: FactorAnalysis, n_features: int):
+    """``noise_variance_init`` as a checked float64 array of shape (n_features,), or None."""
+    if est.noise_variance_init is None:
+        return None
+    psi = np.asarray(est.noise_variance_init, dtype=np.float64)
+    if psi.shape != (n_features,):
+        raise ValueError(
+            f"{type(est).__name__}: noise_variance_init must have shape ({n_features},), got {psi.shape!r}."
+        )
+    if not (np.all(np.isfinite(psi)) and np.all(psi > 0)):
+        raise ValueError(
+            f"{type(est).__name__}: noise_variance_init must be finite and positive, "
+            f"got {est.noise_variance_init!r}."
+        )
+    return psi
 
-    Returns the rotated loadings, shape (n_features, n_components).
-    """
-    nrow, ncol = components.shape
-    rotation = np.eye(ncol)
-    var = 0.0
-    for _ in range(max_iter):
-        rotated = components @ rotation
-        tmp = rotated * ((rotated**2).sum(axis=0) / nrow) if method == "varimax" else 0.0
-        u, s, vt = np.linalg.svd(components.T @ (rotated**3 - tmp))
-        rotation = u @ vt
-        var_new = s.sum()
-        if var != 0 and var_new < var * (1 + tol):
-            break
-        var = var_new
-    return components @ rotation
+
+def _check_dense(est: FactorAnalysis, what: str, max_dim) -> None:
+    """Refuse a dense D x D result past ``max_dim`` features, naming the O(DK) alternatives."""
+    check_is_fitted(est)
+    name = type(est).__name__
+    if max_dim is not None and (isinstance(max_dim, bool) or not isinstance(max_dim, Integral) or max_dim < 1):
+        raise ValueError(f"{name}: max_dim must be a positive int or None, got {max_dim!r}.")
+    alternative = (
+        "Use components_ and noise_variance_ (the covariance is components_.T @ components_ + "
+        "diag(noise_variance_), O(DK) memory), pyro_fa.fa.linalg.solve(components_.T, noise_variance_, rhs) "
+        "for products with the precision, or score_samples / transform, which never form a D x D matrix; "
+        "or pass max_dim=None to build it anyway."
+    )
+    linalg.check_dense_dim(name, what, est.n_features_in_, est._torch_options()[0], alternative,
+                           max_dim=max_dim, argument="n_features")

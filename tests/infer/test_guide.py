@@ -529,3 +529,28 @@ def test_load_state_dict_before_the_guide_has_run():
     fresh = AutoLowRankFactorGuide(_model, rank=2)
     with pytest.raises(RuntimeError, match=r"load_state_dict\(\) needs the guide's parameters"):
         fresh.load_state_dict(guide.state_dict())
+
+
+def test_unpack_latent_matches_pyros_for_every_batch_shape():
+    """The guide caches where each site sits in the packed latent; the pieces are Pyro's, for any batch shape."""
+    from pyro.infer.autoguide import AutoContinuous
+
+    def model():
+        pyro.sample("a", dist.Normal(torch.zeros(2, dtype=torch.float64), 1.0).to_event(1))
+        with pyro.plate("p", 3):
+            pyro.sample("b", dist.LogNormal(torch.zeros((), dtype=torch.float64), 1.0))
+        pyro.sample("c", dist.Dirichlet(torch.ones(4, dtype=torch.float64)))
+
+    pyro.clear_param_store()
+    guide = AutoLowRankFactorGuide(model, rank=2)
+    guide()
+    D = guide.latent_dim
+    for shape in [(D,), (5, 1, D), (2, 5, 1, D), (D,)]:  # the last one again: from the cache
+        latent = torch.randn(shape, dtype=torch.float64)
+        ours = list(guide._unpack_latent(latent))
+        pyros = list(AutoContinuous._unpack_latent(guide, latent))
+        assert [s["name"] for s, _ in ours] == [s["name"] for s, _ in pyros] == ["a", "b", "c"]
+        for (_, x), (_, y) in zip(ours, pyros):
+            assert x.shape == y.shape and torch.equal(x, y)
+    with pytest.raises(AssertionError):
+        list(guide._unpack_latent(torch.randn(D + 1, dtype=torch.float64)))

@@ -22,7 +22,18 @@ from pyro_fa.nn.batched.vi import BatchedVI
 
 __all__ = ["fit_batched", "sample_rows", "take_rows"]
 
-_SCHEDULES = ("constant", "cosine")
+
+
+def _constant_schedule(opt, T_max: int):
+    return None
+
+
+def _cosine_schedule(opt, T_max: int):
+    return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=T_max)
+
+
+#: ``lr_schedule`` name -> ``(optimizer, total steps) -> scheduler`` (None: a constant rate)
+_SCHEDULES = {"constant": _constant_schedule, "cosine": _cosine_schedule}
 
 
 def fit_batched(model: BatchedVI, x: Tensor, y: Tensor, steps: int, *, batch_size: Optional[int] = None,
@@ -116,8 +127,8 @@ def fit_batched(model: BatchedVI, x: Tensor, y: Tensor, steps: int, *, batch_siz
     if batch_size is not None:
         _check_count(batch_size, "batch_size", fn)
     _check_count(particles, "particles", fn)
-    if not (callable(lr_schedule) or lr_schedule in _SCHEDULES):
-        raise ValueError(f"{fn}: lr_schedule must be one of {_SCHEDULES} or a callable optimizer -> scheduler, got "
+    if not (callable(lr_schedule) or (isinstance(lr_schedule, str) and lr_schedule in _SCHEDULES)):
+        raise ValueError(f"{fn}: lr_schedule must be one of {tuple(_SCHEDULES)} or a callable optimizer -> scheduler, got "
                          f"{lr_schedule!r}.")
     if total_steps is not None:
         _check_count(total_steps, "total_steps", fn)
@@ -132,12 +143,10 @@ def fit_batched(model: BatchedVI, x: Tensor, y: Tensor, steps: int, *, batch_siz
     R, N = model.replicas, y.shape[-1]
     batch = N if batch_size is None else min(int(batch_size), N)
     opt = model.optimizer()
-    if lr_schedule == "cosine":
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total_steps or steps)
-    elif callable(lr_schedule):
+    if callable(lr_schedule):
         sched = lr_schedule(opt)
     else:
-        sched = None
+        sched = _SCHEDULES[lr_schedule](opt, total_steps or steps)
     bar, update = _progress(progress, steps)
     # written in place: a small tensor kept from every step, between the step's large temporaries, would
     # fragment the CPU heap (glibc's), which then grows by about a megabyte a step on a long fit

@@ -24,6 +24,8 @@ from torch import Tensor, nn
 __all__ = ["BatchedMLP"]
 
 _ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
+#: activation name -> its in-place tensor method, for the batched forward pass
+_INPLACE_ACTIVATIONS = {"relu": Tensor.relu_, "tanh": Tensor.tanh_}
 
 
 class BatchedMLP:
@@ -180,12 +182,13 @@ class BatchedMLP:
         n, B = x.shape[-2], math.prod(batch)
         theta = theta.expand(*batch, theta.shape[-1])
         h, i = x.expand(*batch, n, x.shape[-1]).reshape(B, n, x.shape[-1]), 0
+        activate = _INPLACE_ACTIVATIONS[self.activation]
         for fan_in, fan_out in self.layers[:-1]:
             W = theta[..., i:i + fan_in * fan_out].reshape(B, fan_in, fan_out)
             b = theta[..., i + fan_in * fan_out:i + fan_in * fan_out + fan_out].reshape(B, 1, fan_out)
             i += fan_in * fan_out + fan_out
             h = torch.baddbmm(b, h, W)
-            h = h.relu_() if self.activation == "relu" else h.tanh_()
+            h = activate(h)
         w, b = theta[..., i:i + h.shape[-1]].reshape(B, 1, -1), theta[..., i + h.shape[-1]].reshape(B, 1)
         return ((h * w).sum(-1) + b).reshape(*batch, n)
 

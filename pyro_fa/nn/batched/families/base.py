@@ -107,13 +107,7 @@ class GuideFamily:
         q = self.distribution(vi, p)
         theta = p["loc"].unsqueeze(0) if q is None else q.rsample((particles,))  # (S, R, D)
         loglik = vi._loglik(p, theta, x, y, dataset_size)
-        if vi.estimator == "map":  # AutoDelta: the log joint at the point
-            elbo = (loglik + vi._prior_log_prob(theta)).mean(0)
-        elif vi.estimator == "trace":
-            elbo = (loglik + vi._prior_log_prob(theta) - q.log_prob(theta)).mean(0)
-        else:
-            elbo = loglik.mean(0) + vi._expected_prior(q.mean, q.variance) + q.entropy()
-        return -elbo
+        return -_ELBOS[vi.estimator](vi, q, theta, loglik)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -133,3 +127,22 @@ def _rsample_with(q, num_samples: int, generator: torch.Generator) -> Tensor:
         eps_d = _random.randn((num_samples,) + loc.shape, **kw)
         return loc + (q.cov_factor @ eps_w.unsqueeze(-1)).squeeze(-1) + q.cov_diag.sqrt() * eps_d
     return loc + q.stddev * _random.randn((num_samples,) + loc.shape, **kw)
+
+
+def _map_elbo(vi, q, theta: Tensor, loglik: Tensor) -> Tensor:
+    """AutoDelta's objective: the log joint at the point."""
+    return (loglik + vi._prior_log_prob(theta)).mean(0)
+
+
+def _trace_elbo(vi, q, theta: Tensor, loglik: Tensor) -> Tensor:
+    """Trace_ELBO: the log joint minus log q at the draws."""
+    return (loglik + vi._prior_log_prob(theta) - q.log_prob(theta)).mean(0)
+
+
+def _factor_elbo(vi, q, theta: Tensor, loglik: Tensor) -> Tensor:
+    """FactorELBO: the prior's closed form at q's mean and variance, and q's entropy."""
+    return loglik.mean(0) + vi._expected_prior(q.mean, q.variance) + q.entropy()
+
+
+#: estimator name -> ``(vi, q, theta, loglik) -> ELBO`` of every replica, shape (R,)
+_ELBOS = {"map": _map_elbo, "trace": _trace_elbo, "factor": _factor_elbo}

@@ -56,25 +56,14 @@ class WhitenedLowRankFamily(GuideFamily):
         R, D, K = G.shape
         eps_k = torch.randn((particles, R, K), dtype=loc.dtype, device=loc.device)
         eps_d = torch.randn((particles, R, D), dtype=loc.dtype, device=loc.device)
-        if vi.estimator == "trace":
-            G_eps, gram, row_sq = torch.einsum("rdk,srk->srd", G, eps_k), G.transpose(-1, -2) @ G, None
-        else:
-            G_eps, gram, row_sq = _FactorTerms.apply(G, eps_k)
+        estimate = _ESTIMATES[vi.estimator]
+        G_eps, gram, row_sq = estimate.factor_terms(G, eps_k)
         theta = loc + s * (G_eps + eps_d)  # (S, R, D)
         loglik = vi._loglik(p, theta, x, y, dataset_size)
         cap = torch.eye(K, dtype=G.dtype, device=G.device) + gram
         L = torch.linalg.cholesky(cap)
         half_logdet = L.diagonal(dim1=-2, dim2=-1).log().sum(-1) + s.log().sum(-1) * (D / s.shape[-1])
-        if vi.estimator == "trace":  # Trace_ELBO: log p(y, theta) - log q(theta) at the draw
-            z = (theta - loc) / s  # the whitened residual, differentiable in theta as torch's log_prob is
-            Gz = torch.einsum("rdk,srd->srk", G, z).unsqueeze(-1)  # (S, R, K, 1)
-            Gz = torch.linalg.solve_triangular(L.expand(Gz.shape[0], -1, -1, -1), Gz, upper=False)
-            maha = z.pow(2).sum(-1) - Gz.squeeze(-1).pow(2).sum(-1)  # (S, R)
-            log_q = -0.5 * (maha + D * math.log(2 * math.pi)) - half_logdet
-            return -(loglik + vi._prior_log_prob(theta) - log_q).mean(0)
-        var = s.pow(2) * (1 + row_sq)  # diag(S (GG^T + I) S)
-        entropy = 0.5 * D * (1 + math.log(2 * math.pi)) + half_logdet
-        return -(loglik.mean(0) + vi._expected_prior(loc, var) + entropy)
+        return -estimate.elbo(vi, loc, G, s, theta, L, half_logdet, row_sq, loglik)
 
 
 class _FactorTerms(torch.autograd.Function):
@@ -107,3 +96,38 @@ class _FactorTerms(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_eps = torch.einsum("rdk,srd->srk", G, g_eps)
         return grad_G, grad_eps
+
+
+class _TraceEstimate:
+    r"""Trace_ELBO: :math:`\log p(y, \theta) - \log q(\theta)` at the draw."""
+
+    @staticmethod
+    def factor_terms(G: Tensor, eps: Tensor):
+        return torch.einsum("rdk,srk->srd", G, eps), G.transpose(-1, -2) @ G, None
+
+    @staticmethod
+    def elbo(vi, loc, G, s, theta, L, half_logdet, row_sq, loglik) -> Tensor:
+        D = loc.shape[-1]
+        z = (theta - loc) / s  # the whitened residual, differentiable in theta as torch's log_prob is
+        Gz = torch.einsum("rdk,srd->srk", G, z).unsqueeze(-1)  # (S, R, K, 1)
+        Gz = torch.linalg.solve_triangular(L.expand(Gz.shape[0], -1, -1, -1), Gz, upper=False)
+        maha = z.pow(2).sum(-1) - Gz.squeeze(-1).pow(2).sum(-1)  # (S, R)
+        log_q = -0.5 * (maha + D * math.log(2 * math.pi)) - half_logdet
+        return (loglik + vi._prior_log_prob(theta) - log_q).mean(0)
+
+
+class _FactorEstimate:
+    """FactorELBO: the closed-form entropy and expected log-prior, the factor's terms from one fused backward."""
+
+    factor_terms = staticmethod(_FactorTerms.apply)
+
+    @staticmethod
+    def elbo(vi, loc, G, s, theta, L, half_logdet, row_sq, loglik) -> Tensor:
+        D = loc.shape[-1]
+        var = s.pow(2) * (1 + row_sq)  # diag(S (GG^T + I) S)
+        entropy = 0.5 * D * (1 + math.log(2 * math.pi)) + half_logdet
+        return loglik.mean(0) + vi._expected_prior(loc, var) + entropy
+
+
+#: estimator name -> how the whitened low-rank ELBO is estimated
+_ESTIMATES = {"trace": _TraceEstimate, "factor": _FactorEstimate}
