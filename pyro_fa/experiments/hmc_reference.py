@@ -17,8 +17,9 @@ Tasks (``--tasks``):
   ``--splits`` are the validation-cut seeds) at the prior precision ``pyro-fa classify``'s MAP grid picks.
 
 Each chain starts from its own random initialisation (``nn.Linear``'s), moved by ``--init-steps`` Adam steps
-on the log posterior, then runs HMC (warm-up adapting the step size and a diagonal mass matrix). One unit
-file per task x split x chain (``units/``), written when the chain ends: a run again reuses them. When every
+on the log posterior, then runs HMC (warm-up adapting the step size and a diagonal mass matrix). The chains a
+run lacks run as one batch (one gradient evaluation serves them all); one unit file per task x split x chain
+(``units/``), written when they end: a run again reuses them. When every
 chain of a task is there, ``<task>-split<k>.pt`` holds the reference (classification: the mean probabilities
 (N_test, C); regression: the predictive mean and variance per test point, in standardised units, and
 ``y_std``), per chain too, and ``<task>-split<k>.json`` the diagnostics: the split R-hat and bulk ESS of
@@ -58,8 +59,8 @@ class Settings:
     """How long each chain runs (``--quick``: a smoke-test size)."""
 
     chains: int = 4
-    warmup: int = 1000
-    samples: int = 1000
+    warmup: int = 800
+    samples: int = 500
     thin: int = 4
     num_steps: int = 25
     init_steps: int = 2000
@@ -303,16 +304,18 @@ class NetworkPosterior:
         return self.likelihood.collect(self.outputs(theta, self.task.x_test))
 
 
-def run_chain(task: Task, chain: int, settings: Settings, seed: int) -> dict:
-    """One chain: ``settings.init_steps`` Adam steps from a random initialisation, then HMC; its test predictive
-    draws (float32) and its diagnostics."""
+def run_chains(task: Task, chains: List[int], settings: Settings, seed: int) -> List[dict]:
+    """The chains ``chains`` of ``task``, run as one batch: each from its own random initialisation moved by
+    ``settings.init_steps`` Adam steps, then HMC with its own generator (seeded by ``seed``, the split and the
+    chain: a chain's draws do not depend on the chains beside it); per chain its test predictive draws
+    (float32) and diagnostics."""
     from pyro_fa.infer.hmc import hmc
 
     post = NetworkPosterior(task)
-    gen = torch.Generator().manual_seed(seed * 100_003 + 7919 * task.split + chain)
+    gens = [torch.Generator().manual_seed(seed * 100_003 + 7919 * task.split + c) for c in chains]
     start = time.perf_counter()
-    theta = post.init(gen).unsqueeze(0).clone().requires_grad_(True)
-    opt = torch.optim.Adam([theta], lr=settings.init_lr)
+    theta = torch.stack([post.init(g) for g in gens]).requires_grad_(True)
+    opt = torch.optim.Adam([theta], lr=settings.init_lr)  # elementwise: the chains' fits are independent
     for _ in range(settings.init_steps):
         opt.zero_grad()
         (-post.log_prob(theta).sum() / task.x.shape[0]).backward()
@@ -320,11 +323,12 @@ def run_chain(task: Task, chain: int, settings: Settings, seed: int) -> dict:
     init_seconds = time.perf_counter() - start
     res = hmc(post.log_prob, theta.detach(), num_samples=settings.samples, num_warmup=settings.warmup,
               num_steps=settings.num_steps, target_accept=settings.target_accept, thin=settings.thin,
-              collect=post.collect, generator=gen)
-    return {"draws": res.draws[0].float(), "log_prob": res.log_prob[0].float(),
-            "accept_rate": float(res.accept_rate[0]), "warmup_accept": float(res.warmup_accept[0]),
-            "step_size": float(res.step_size[0]), "divergences": int(res.divergences[0]),
-            "init_seconds": init_seconds, "seconds": res.seconds + init_seconds, "dim": post.dim}
+              collect=post.collect, generator=gens)
+    return [{"draws": res.draws[i].float(), "log_prob": res.log_prob[i].float(),
+             "accept_rate": float(res.accept_rate[i]), "warmup_accept": float(res.warmup_accept[i]),
+             "step_size": float(res.step_size[i]), "divergences": int(res.divergences[i]),
+             "init_seconds": init_seconds, "seconds": res.seconds + init_seconds, "ran_with": list(chains),
+             "dim": post.dim} for i in range(len(chains))]
 
 
 def summarize(task: Task, chains: List[dict]) -> tuple:
@@ -354,8 +358,8 @@ def add_arguments(parser) -> None:
                         help="tasks (default: yacht boston; quick: yacht)")
     parser.add_argument("--splits", nargs="+", type=nonnegative_int, default=None, help="splits (default 0)")
     parser.add_argument("--chains", type=positive_int, default=None, help="chains per task (default 4)")
-    parser.add_argument("--warmup", type=nonnegative_int, default=None, help="warm-up iterations (default 1000)")
-    parser.add_argument("--samples", type=positive_int, default=None, help="kept draws per chain (default 1000)")
+    parser.add_argument("--warmup", type=nonnegative_int, default=None, help="warm-up iterations (default 800)")
+    parser.add_argument("--samples", type=positive_int, default=None, help="kept draws per chain (default 500)")
     parser.add_argument("--thin", type=positive_int, default=None, help="iterations per kept draw (default 4)")
     parser.add_argument("--num-steps", type=positive_int, default=None, help="leapfrog steps per iteration (default 25)")
     parser.add_argument("--init-steps", type=nonnegative_int, default=None,
@@ -407,19 +411,22 @@ def run(args) -> int:
                 task = TASKS[name](name, split, args, cache)
             except (FileNotFoundError, ValueError) as err:
                 raise SystemExit(f"pyro-fa hmc-reference: {err}") from err
-            chains = []
+            units = {}
             for chain in range(settings.chains):
                 key = {"task": name, "split": split, "chain": chain, "seed": args.seed,
                        "settings": vars(settings), "precision": task.precision, "noise": task.noise}
                 path = unit_path(out.path, key, f"{task.label}__chain{chain}").with_suffix(".pt")
-                value = _load_unit(path, key) if path.is_file() else None
-                if value is None:
-                    value = run_chain(task, chain, settings, args.seed)
+                units[chain] = (key, path, _load_unit(path, key) if path.is_file() else None)
+            missing = [c for c, (_, _, value) in units.items() if value is None]
+            if missing:  # run together (one gradient serves every chain), each written to its own file
+                for chain, value in zip(missing, run_chains(task, missing, settings, args.seed)):
+                    key, path, _ = units[chain]
                     _save_pt(path, {"key": key, "value": value})
+                    units[chain] = (key, path, value)
                     print(f"{task.label} chain {chain}: {value['seconds']:.0f} s, accept "
                           f"{value['accept_rate']:.2f}, step {value['step_size']:.3g}, "
                           f"divergences {value['divergences']}", flush=True)
-                chains.append(value)
+            chains = [units[c][2] for c in range(settings.chains)]
             reference, diag = summarize(task, chains)
             _save_pt(out.path / f"{task.label}.pt", reference)
             atomic_write_json(out.path / f"{task.label}.json", diag)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -109,15 +109,15 @@ def _kinetic(p: Tensor, inv_mass: Tensor) -> Tensor:
     return 0.5 * (p * p * inv_mass).sum(-1)
 
 
-def _transition(log_prob, theta, lp, grad, eps, inv_mass, num_steps, generator):
+def _transition(log_prob, theta, lp, grad, eps, inv_mass, num_steps, noise):
     """One HMC transition of every chain: new (theta, lp, grad), acceptance probability and energy error."""
-    p = torch.randn(theta.shape, generator=generator, dtype=theta.dtype, device=theta.device) / inv_mass.sqrt()
+    p = noise.randn(theta) / inv_mass.sqrt()
     h0 = -lp + _kinetic(p, inv_mass)
     theta1, p1, lp1, grad1 = _leapfrog(log_prob, theta, p, grad, eps.unsqueeze(-1), inv_mass, num_steps)
     h1 = -lp1 + _kinetic(p1, inv_mass)
     delta = _finite_or(h1 - h0, math.inf)
     accept_prob = torch.exp(torch.clamp(-delta, max=0.0))
-    u = torch.rand(lp.shape, generator=generator, dtype=theta.dtype, device=theta.device)
+    u = noise.rand(lp)
     ok = (u < accept_prob) & torch.isfinite(lp1) & torch.isfinite(grad1).all(-1)
     theta = torch.where(ok.unsqueeze(-1), theta1, theta)
     lp = torch.where(ok, lp1, lp)
@@ -125,11 +125,11 @@ def _transition(log_prob, theta, lp, grad, eps, inv_mass, num_steps, generator):
     return theta, lp, grad, accept_prob, delta
 
 
-def _initial_step_size(log_prob, theta, lp, grad, inv_mass, generator, eps0: float = 0.1) -> Tensor:
+def _initial_step_size(log_prob, theta, lp, grad, inv_mass, noise, eps0: float = 0.1) -> Tensor:
     """Hoffman & Gelman (2014), Algorithm 4, per chain: halve or double until one leapfrog step's acceptance
     ratio crosses 1/2."""
     eps = theta.new_full(theta.shape[:1], eps0)
-    p = torch.randn(theta.shape, generator=generator, dtype=theta.dtype, device=theta.device) / inv_mass.sqrt()
+    p = noise.randn(theta) / inv_mass.sqrt()
     h0 = -lp + _kinetic(p, inv_mass)
 
     def log_ratio(e):
@@ -146,6 +146,33 @@ def _initial_step_size(log_prob, theta, lp, grad, inv_mass, generator, eps0: flo
         if not bool(active.any()):
             break
     return eps
+
+
+class _Noise:
+    """The run's random numbers: from one generator for all chains, or from one generator per chain (then a
+    chain's draws do not depend on which chains run beside it)."""
+
+    def __init__(self, generator, chains: int):
+        if isinstance(generator, (list, tuple)):
+            if len(generator) != chains or not all(isinstance(g, torch.Generator) for g in generator):
+                raise ValueError(f"hmc: generator must be a torch.Generator or a sequence of {chains} (one per "
+                                 f"chain), got {len(generator)} entries of types "
+                                 f"{sorted({type(g).__name__ for g in generator})}.")
+            self.per_chain = list(generator)
+        else:
+            self.per_chain, self.generator = None, generator
+
+    def _draw(self, fn, like: Tensor) -> Tensor:
+        if self.per_chain is None:
+            return fn(like.shape, generator=self.generator, dtype=like.dtype, device=like.device)
+        return torch.stack([fn(like.shape[1:], generator=g, dtype=like.dtype, device=like.device)
+                            for g in self.per_chain])
+
+    def randn(self, like: Tensor) -> Tensor:
+        return self._draw(torch.randn, like)
+
+    def rand(self, like: Tensor) -> Tensor:
+        return self._draw(torch.rand, like)
 
 
 class _DualAveraging:
@@ -208,7 +235,7 @@ def _check_int(value, name: str, low: int) -> int:
 def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, num_steps: int = 10,
         step_size: Optional[float] = None, target_accept: float = 0.8, adapt_mass: bool = True,
         thin: int = 1, jitter: float = 0.2, collect: Optional[Callable[[Tensor], Tensor]] = None,
-        generator: Optional[torch.Generator] = None) -> HMCResult:
+        generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None) -> HMCResult:
     """Sample ``log_prob`` by full-batch HMC, C chains at once.
 
     Parameters
@@ -239,8 +266,9 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
     collect : callable, optional
         ``collect(theta)`` (C, D) -> (C, ...), what is stored of each kept state (e.g. a network's test
         predictions instead of its weights); default the state itself.
-    generator : torch.Generator, optional
-        The source of every momentum and acceptance draw (on the device of ``init``).
+    generator : torch.Generator or sequence of C of them, optional
+        The source of every momentum, acceptance and jitter draw (on the device of ``init``); one per chain
+        makes each chain's draws independent of the chains run beside it.
 
     Returns
     -------
@@ -278,6 +306,7 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
         raise ValueError(f"hmc: step_size must be a positive finite number, got {step_size!r}.")
     if isinstance(jitter, bool) or not isinstance(jitter, numbers.Real) or not 0 <= jitter < 1:
         raise ValueError(f"hmc: jitter must be a number in [0, 1), got {jitter!r}.")
+    noise = _Noise(generator, init.shape[0])
     start = time.perf_counter()
     collect = collect or (lambda t: t)
     theta = init.detach().clone()
@@ -287,7 +316,7 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
                          f"chains {torch.nonzero(~torch.isfinite(lp)).flatten().tolist()}.")
     inv_mass = torch.ones_like(theta)
     if step_size is None:
-        eps = _initial_step_size(log_prob, theta, lp, grad, inv_mass, generator)
+        eps = _initial_step_size(log_prob, theta, lp, grad, inv_mass, noise)
     else:
         eps = theta.new_full(theta.shape[:1], float(step_size))
     adapt = _DualAveraging(eps, float(target_accept))
@@ -297,7 +326,7 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
     count, mean, m2 = 0, torch.zeros_like(theta), torch.zeros_like(theta)
     warm_acc = torch.zeros_like(eps)
     for it in range(num_warmup):
-        theta, lp, grad, acc, _ = _transition(log_prob, theta, lp, grad, eps, inv_mass, num_steps, generator)
+        theta, lp, grad, acc, _ = _transition(log_prob, theta, lp, grad, eps, inv_mass, num_steps, noise)
         warm_acc += acc
         eps = adapt.update(acc)
         if it in in_window:
@@ -311,7 +340,7 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
             inv_mass = (n / (n + 5.0)) * var + 1e-3 * (5.0 / (n + 5.0))  # Stan's regularised variances
             count, mean, m2 = 0, torch.zeros_like(theta), torch.zeros_like(theta)
             lp, grad = _value_and_grad(log_prob, theta)
-            eps = _initial_step_size(log_prob, theta, lp, grad, inv_mass, generator, eps0=1.0) \
+            eps = _initial_step_size(log_prob, theta, lp, grad, inv_mass, noise, eps0=1.0) \
                 if step_size is None else eps
             adapt.restart(eps)
     if num_warmup:
@@ -319,9 +348,9 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
     draws, lps = [], []
     acc_sum, div = torch.zeros_like(eps), torch.zeros_like(eps)
     for it in range(num_samples * thin):
-        scale = 1 + jitter * (2 * torch.rand(eps.shape, generator=generator, dtype=eps.dtype, device=eps.device) - 1)
+        scale = 1 + jitter * (2 * noise.rand(eps) - 1)
         theta, lp, grad, acc, delta = _transition(log_prob, theta, lp, grad, eps * scale, inv_mass, num_steps,
-                                                  generator)
+                                                  noise)
         acc_sum += acc
         div += (delta > 1000).to(div.dtype)
         if (it + 1) % thin == 0:

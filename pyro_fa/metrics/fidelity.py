@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from pyro_fa.metrics._checks import check_finite, check_finite_number
-from pyro_fa.metrics.classification import bma_probs
+from pyro_fa.metrics.classification import _probs
 
 __all__ = ["agreement", "total_variation", "competition_wasserstein", "predictive_wasserstein2",
            "deep_ensemble_equivalent"]
@@ -51,10 +51,8 @@ __all__ = ["agreement", "total_variation", "competition_wasserstein", "predictiv
 
 def _pair(probs, ref_probs, fn: str):
     """Both predictives validated as probabilities, each averaged over its draws when (S, N, C); same (N, C)."""
-    try:
-        p, q = bma_probs(probs), bma_probs(ref_probs)
-    except (TypeError, ValueError) as err:  # bma_probs names itself: name the metric and the argument instead
-        raise type(err)(str(err).replace("bma_probs:", f"{fn}:", 1)) from None
+    p, q = _probs(probs, fn, name="probs"), _probs(ref_probs, fn, name="ref_probs")
+    p, q = (x.mean(0) if x.dim() == 3 else x for x in (p, q))
     if p.shape != q.shape:
         raise ValueError(f"{fn}: probs and ref_probs must have the same shape (N, C), got {tuple(p.shape)!r} and "
                          f"{tuple(q.shape)!r}.")
