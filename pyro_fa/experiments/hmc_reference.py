@@ -343,8 +343,10 @@ def summarize(task: Task, chains: List[dict]) -> tuple:
             "chains": len(chains), "draws_per_chain": draws.shape[1]}
     diag.update(chain_diagnostics(draws) if len(chains) > 1 else {})
     diag["rhat_ok"] = bool(diag.get("rhat_max", math.inf) < RHAT_LIMIT)
-    for k in ("accept_rate", "warmup_accept", "step_size", "divergences", "seconds"):
+    for k in ("accept_rate", "warmup_accept", "step_size", "divergences", "seconds", "ran_with"):
         diag[k] = [c[k] for c in chains]
+    batches = {tuple(c["ran_with"]): c["seconds"] for c in chains}  # chains run together share their seconds
+    diag["total_seconds"] = sum(batches.values())
     pairs = {f"{i}-{j}": like.compare(per_chain[i], per_chain[j]) for i, j in itertools.combinations(range(len(chains)), 2)}
     diag["between_chains"] = pairs
     diag["scores"] = like.scores(ref, task)
@@ -405,32 +407,37 @@ def run(args) -> int:
     tasks = args.tasks or (["yacht"] if args.quick else ["yacht", "boston"])
     splits = args.splits or [0]
     with OutputFolder(args.output_dir, "pyro-fa hmc-reference", subfolders=("units",)) as out:
-        cache: dict = {}
-        for name, split in itertools.product(tasks, splits):
-            try:
-                task = TASKS[name](name, split, args, cache)
-            except (FileNotFoundError, ValueError) as err:
-                raise SystemExit(f"pyro-fa hmc-reference: {err}") from err
-            units = {}
-            for chain in range(settings.chains):
-                key = {"task": name, "split": split, "chain": chain, "seed": args.seed,
-                       "settings": vars(settings), "precision": task.precision, "noise": task.noise}
-                path = unit_path(out.path, key, f"{task.label}__chain{chain}").with_suffix(".pt")
-                units[chain] = (key, path, _load_unit(path, key) if path.is_file() else None)
-            missing = [c for c, (_, _, value) in units.items() if value is None]
-            if missing:  # run together (one gradient serves every chain), each written to its own file
-                for chain, value in zip(missing, run_chains(task, missing, settings, args.seed)):
-                    key, path, _ = units[chain]
-                    _save_pt(path, {"key": key, "value": value})
-                    units[chain] = (key, path, value)
-                    print(f"{task.label} chain {chain}: {value['seconds']:.0f} s, accept "
-                          f"{value['accept_rate']:.2f}, step {value['step_size']:.3g}, "
-                          f"divergences {value['divergences']}", flush=True)
-            chains = [units[c][2] for c in range(settings.chains)]
-            reference, diag = summarize(task, chains)
-            _save_pt(out.path / f"{task.label}.pt", reference)
-            atomic_write_json(out.path / f"{task.label}.json", diag)
-            print(f"{task.label}: R-hat max {diag.get('rhat_max', float('nan')):.3f} "
-                  f"({'ok' if diag['rhat_ok'] else 'NOT below ' + str(RHAT_LIMIT)}), ESS min "
-                  f"{diag.get('ess_min', float('nan')):.0f}, {sum(diag['seconds']):.0f} s", flush=True)
+        return _run_locked(args, out, settings, tasks, splits)
+
+
+def _run_locked(args, out: OutputFolder, settings: Settings, tasks, splits) -> int:
+    """The work of :func:`run` inside its locked output folder."""
+    cache: dict = {}
+    for name, split in itertools.product(tasks, splits):
+        try:
+            task = TASKS[name](name, split, args, cache)
+        except (FileNotFoundError, ValueError) as err:
+            raise SystemExit(f"pyro-fa hmc-reference: {err}") from err
+        units = {}
+        for chain in range(settings.chains):
+            key = {"task": name, "split": split, "chain": chain, "seed": args.seed,
+                   "settings": vars(settings), "precision": task.precision, "noise": task.noise}
+            path = unit_path(out.path, key, f"{task.label}__chain{chain}").with_suffix(".pt")
+            units[chain] = (key, path, _load_unit(path, key) if path.is_file() else None)
+        missing = [c for c, (_, _, value) in units.items() if value is None]
+        if missing:  # run together (one gradient serves every chain), each written to its own file
+            for chain, value in zip(missing, run_chains(task, missing, settings, args.seed)):
+                key, path, _ = units[chain]
+                _save_pt(path, {"key": key, "value": value})
+                units[chain] = (key, path, value)
+                print(f"{task.label} chain {chain}: {value['seconds']:.0f} s, accept "
+                      f"{value['accept_rate']:.2f}, step {value['step_size']:.3g}, "
+                      f"divergences {value['divergences']}", flush=True)
+        chains = [units[c][2] for c in range(settings.chains)]
+        reference, diag = summarize(task, chains)
+        _save_pt(out.path / f"{task.label}.pt", reference)
+        atomic_write_json(out.path / f"{task.label}.json", diag)
+        print(f"{task.label}: R-hat max {diag.get('rhat_max', float('nan')):.3f} "
+              f"({'ok' if diag['rhat_ok'] else 'NOT below ' + str(RHAT_LIMIT)}), ESS min "
+              f"{diag.get('ess_min', float('nan')):.0f}, {diag['total_seconds']:.0f} s", flush=True)
     return 0
