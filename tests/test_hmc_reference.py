@@ -134,3 +134,41 @@ def test_command_refuses_a_bad_precision(tmp_path):
                                          r"got -1.0"):
         cli.main(["hmc-reference", "--quick", "--precision", "-1", "--output-dir", str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()
+
+
+def test_uci_task_is_the_benchmarks_1x50_network_at_the_map_choice(monkeypatch):
+    from types import SimpleNamespace
+
+    from pyro_fa.datasets import load_uci
+    from pyro_fa.nn import BatchedMLP
+
+    choice = {"precision": 0.1, "lr": 3e-3, "steps": 1000, "val_ll": -1.0, "tune_splits": 5}
+    monkeypatch.setattr(ref, "_cached", lambda args, key, stem, compute: {"noise": 0.04} if key["kind"] ==
+                        "uci-noise" else choice)
+    args = SimpleNamespace(quick=True, seed=0, data_dir=None, output_dir="unused")
+    task = ref.TASKS["yacht"]("yacht", 0, args, {})
+    d = load_uci("yacht", 0)
+    assert torch.equal(task.x, d.x_train) and torch.equal(task.y_test, d.y_test)
+    assert (task.precision, task.noise, task.likelihood) == (0.1, 0.04, "regression")
+    # the architecture of pyro-fa uci's BatchedMLP, 1 x 50 ReLU: the same function of the same weights
+    spec = BatchedMLP(d.x_train.shape[1], (50,))
+    theta = torch.randn(spec.dim, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    net = spec.to_module(theta)
+    post = ref.NetworkPosterior(task)
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    assert post.dim == spec.dim
+    assert torch.allclose(post.outputs(flat.unsqueeze(0), d.x_test)[0, :, 0], spec.forward(theta.unsqueeze(0),
+                                                                                           d.x_test)[0])
+
+
+@pytest.mark.slow
+def test_quick_yacht_reference_end_to_end(tmp_path):
+    """The real task: pyro-fa uci's MAP search (quick budget) for the prior precision and the noise, then HMC."""
+    from pyro_fa.experiments.uci.protocol import Budget
+
+    out = tmp_path / "refs"
+    assert cli.main(["hmc-reference", "--quick", "--output-dir", str(out), "--no-progress"]) == 0
+    diag = json.loads((out / "yacht-split0.json").read_text())
+    (choice,) = [json.loads(p.read_text())["value"] for p in (out / "units").glob("yacht__map__*.json")]
+    assert diag["precision"] == choice["precision"] and choice["precision"] in Budget.quick().precisions
+    assert diag["noise"] > 0 and diag["dim"] == 6 * 50 + 50 + 50 + 1
