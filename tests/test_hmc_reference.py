@@ -113,6 +113,8 @@ def test_command_writes_the_reference_and_resumes_from_unit_files(tmp_path, toy_
     assert diag["rhat_ok"] == (diag["rhat_max"] < 1.05)
     saved = torch.load(out / "toy-split0.pt", weights_only=True)
     mean, var = saved["reference"]["mean"], saved["reference"]["var"]
+    assert saved["f_draws"].shape == (3 * ref.Settings.quick().samples, 7)
+    assert float(saved["noise"]) == pytest.approx(0.3)
     assert mean.shape == var.shape == (7,) and bool((var > 0.3 ** 2 - 1e-6).all())  # at least the noise variance
     first = capsys.readouterr().out
     assert first.count("chain") == 3 and "R-hat max" in first

@@ -21,9 +21,10 @@ on the log posterior, then runs HMC (warm-up adapting the step size and a diagon
 run lacks run as one batch (one gradient evaluation serves them all); one unit file per task x split x chain
 (``units/``), written when they end: a run again reuses them. When every
 chain of a task is there, ``<task>-split<k>.pt`` holds the reference (classification: the mean probabilities
-(N_test, C); regression: the predictive mean and variance per test point, in standardised units, and
-``y_std``), per chain too, and ``<task>-split<k>.json`` the diagnostics: the split R-hat and bulk ESS of
-the test predictive over chains (R-hat < 1.05 required: ``rhat_ok``), acceptance, step sizes, divergences,
+(N_test, C); regression: the predictive mean and variance per test point, in standardised units, with
+``y_std``, and f at every draw, ``f_draws`` (S, N_test), and ``noise``: the competition's predictive samples
+are f at a random draw plus noise times a standard normal), per chain too, and ``<task>-split<k>.json`` the
+diagnostics: the split R-hat and bulk ESS of the test predictive over chains (R-hat < 1.05 required: ``rhat_ok``), acceptance, step sizes, divergences,
 the agreement / total variation (classification) or W2 (regression) between every two chains' predictives,
 the reference's test metrics, and seconds.
 
@@ -87,6 +88,11 @@ class Regression:
         """Mean and variance of the mixture of N(f_s(x), noise^2) over the draws (S, N_test)."""
         return {"mean": draws.mean(0), "var": draws.var(0, unbiased=False) + task.noise ** 2}
 
+    def kept(self, draws: Tensor, task: "Task") -> Dict[str, Tensor]:
+        """What the reference keeps of the pooled draws: f at every draw (S, N_test), float32, and the noise, to
+        draw predictive samples (the competition's score, :func:`pyro_fa.metrics.competition_wasserstein`)."""
+        return {"f_draws": draws.float(), "noise": torch.tensor(task.noise)}
+
     def compare(self, a: Dict[str, Tensor], b: Dict[str, Tensor]) -> Dict[str, float]:
         from pyro_fa.metrics import predictive_wasserstein2
 
@@ -112,6 +118,9 @@ class Classification:
 
     def predictive(self, draws: Tensor, task: "Task") -> Dict[str, Tensor]:
         return {"probs": draws.mean(0)}
+
+    def kept(self, draws: Tensor, task: "Task") -> Dict[str, Tensor]:
+        return {}  # the mean probabilities are the reference (the draws are in the unit files)
 
     def compare(self, a: Dict[str, Tensor], b: Dict[str, Tensor]) -> Dict[str, float]:
         from pyro_fa.metrics import agreement, total_variation
@@ -338,7 +347,8 @@ def summarize(task: Task, chains: List[dict]) -> tuple:
     like = LIKELIHOODS[task.likelihood]
     draws = torch.stack([c["draws"].double() for c in chains])  # (C, S, N_test[, K])
     per_chain = [like.predictive(d, task) for d in draws]
-    ref = like.predictive(draws.reshape(-1, *draws.shape[2:]), task)
+    pooled = draws.reshape(-1, *draws.shape[2:])
+    ref = like.predictive(pooled, task)
     diag = {"task": task.label, "dim": chains[0]["dim"], "precision": task.precision, "noise": task.noise,
             "chains": len(chains), "draws_per_chain": draws.shape[1]}
     diag.update(chain_diagnostics(draws) if len(chains) > 1 else {})
@@ -347,11 +357,13 @@ def summarize(task: Task, chains: List[dict]) -> tuple:
         diag[k] = [c[k] for c in chains]
     batches = {tuple(c["ran_with"]): c["seconds"] for c in chains}  # chains run together share their seconds
     diag["total_seconds"] = sum(batches.values())
-    pairs = {f"{i}-{j}": like.compare(per_chain[i], per_chain[j]) for i, j in itertools.combinations(range(len(chains)), 2)}
+    pairs = {f"{i}-{j}": like.compare(per_chain[i], per_chain[j])
+             for i, j in itertools.combinations(range(len(chains)), 2)}
     diag["between_chains"] = pairs
     diag["scores"] = like.scores(ref, task)
     diag["meta"] = {k: v for k, v in task.meta.items()}
-    return {"reference": ref, "per_chain": per_chain, "meta": task.meta, "likelihood": task.likelihood}, diag
+    return {"reference": ref, "per_chain": per_chain, "meta": task.meta, "likelihood": task.likelihood,
+            **like.kept(pooled, task)}, diag
 
 
 # ----------------------------------------------------------------------------- the command
@@ -363,7 +375,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--warmup", type=nonnegative_int, default=None, help="warm-up iterations (default 800)")
     parser.add_argument("--samples", type=positive_int, default=None, help="kept draws per chain (default 500)")
     parser.add_argument("--thin", type=positive_int, default=None, help="iterations per kept draw (default 4)")
-    parser.add_argument("--num-steps", type=positive_int, default=None, help="leapfrog steps per iteration (default 25)")
+    parser.add_argument("--num-steps", type=positive_int, default=None, 
+                        help="leapfrog steps per iteration (default 25)")
     parser.add_argument("--init-steps", type=nonnegative_int, default=None,
                         help="Adam steps before HMC from each random initialisation (default 2000)")
     parser.add_argument("--precision", type=float, default=None,

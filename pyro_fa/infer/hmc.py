@@ -375,7 +375,7 @@ def chain_diagnostics(draws: Tensor) -> Dict[str, float]:
     -------
     dict
         ``rhat_max`` (the largest R-hat over the quantity's entries), ``rhat_mean``, ``ess_min`` (the smallest
-        bulk ESS), ``ess_mean``.
+        bulk ESS), ``ess_mean``; entries that are constant in every draw (no R-hat) are left out.
 
     Raises
     ------
@@ -391,7 +391,8 @@ def chain_diagnostics(draws: Tensor) -> Dict[str, float]:
                          f"draws, got {got!r}.")
     x = draws.detach().cpu().double().reshape(draws.shape[0], draws.shape[1], -1).numpy()
     ds = az.convert_to_dataset({"q": x})
-    rhat = np.asarray(az.rhat(ds, method="rank")["q"])
-    ess = np.asarray(az.ess(ds, method="bulk")["q"])
+    with np.errstate(divide="ignore", invalid="ignore"):  # a constant entry (a dead unit) has no R-hat: NaN
+        rhat = np.asarray(az.rhat(ds, method="rank")["q"])
+        ess = np.asarray(az.ess(ds, method="bulk")["q"])
     return {"rhat_max": float(np.nanmax(rhat)), "rhat_mean": float(np.nanmean(rhat)),
             "ess_min": float(np.nanmin(ess)), "ess_mean": float(np.nanmean(ess))}
