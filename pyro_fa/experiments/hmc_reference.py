@@ -16,17 +16,16 @@ Tasks (``--tasks``):
 * ``digits``: the 64-100-10 ReLU MLP of ``pyro-fa classify`` on scikit-learn's digits (its training part;
   ``--splits`` are the validation-cut seeds) at the prior precision ``pyro-fa classify``'s MAP grid picks.
 
-Each chain starts from its own random initialisation (``nn.Linear``'s), moved by ``--init-steps`` Adam steps
-on the log posterior, then runs HMC (warm-up adapting the step size and a diagonal mass matrix). The chains a
-run lacks run as one batch (one gradient evaluation serves them all); one unit file per task x split x chain
-(``units/``), written when they end: a run again reuses them. When every
-chain of a task is there, ``<task>-split<k>.pt`` holds the reference (classification: the mean probabilities
-(N_test, C); regression: the predictive mean and variance per test point, in standardised units, with
-``y_std``, and f at every draw, ``f_draws`` (S, N_test), and ``noise``: the competition's predictive samples
-are f at a random draw plus noise times a standard normal), per chain too, and ``<task>-split<k>.json`` the
-diagnostics: the split R-hat and bulk ESS of the test predictive over chains (R-hat < 1.05 required: ``rhat_ok``), acceptance, step sizes, divergences,
-the agreement / total variation (classification) or W2 (regression) between every two chains' predictives,
-the reference's test metrics, and seconds.
+Each chain starts from its own random initialisation (``nn.Linear``'s), moved by ``--init-steps`` Adam steps on the
+log posterior, then runs HMC (warm-up adapting the step size and a diagonal mass matrix). The chains a run lacks
+run as one batch (one gradient evaluation serves them all); one unit file per task x split x chain (``units/``),
+written when they end: a run again reuses them. When every chain of a task is there, ``<task>-split<k>.pt`` holds
+the reference (classification: the mean probabilities (N_test, C); regression: the predictive mean and variance per
+test point, in standardised units, with ``y_std``, and f at every draw, ``f_draws`` (S, N_test), and ``noise``: the
+competition's predictive samples are f at a random draw plus noise times a standard normal), per chain too, and
+``<task>-split<k>.json`` the diagnostics: the split R-hat and bulk ESS of the test predictive over chains (R-hat <
+1.05 required: ``rhat_ok``), acceptance, step sizes, divergences, the agreement / total variation (classification)
+or W2 (regression) between every two chains' predictives, the reference's test metrics, and seconds.
 
 References
 ----------
@@ -57,7 +56,11 @@ RHAT_LIMIT = 1.05
 # ----------------------------------------------------------------------------- settings
 @dataclass
 class Settings:
-    """How long each chain runs (``--quick``: a smoke-test size)."""
+    """How long each chain runs (``--quick``: a smoke-test size).
+
+    The defaults are sized for a shared 2-core machine: (800 + 500 x 4) iterations of 25 leapfrog steps, about
+    70 000 gradient evaluations of the full training set per task, all chains batched into each.
+    """
 
     chains: int = 4
     warmup: int = 800
@@ -375,7 +378,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--warmup", type=nonnegative_int, default=None, help="warm-up iterations (default 800)")
     parser.add_argument("--samples", type=positive_int, default=None, help="kept draws per chain (default 500)")
     parser.add_argument("--thin", type=positive_int, default=None, help="iterations per kept draw (default 4)")
-    parser.add_argument("--num-steps", type=positive_int, default=None, 
+    parser.add_argument("--num-steps", type=positive_int, default=None,
                         help="leapfrog steps per iteration (default 25)")
     parser.add_argument("--init-steps", type=nonnegative_int, default=None,
                         help="Adam steps before HMC from each random initialisation (default 2000)")
