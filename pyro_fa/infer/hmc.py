@@ -66,6 +66,8 @@ class HMCResult:
         The final state (to continue a run).
     seconds : float
         Wall-clock time of the run.
+    warmup_accept : Tensor of shape (C,)
+        Mean acceptance probability over the warm-up iterations (what the dual averaging aimed at its target).
     """
 
     draws: Tensor
@@ -339,7 +341,6 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
             n = count
             inv_mass = (n / (n + 5.0)) * var + 1e-3 * (5.0 / (n + 5.0))  # Stan's regularised variances
             count, mean, m2 = 0, torch.zeros_like(theta), torch.zeros_like(theta)
-            lp, grad = _value_and_grad(log_prob, theta)
             eps = _initial_step_size(log_prob, theta, lp, grad, inv_mass, noise, eps0=1.0) \
                 if step_size is None else eps
             adapt.restart(eps)
