@@ -23,6 +23,7 @@ CHEAP = {
     "classify": ["--quick", "--datasets", "digits"],
     "revrand": ["--quick", "--tables", "3"],
     "posteriordb": ["--quick", "--methods", "pathfinder"],
+    "hmc-reference": ["--quick"],
 }
 
 

@@ -1,0 +1,139 @@
+"""Full-batch HMC (pyro_fa.infer.hmc) against targets with known moments: an anisotropic Gaussian and the exact
+posterior of a Bayesian linear regression; its warm-up schedule, determinism, diagnostics and input checks."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pyro_fa.infer.hmc import chain_diagnostics, hmc, warmup_windows
+
+
+def _gaussian(sd):
+    return lambda x: -0.5 * (x / sd).pow(2).sum(-1)
+
+
+@pytest.mark.slow
+def test_anisotropic_gaussian_moments():
+    # D = 20, standard deviations from 0.1 to 10: the mass matrix must learn a 100-fold range of scales
+    sd = torch.logspace(-1, 1, 20, dtype=torch.float64)
+    mu = torch.linspace(-3, 3, 20, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    init = 5 * torch.randn(4, 20, generator=g, dtype=torch.float64)
+    res = hmc(lambda x: _gaussian(sd)(x - mu), init, num_samples=1000, num_warmup=500, num_steps=10, generator=g)
+    draws = res.draws.reshape(-1, 20)
+    diag = chain_diagnostics(res.draws)
+    assert diag["rhat_max"] < 1.05 and diag["ess_min"] > 300
+    # within 5 Monte Carlo standard errors of the known moments (the standard error from the smallest ESS)
+    z = ((draws.mean(0) - mu) / sd).abs() * math.sqrt(diag["ess_min"])
+    assert bool((z < 5).all()), z
+    ratio = draws.std(0) / sd  # a variance estimate's relative s.e. is about sqrt(2 / ESS)
+    assert bool(((ratio - 1).abs() < 5 * math.sqrt(0.5 / diag["ess_min"])).all()), ratio
+    assert torch.allclose(res.inv_mass.sqrt().mean(0), sd, rtol=0.3)  # the warm-up learned the scales
+    assert bool((res.divergences == 0).all())
+    assert bool(((res.accept_rate > 0.6) & (res.accept_rate < 0.99)).all())
+
+
+def _linear_regression(seed=0, n=50, d=5, alpha=2.0, beta=25.0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, d, generator=g, dtype=torch.float64)
+    w = torch.randn(d, generator=g, dtype=torch.float64)
+    y = X @ w + torch.randn(n, generator=g, dtype=torch.float64) / math.sqrt(beta)
+    S = torch.linalg.inv(alpha * torch.eye(d, dtype=torch.float64) + beta * X.T @ X)  # exact posterior
+    m = beta * S @ X.T @ y
+
+    def log_prob(theta):  # (C, d) -> (C,)
+        return -0.5 * alpha * theta.pow(2).sum(-1) - 0.5 * beta * (y - theta @ X.T).pow(2).sum(-1)
+    return log_prob, m, S
+
+
+@pytest.mark.slow
+def test_bayesian_linear_regression_exact_posterior():
+    log_prob, m, S = _linear_regression()
+    g = torch.Generator().manual_seed(1)
+    res = hmc(log_prob, torch.randn(4, 5, generator=g, dtype=torch.float64), num_samples=1500, num_warmup=500,
+              num_steps=8, generator=g)
+    diag = chain_diagnostics(res.draws)
+    assert diag["rhat_max"] < 1.05
+    draws = res.draws.reshape(-1, 5)
+    sd = S.diagonal().sqrt()
+    z = ((draws.mean(0) - m) / sd).abs() * math.sqrt(diag["ess_min"])
+    assert bool((z < 5).all()), z
+    cov = torch.cov(draws.T)
+    # every covariance entry, in units of the posterior standard deviations (correlations to within ~0.1)
+    err = (cov - S) / torch.outer(sd, sd)
+    assert float(err.abs().max()) < 5 * math.sqrt(2 / diag["ess_min"]), err
+
+
+def test_runs_are_deterministic_with_a_generator_and_shaped_as_documented():
+    log_prob, _, _ = _linear_regression(n=20, d=3)
+
+    def run(seed):
+        g = torch.Generator().manual_seed(seed)
+        return hmc(log_prob, torch.zeros(3, 3, dtype=torch.float64), num_samples=15, num_warmup=30, num_steps=3,
+                   thin=2, collect=lambda t: t.sum(-1, keepdim=True), generator=g)
+
+    a, b, c = run(0), run(0), run(1)
+    assert torch.equal(a.draws, b.draws) and torch.equal(a.step_size, b.step_size)
+    assert not torch.equal(a.draws, c.draws)
+    assert a.draws.shape == (3, 15, 1) and a.log_prob.shape == (3, 15) and a.inv_mass.shape == (3, 3)
+    assert a.accept_rate.shape == (3,) and a.last.shape == (3, 3)
+    assert torch.allclose(a.log_prob[:, -1], log_prob(a.last))
+
+
+def test_chains_are_independent_of_each_other():
+    # a chain whose density is not finite in one place does not disturb the others: NaN is a rejected proposal
+    def log_prob(x):
+        lp = -0.5 * x.pow(2).sum(-1)
+        return torch.where(x[:, 0] > 3, torch.full_like(lp, float("nan")), lp)
+
+    g = torch.Generator().manual_seed(0)
+    res = hmc(log_prob, torch.zeros(2, 2, dtype=torch.float64), num_samples=200, num_warmup=100, num_steps=5,
+              generator=g)
+    assert bool(torch.isfinite(res.log_prob).all()) and bool((res.draws[..., 0] <= 3).all())
+
+
+def test_warmup_windows_follow_stans_schedule():
+    # Stan's defaults for 1000 warm-up iterations: 75 fast, windows 25, 50, 100, 200, 500, 50 fast
+    assert warmup_windows(1000) == [(75, 99), (100, 149), (150, 249), (250, 449), (450, 949)]
+    assert warmup_windows(100) == [(15, 89)]  # too short for the buffers: 15 % / 75 % / 10 %
+    assert warmup_windows(10) == []
+
+
+def test_chain_diagnostics_see_chains_that_disagree():
+    g = torch.Generator().manual_seed(0)
+    same = torch.randn(4, 500, 3, generator=g, dtype=torch.float64)
+    ok = chain_diagnostics(same)
+    assert ok["rhat_max"] < 1.02 and ok["ess_min"] > 1000  # independent draws: ESS near 4 x 500
+    shifted = same + torch.arange(4, dtype=torch.float64).reshape(4, 1, 1)
+    assert chain_diagnostics(shifted)["rhat_max"] > 1.5
+    import arviz as az
+    ref = az.rhat(az.convert_to_dataset({"q": shifted.numpy()}), method="rank")["q"].values
+    assert chain_diagnostics(shifted)["rhat_max"] == pytest.approx(float(np.max(ref)))
+
+
+def test_input_checks():
+    lp = _gaussian(torch.ones(2, dtype=torch.float64))
+    x = torch.zeros(2, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"hmc: init must be a Tensor of shape \(C, D\)"):
+        hmc(lp, x[0], num_samples=1, num_warmup=0)
+    with pytest.raises(ValueError, match=r"hmc: init must be a finite floating-point Tensor"):
+        hmc(lp, x * float("nan"), num_samples=1, num_warmup=0)
+    with pytest.raises(ValueError, match=r"hmc: num_samples must be an integer >= 1"):
+        hmc(lp, x, num_samples=0, num_warmup=0)
+    with pytest.raises(ValueError, match=r"hmc: num_warmup must be an integer >= 0"):
+        hmc(lp, x, num_samples=1, num_warmup=-1)
+    with pytest.raises(ValueError, match=r"hmc: num_steps must be an integer >= 1"):
+        hmc(lp, x, num_samples=1, num_warmup=0, num_steps=1.5)
+    with pytest.raises(ValueError, match=r"hmc: target_accept must be a number in \(0, 1\)"):
+        hmc(lp, x, num_samples=1, num_warmup=0, target_accept=1.0)
+    with pytest.raises(ValueError, match=r"hmc: step_size must be a positive finite number"):
+        hmc(lp, x, num_samples=1, num_warmup=0, step_size=0.0)
+    with pytest.raises(ValueError, match=r"hmc: jitter must be a number in \[0, 1\)"):
+        hmc(lp, x, num_samples=1, num_warmup=0, jitter=1.0)
+    with pytest.raises(ValueError, match=r"hmc: log_prob must return shape \(2,\)"):
+        hmc(lambda t: t.sum(), x, num_samples=1, num_warmup=0)
+    with pytest.raises(ValueError, match=r"hmc: log_prob must be finite with a finite gradient at init"):
+        hmc(lambda t: t.sum(-1) * float("nan"), x, num_samples=1, num_warmup=0)
+    with pytest.raises(ValueError, match=r"chain_diagnostics: draws must have shape \(C, S, ...\) with C >= 2"):
+        chain_diagnostics(torch.zeros(1, 10))
