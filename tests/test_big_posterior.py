@@ -23,6 +23,7 @@ def _gaussian(dim=20, seed=0):
     return torch.distributions.MultivariateNormal(mean, covariance_matrix=cov)
 
 
+@pytest.mark.slow
 def test_hmc_recovers_a_gaussians_mean_and_covariance():
     target = _gaussian()
     g = torch.Generator().manual_seed(1)
@@ -106,6 +107,7 @@ def small_reference(tmp_path_factory):
     return folder, diag
 
 
+@pytest.mark.slow
 def test_make_reference_writes_converged_draws_and_the_score_identity_holds(small_reference):
     folder, diag = small_reference
     assert diag["converged"] and diag["rhat_max"] <= 1.01 and diag["ess_bulk_min"] > 400
@@ -118,11 +120,17 @@ def test_make_reference_writes_converged_draws_and_the_score_identity_holds(smal
     (grad,) = torch.autograd.grad(post.log_density(z).sum(), z)
     se = grad.std(0) / math.sqrt(diag["ess_bulk_min"])
     assert (grad.mean(0).abs() < 5 * se).all()
+    ident = big.score_identity(post.log_density, post.reference, diag["ess_bulk_min"])
+    assert ident["max_abs_z"] == pytest.approx(float((grad.mean(0) / se).abs().max()))
+    assert diag["score_identity"]["max_abs_z"] < 5
+    # draws shifted off the posterior break the identity
+    assert big.score_identity(post.log_density, post.reference + 0.5)["max_abs_z"] > 10
     # and E_p[z grad log p^T] = -I (integration by parts), loosely
     cross = z.detach().T @ grad / z.shape[0]
     assert (cross + torch.eye(SMALL.dim, dtype=torch.float64)).abs().max() < 0.35
 
 
+@pytest.mark.slow
 def test_reference_agrees_with_pyros_nuts(small_reference):
     """The batched HMC's posterior mean against Pyro's NUTS on the same small model."""
     import pyro
@@ -141,22 +149,34 @@ def test_reference_agrees_with_pyros_nuts(small_reference):
     assert ((ratio > 0.8) & (ratio < 1.2)).all()
 
 
-def test_load_errors_name_the_command(tmp_path, monkeypatch, small_reference):
+def _fake_reference(folder, converged=True):
+    """A reference file of SMALL's shape without running HMC (for the loader's checks)."""
+    from dataclasses import asdict
+
+    draws = torch.randn(8, SMALL.dim, generator=torch.Generator().manual_seed(0))
+    torch.save({"draws": draws, "config": asdict(SMALL), "sampler": {},
+                "diagnostics": {"converged": converged, "rhat_max": 1.0 if converged else 1.2}},
+               big.reference_path(folder))
+    return draws
+
+
+def test_load_errors_name_the_command(tmp_path, monkeypatch):
     monkeypatch.delenv("PYRO_FA_POSTERIORDB", raising=False)
     with pytest.raises(FileNotFoundError, match=r"load_big_logistic: data_dir must be a folder holding "
                                                 r"big_logistic_reference.pt .*--make-reference FOLDER"):
         big.load_big_logistic(tmp_path)
     with pytest.raises(FileNotFoundError, match="got None"):
         big.load_big_logistic()
-    folder, _ = small_reference
+    folder = tmp_path / "ok"
+    folder.mkdir()
+    draws = _fake_reference(folder)
     monkeypatch.setenv("PYRO_FA_POSTERIORDB", str(folder))
-    assert big.load_big_logistic(config=SMALL).dim == SMALL.dim  # found through the environment
+    post = big.load_big_logistic(config=SMALL)  # found through the environment
+    assert post.dim == SMALL.dim and torch.equal(post.reference, draws.double())
     with pytest.raises(ValueError, match="load_big_logistic: the reference's config must be"):
         big.load_big_logistic(folder)  # the default (D = 5000) config
-    payload = torch.load(big.reference_path(folder), weights_only=True)
-    payload["diagnostics"]["converged"] = False
-    torch.save(payload, big.reference_path(tmp_path))
-    with pytest.raises(ValueError, match=r"load_big_logistic: the reference's largest R-hat must be <= 1.01"):
+    _fake_reference(tmp_path, converged=False)
+    with pytest.raises(ValueError, match=r"load_big_logistic: the reference's largest R-hat must be <= 1.01, got 1.2"):
         big.load_big_logistic(tmp_path, SMALL)
 
 
@@ -177,7 +197,7 @@ def test_hmc_argument_errors():
         hmc(f, torch.zeros(2, 3), num_warmup=1, num_samples=1, num_steps=1, target_accept=1.5)
 
 
-def test_registered_as_a_standin(small_reference, monkeypatch):
+def test_registered_as_a_standin(monkeypatch):
     from pyro_fa.experiments.posteriordb.command import load
     from pyro_fa.experiments.posteriordb.standins import STANDINS
 
