@@ -177,7 +177,7 @@ def overdispersed_inits(data: dict, chains: int, generator: torch.Generator, sca
 
 
 def make_reference(folder, config: BigLogisticConfig = BigLogisticConfig(), *, chains: int = 4,
-                   num_warmup: int = 300, num_samples: int = 1200, thin: int = 3, num_steps: int = 12,
+                   num_warmup: int = 300, num_samples: int = 2400, thin: int = 4, num_steps: int = 12,
                    seed: int = 0, dtype=torch.float32, log=print) -> dict:
     """Make the reference draws of ``big_logistic`` by HMC and write them to ``<folder>/big_logistic_reference.pt``.
 
@@ -254,7 +254,7 @@ def load_big_logistic(data_dir=None, config: BigLogisticConfig = BigLogisticConf
         raise FileNotFoundError(
             f"load_big_logistic: data_dir must be a folder holding {REFERENCE_FILE} (data_dir=, else the "
             f"environment variable PYRO_FA_POSTERIORDB), got {str(path) if path else None!r}; make it with "
-            f"`{MAKE_COMMAND}` (its default: 4 chains of 1 500 HMC iterations of 12 leapfrog steps).")
+            f"`{MAKE_COMMAND}` (its default: 4 chains of 2 700 HMC iterations of 12 leapfrog steps).")
     payload = torch.load(path, map_location="cpu", weights_only=True)
     if payload.get("config") != asdict(config):
         raise ValueError(f"load_big_logistic: the reference's config must be {asdict(config)!r}, got "
@@ -275,8 +275,8 @@ def main(argv=None) -> int:
     parser.add_argument("--make-reference", metavar="FOLDER", required=True,
                         help=f"the folder to write {REFERENCE_FILE} to")
     parser.add_argument("--num-warmup", type=int, default=300)
-    parser.add_argument("--num-samples", type=int, default=1200)
-    parser.add_argument("--thin", type=int, default=3)
+    parser.add_argument("--num-samples", type=int, default=2400)
+    parser.add_argument("--thin", type=int, default=4)
     parser.add_argument("--num-steps", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
