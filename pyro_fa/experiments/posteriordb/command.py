@@ -58,7 +58,10 @@ def load(name: str, data_dir=None):
     from pyro_fa.experiments.posteriordb.standins import STANDINS, load_standin
 
     if name in STANDINS:
-        return load_standin(name)
+        try:
+            return load_standin(name, data_dir)
+        except (OSError, ValueError) as err:  # a stand-in whose reference is made apart (big_logistic)
+            raise SystemExit(f"{COMMAND}: cannot load posterior {name!r}: {err}") from None
     try:
         from pyro_fa.experiments.posteriordb.loader import load_posterior
     except ImportError:

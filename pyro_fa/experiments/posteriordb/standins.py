@@ -3,7 +3,9 @@ when no port is installed: ``name``, ``model``, ``dim``, ``reference`` (N, D) an
 
 * ``gaussian_linreg``: a Bayesian linear regression (known noise, Gaussian prior, two near-collinear
   features) whose posterior is Gaussian: its reference draws are exact;
-* ``logistic_regression``: a Bayesian logistic regression whose reference draws come from NUTS (slow).
+* ``logistic_regression``: a Bayesian logistic regression whose reference draws come from NUTS (slow);
+* ``big_logistic``: a Bayesian logistic regression with D = 5000 coefficients
+  (:mod:`pyro_fa.experiments.posteriordb.big`), whose HMC reference draws are read from the data folder.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Callable
 
 import torch
 
-STANDINS = ("gaussian_linreg", "logistic_regression")
+STANDINS = ("gaussian_linreg", "logistic_regression", "big_logistic")
 
 
 @dataclass
@@ -89,8 +91,21 @@ def logistic_regression(num_reference: int = 2000) -> StandInPosterior:
     return StandInPosterior("logistic_regression", model, D, mcmc.get_samples()["w"].double(), log_density)
 
 
-def load_standin(name: str) -> StandInPosterior:
-    """The stand-in posterior ``name`` (one of :data:`STANDINS`).
+def _load_big_logistic(data_dir=None):
+    from pyro_fa.experiments.posteriordb.big import load_big_logistic
+
+    return load_big_logistic(data_dir)
+
+
+#: stand-in name -> its loader, called with the data folder (``None``: the loader's default)
+_LOADERS = {"gaussian_linreg": lambda data_dir=None: gaussian_linreg(),
+            "logistic_regression": lambda data_dir=None: logistic_regression(),
+            "big_logistic": _load_big_logistic}
+
+
+def load_standin(name: str, data_dir=None) -> StandInPosterior:
+    """The stand-in posterior ``name`` (one of :data:`STANDINS`); ``data_dir`` is the folder of those whose
+    reference draws are made apart (``big_logistic``).
 
     Raises
     ------
@@ -99,4 +114,4 @@ def load_standin(name: str) -> StandInPosterior:
     """
     if name not in STANDINS:
         raise KeyError(f"load_standin: name must be one of {list(STANDINS)}, got {name!r}.")
-    return {"gaussian_linreg": gaussian_linreg, "logistic_regression": logistic_regression}[name]()
+    return _LOADERS[name](data_dir)
