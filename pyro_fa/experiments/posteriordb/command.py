@@ -161,11 +161,11 @@ def _fit_unit(name, posterior, method, seed, budget, lr) -> dict:
         curve = [{"step": p.step, "grad_evals": int(p.grad_evals), "density_evals": int(p.density_evals),
                   "scores": score(p, posterior, seed)} for p in fit.points]
         out = {"curve": curve, "scores": curve[-1]["scores"], "grad_evals": curve[-1]["grad_evals"],
-               "density_evals": curve[-1]["density_evals"], "seconds": fit.seconds, "extra": fit.extra,
-               "error": None}
+               "density_evals": curve[-1]["density_evals"], "seconds": fit.seconds,
+               "cpu_seconds": fit.cpu_seconds, "extra": fit.extra, "error": None}
     except (RuntimeError, ValueError) as err:
         out = {"curve": [], "scores": {}, "grad_evals": 0, "density_evals": 0, "seconds": time.perf_counter() - t0,
-               "extra": {}, "error": f"{type(err).__name__}: {err}"}
+               "cpu_seconds": None, "extra": {}, "error": f"{type(err).__name__}: {err}"}
     out["score_seconds"] = time.perf_counter() - t0 - out["seconds"]
     return out
 

@@ -126,6 +126,7 @@ class Fit:
     points: List[Point]
     extra: dict = field(default_factory=dict)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
     draws = property(lambda self: self.points[-1].draws)
     log_q = property(lambda self: self.points[-1].log_q)
@@ -238,9 +239,9 @@ def fit_method(method: str, posterior, budget: Budget, seed: int, lr: Optional[f
     pyro.set_rng_seed(seed)
     run = Run(posterior, budget, seed, lr, list(steps or budget.steps_to_score()),
               torch.Generator().manual_seed(seed))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fit = METHODS[method].fit(run)
-    fit.seconds = time.perf_counter() - t0
+    fit.seconds, fit.cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     for p in fit.points:
         p.draws = p.draws.detach().to(torch.float64)
         p.log_q = None if p.log_q is None else p.log_q.detach().to(torch.float64)
@@ -255,7 +256,8 @@ def _auto_normal_draws(run: Run, guide) -> tuple:
         loc, scale = guide._get_loc_and_scale(name)
         locs.append(loc.detach().reshape(-1))
         scales.append(scale.detach().reshape(-1))
-    return run.sample(torch.distributions.Independent(torch.distributions.Normal(torch.cat(locs), torch.cat(scales)), 1))
+    normal = torch.distributions.Normal(torch.cat(locs), torch.cat(scales))
+    return run.sample(torch.distributions.Independent(normal, 1))
 
 
 def _trace_elbo():

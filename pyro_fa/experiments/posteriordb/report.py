@@ -8,7 +8,7 @@ from pyro_fa.experiments._io import markdown_table
 from pyro_fa.experiments.posteriordb.goals import KHAT_USABLE, goals, median, median_curve
 
 HEADER = ["method", "W1 debiased (IQR)", "W1", "W1 floor", "max mean err (sd)", "sd ratio min-max", "k-hat",
-          "grad evals", "seconds", "lr (tuning grad evals, s)", "failed"]
+          "grad evals", "seconds (CPU)", "lr (tuning grad evals, s)", "failed"]
 
 
 def _quartiles(values):
@@ -42,7 +42,8 @@ def posterior_table(records: List[dict], name: str) -> str:
             method, f"{med['w1_debiased']:.3g} ({q1:.3g} to {q3:.3g})", f"{med['w1']:.3g}", f"{med['w1_floor']:.3g}",
             f"{med['max_mean_error']:.3g}", f"{med['min_sd_ratio']:.2f}-{med['max_sd_ratio']:.2f}",
             f"{med['khat']:.2f}", f"{median([r['grad_evals'] for r in ok]):.0f}",
-            f"{median([r['seconds'] for r in ok]):.2f}", _lr_cell(rs), f"{len(rs) - len(ok)}/{len(rs)}"]))
+            f"{median([r['seconds'] for r in ok]):.2f} ({median([r.get('cpu_seconds') for r in ok]):.2f})",
+            _lr_cell(rs), f"{len(rs) - len(ok)}/{len(rs)}"]))
     rows.sort(key=lambda t: (math.isnan(t[0]), t[0]))
     seeds = len({r["seed"] for r in records if r["posterior"] == name})
     return (f"### {name}\n\nFinal fits, medians over {seeds} seeds, ranked by the debiased W1 (IQR: its "
@@ -89,7 +90,7 @@ def figure(records: List[dict], path) -> None:
     from pyro_fa.experiments._io import atomic_savefig
 
     names = list(dict.fromkeys(r["posterior"] for r in records))
-    cols = min(3, len(names))
+    cols = min(4, len(names))
     rows = -(-len(names) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(max(6.5, 4.5 * cols), 3.5 * rows + 0.9), squeeze=False)
     methods = list(dict.fromkeys(r["method"] for r in records))

@@ -49,7 +49,7 @@ def tuning_run(method: str, posterior, budget, seed: int, lr: float) -> dict:
     """One rate: the method's final fit from ``seed``, its ELBO from ``TUNING_DRAWS`` draws, and its cost."""
     from pyro_fa.experiments.posteriordb.methods import fit_method
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
         fit = fit_method(method, posterior, replace(budget, num_draws=TUNING_DRAWS), seed, lr=lr,
                          steps=[budget.steps])
@@ -57,7 +57,7 @@ def tuning_run(method: str, posterior, budget, seed: int, lr: float) -> dict:
     except (RuntimeError, ValueError) as err:  # a rate on which the method fails is never chosen
         elbo, grad, error = -math.inf, 0, f"{type(err).__name__}: {err}"
     return {"lr": float(lr), "elbo": elbo, "grad_evals": int(grad), "seconds": time.perf_counter() - t0,
-            "error": error}
+            "cpu_seconds": time.process_time() - c0, "error": error}
 
 
 def _key(budget, posterior: str, method: str, version: int, seed: int, lr: float) -> dict:
@@ -98,4 +98,5 @@ def choose_lr(method: str, name: str, load: Callable[[], object], budget, seed: 
     best = max(elbos, key=lambda lr: (elbos[lr], -lr))  # ties: the smaller rate
     return {"lr": best, "elbos": {f"{lr:g}": (e if math.isfinite(e) else None) for lr, e in elbos.items()},
             "seed": seed, "grad_evals": sum(r["grad_evals"] for r in runs),
-            "seconds": sum(r["seconds"] for r in runs)}
+            "seconds": sum(r["seconds"] for r in runs),
+            "cpu_seconds": sum(r.get("cpu_seconds") or 0 for r in runs)}
