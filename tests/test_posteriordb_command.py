@@ -4,6 +4,7 @@ import json
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -123,6 +124,24 @@ def test_svi_curves_have_one_point_per_checkpoint_and_do_not_perturb_the_run(met
     fit_method(method, post, budget, 3, lr=0.05, steps=[60])
     again = dict(pyro.get_param_store().items())
     assert params.keys() == again.keys() and all(torch.equal(params[k], again[k].detach()) for k in params)
+
+
+def test_scores_along_a_curve_equal_scores_on_fresh_posteriors():
+    """The W1 floor is computed once per seed and reused at every checkpoint: the scores are those of a posterior
+    scored point by point from scratch; the floor is the reference against itself (independent of the fit)."""
+    from pyro_fa.experiments.posteriordb.command import score
+    from pyro_fa.experiments.posteriordb.methods import Budget, fit_method
+    from pyro_fa.experiments.posteriordb.standins import gaussian_linreg
+    from pyro_fa.metrics.transport import wasserstein1
+
+    post = gaussian_linreg()
+    fit = fit_method("auto-normal", post, Budget(steps=20, checkpoints=(10,), num_draws=100), 0, lr=0.05)
+    cached = [score(p, post, 0) for p in fit.points]
+    assert cached == [score(p, gaussian_linreg(), 0) for p in fit.points]
+    assert cached[0]["w1_floor"] == cached[1]["w1_floor"] > 0
+    first = np.random.default_rng(0).permutation(post.reference.shape[0])[:100]  # score's reference subset
+    assert cached[1]["w1"] == pytest.approx(wasserstein1(fit.points[1].draws, post.reference[first]))
+    assert cached[0]["w1"] != cached[1]["w1"]
 
 
 def test_the_pathfinder_guide_curve_starts_at_pathfinders_cost():
