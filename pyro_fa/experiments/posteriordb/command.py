@@ -5,12 +5,15 @@ space the Pathfinder way (Zhang et al. 2022, Section 4; :mod:`pyro_fa.metrics.tr
 1-Wasserstein distance between ``num_draws`` draws of each, the reference-against-itself floor at that size, the
 debiased W1 (cross minus self distances on disjoint halves), each marginal's mean error in reference standard
 deviations and its s.d. ratio, the Pareto k̂ of ``log p - log q`` where the method has a density, the log-density
-gradient evaluations and the seconds. Each (posterior, method, seed) is written to its own unit file as soon as it
-is done (``<output>/units/``) and a run again reuses them; ``report.md`` holds a table per posterior.
+gradient evaluations and the seconds. The SVI methods are scored at checkpoints along one run (a curve of
+(gradient evaluations, scores)); their Adam rate is chosen per posterior by the ELBO on a tuning seed
+(:mod:`~pyro_fa.experiments.posteriordb.tuning`) unless ``--lr`` fixes it. Each (posterior, method, seed) is
+written to its own unit file as soon as it is done (``<output>/units/``) and a run again reuses them;
+``report.md`` holds a table per posterior and the goals' table (:mod:`~pyro_fa.experiments.posteriordb.goals`).
 
 Posteriors are the ports of :mod:`pyro_fa.experiments.posteriordb` (``load_posterior``) or the stand-ins of
 :mod:`pyro_fa.experiments.posteriordb.standins` (``gaussian_linreg``, whose reference is exact, is what
-``--quick`` runs).
+``--quick`` runs). The methods are the registry :data:`~pyro_fa.experiments.posteriordb.methods.METHODS`.
 """
 from __future__ import annotations
 
@@ -20,35 +23,56 @@ import time
 from dataclasses import asdict, replace
 from typing import Dict, List
 
-from pyro_fa.experiments._io import (OutputFolder, atomic_write_json, atomic_write_text, markdown_table,
-                                     positive_int, progress_bar, read_record, unit_path)
+from pyro_fa.experiments._io import (OutputFolder, atomic_write_json, atomic_write_text, positive_int,
+                                     progress_bar, read_record, unit_path)
 
 #: the subcommand's one-line help, which `pyro-fa` reads without importing this module
-HELP = ("Pyro's guides, Pathfinder and the factor-analysis guide scored against posteriordb's reference draws "
-        '(W1, debiased W1, moment errors, k-hat, gradient evaluations; Zhang et al. 2022).')
+HELP = ("Pyro's guides, Pathfinder, NUTS and the factor-analysis methods scored against posteriordb's reference "
+        "draws (W1 curves over gradient evaluations, debiased W1, moment errors, k-hat; Zhang et al. 2022).")
 
 COMMAND = "pyro-fa posteriordb"
 #: bumped when a change alters what a unit computes: older unit files are then not reused
-UNIT_PROTOCOL = 1
+UNIT_PROTOCOL = 2
 _UNIT_FIELDS = {"key": dict, "posterior": str, "method": str, "seed": int, "scores": dict, "grad_evals": int,
-                "seconds": (int, float)}
+                "seconds": (int, float), "curve": list}
 QUICK_POSTERIOR = "gaussian_linreg"
-_METHOD_NAMES = ("auto-normal", "auto-lowrank", "auto-mvn", "auto-laplace", "factor-guide", "pathfinder",
-                 "pathfinder-multi", "pathfinder-guide")  # pyro_fa.experiments.posteriordb.methods.METHODS
+
+
+def _positive_float(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
 
 
 def add_arguments(parser) -> None:
-    """The options of ``pyro-fa posteriordb`` (no heavy import here: the CLI is lazy)."""
+    """The options of ``pyro-fa posteriordb`` (read when the subcommand is parsed: the methods' registry)."""
+    from pyro_fa.experiments.posteriordb.methods import METHODS
+
+    names = list(METHODS)
     parser.add_argument("--posteriors", nargs="+", default=None, metavar="NAME",
                         help="posteriors to score (default: every port; quick: the stand-in gaussian_linreg)")
-    parser.add_argument("--methods", nargs="+", default=None, choices=_METHOD_NAMES, metavar="METHOD",
-                        help="methods to score (default: all: " + ", ".join(_METHOD_NAMES) + ")")
+    parser.add_argument("--methods", nargs="+", default=None, choices=names, metavar="METHOD",
+                        help="methods to score (default: all: " + ", ".join(names) + ")")
     parser.add_argument("--seeds", type=positive_int, default=None, help="seeds per method (default 10; quick 2)")
     parser.add_argument("--steps", type=positive_int, default=None,
-                        help="SVI steps of the guides (default 2000; quick 200)")
+                        help="SVI steps of the guides (default 2000; quick 100)")
+    parser.add_argument("--checkpoints", type=positive_int, nargs="+", default=None, metavar="STEP",
+                        help="SVI steps at which the curves are scored, besides --steps (default 100 250 500 1000; "
+                             "quick 25 50)")
+    parser.add_argument("--lr", type=_positive_float, default=None,
+                        help="Adam's rate for every SVI method (default: chosen per posterior and method from "
+                             "--lr-grid by the ELBO on a tuning seed)")
+    parser.add_argument("--lr-grid", type=_positive_float, nargs="+", default=None, metavar="LR",
+                        help="the rates tried (default 0.003 0.01 0.03 0.1; quick 0.01 0.1)")
     parser.add_argument("--rank", type=positive_int, default=None, help="rank of the low-rank guides (default 10)")
     parser.add_argument("--num-draws", type=positive_int, default=None,
-                        help="draws scored per method and seed (default 1000; quick 200)")
+                        help="draws scored per method, seed and checkpoint (default 1000; quick 200)")
     parser.add_argument("--data-dir", default=None, help="the posteriordb folder (default: the ports' own rule)")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
 
@@ -84,88 +108,113 @@ def default_posteriors(quick: bool) -> List[str]:
 
 
 def score(fit, posterior, seed: int) -> Dict[str, float]:
-    """The Pathfinder-paper scores of a fit's draws against ``posterior.reference`` (module docstring)."""
+    """The Pathfinder-paper scores of a fit's draws (a :class:`~.methods.Point`, or a fit's last point) against
+    ``posterior.reference`` (module docstring)."""
     import numpy as np
     import torch
 
     from pyro_fa.metrics.transport import (debiased_wasserstein1, marginal_errors, pareto_khat, wasserstein1,
                                            wasserstein1_floor)
 
+    point = fit.points[-1] if hasattr(fit, "points") else fit
     ref = posterior.reference.detach().to(torch.float64)
-    n = fit.draws.shape[0]
+    n = point.draws.shape[0]
     rng = np.random.default_rng(seed)
+    floors = posterior.__dict__.setdefault("_w1_floors", {})  # the same at every checkpoint of a seed
+    floor_key = (posterior.reference.data_ptr(), tuple(ref.shape), n, seed)
     if ref.shape[0] >= 2 * n:
         idx = rng.permutation(ref.shape[0])[:2 * n]
         ref_n, ref_2n = ref[idx[:n]].numpy(), ref[idx].numpy()
-        floor = wasserstein1_floor(ref_2n, n, seed=seed)
+        if floor_key not in floors:
+            floors[floor_key] = wasserstein1_floor(ref_2n, n, seed=seed)
     else:  # a small reference: the floor at half the size
         ref_n, ref_2n = ref[rng.permutation(ref.shape[0])[:n]].numpy(), ref.numpy()
-        floor = wasserstein1_floor(ref_2n, seed=seed)
-    draws = fit.draws.numpy()
-    finite = bool(np.isfinite(draws).all())
+        if floor_key not in floors:
+            floors[floor_key] = wasserstein1_floor(ref_2n, seed=seed)
+    floor = floors[floor_key]
+    draws = point.draws.numpy()
     out = {"w1": float("nan"), "w1_floor": floor, "w1_debiased": float("nan"), "max_mean_error": float("nan"),
            "min_sd_ratio": float("nan"), "max_sd_ratio": float("nan"), "khat": float("nan")}
-    if not finite:
+    if not bool(np.isfinite(draws).all()):
         return out
     out["w1"] = wasserstein1(draws, ref_n)
     out["w1_debiased"] = debiased_wasserstein1(draws, ref_2n[: 2 * (n // 2)], n // 2, seed=seed)["w1_debiased"]
     m = marginal_errors(draws, ref.numpy())
     out.update(max_mean_error=m["max_mean_error"], min_sd_ratio=float(m["sd_ratio"].min()),
                max_sd_ratio=float(m["sd_ratio"].max()))
-    if fit.log_q is None:  # multi-path Pathfinder's resampled draws: k-hat of its pooled proposal instead
-        out["khat"] = fit.extra.get("khat_resampling", float("nan"))
+    if point.log_q is None:  # resampled or MCMC draws: the k-hat of a proposal where the method has one
+        out["khat"] = point.extra.get("khat_resampling", float("nan"))
     else:
         with torch.no_grad():
-            log_p = posterior.log_density(fit.draws)
-        out["khat"] = pareto_khat((log_p - fit.log_q.to(log_p)).numpy())
+            log_p = posterior.log_density(point.draws)
+        out["khat"] = pareto_khat((log_p - point.log_q.to(log_p)).numpy())
     return out
 
 
-#: bumped per method when a change alters what that method computes (its older unit files are then not reused);
-#: pathfinder-guide 2: the guide's mean whitened by Pathfinder's marginal s.d.
-METHOD_VERSIONS = {"pathfinder-guide": 2}
+def _key(budget, posterior: str, method: str, seed: int, lr) -> dict:
+    from pyro_fa.experiments.posteriordb.methods import METHODS
 
-
-def _key(budget, posterior: str, method: str, seed: int) -> dict:
     key = {"protocol": UNIT_PROTOCOL, "budget": asdict(budget), "posterior": posterior, "method": method,
-           "seed": seed}
-    if method in METHOD_VERSIONS:
-        key["method_version"] = METHOD_VERSIONS[method]
+           "method_version": METHODS[method].version, "seed": seed, "lr": lr}
     return json.loads(json.dumps(key))
 
 
-def run_units(posteriors, methods, seeds, budget, output_dir, data_dir=None, progress=True) -> List[dict]:
-    """Run (or reuse) every (posterior, method, seed) unit; returns their records."""
+def _fit_unit(name, posterior, method, seed, budget, lr) -> dict:
+    """Fit one unit and score every point of its curve; a method that fails on a posterior is a result."""
     from pyro_fa.experiments.posteriordb.methods import fit_method
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    try:
+        fit = fit_method(method, posterior, budget, seed, lr=lr)
+        curve = [{"step": p.step, "grad_evals": int(p.grad_evals), "density_evals": int(p.density_evals),
+                  "scores": score(p, posterior, seed)} for p in fit.points]
+        out = {"curve": curve, "scores": curve[-1]["scores"], "grad_evals": curve[-1]["grad_evals"],
+               "density_evals": curve[-1]["density_evals"], "seconds": fit.seconds,
+               "cpu_seconds": fit.cpu_seconds, "extra": fit.extra, "error": None}
+    except (RuntimeError, ValueError) as err:
+        out = {"curve": [], "scores": {}, "grad_evals": 0, "density_evals": 0, "seconds": time.perf_counter() - t0,
+               "cpu_seconds": None, "extra": {}, "error": f"{type(err).__name__}: {err}"}
+    out["score_seconds"] = time.perf_counter() - t0 - out["seconds"]
+    out["score_cpu_seconds"] = time.process_time() - c0 - (out["cpu_seconds"] or 0)
+    return out
+
+
+def run_units(posteriors, methods, seeds, budget, output_dir, data_dir=None, progress=True, lr=None,
+              lr_grid=None) -> List[dict]:
+    """Run (or reuse) every (posterior, method, seed) unit, choosing the tuned methods' rates first (unless ``lr``
+    fixes it); returns their records."""
+    from pyro_fa.experiments.posteriordb.methods import METHODS
+    from pyro_fa.experiments.posteriordb.tuning import LR_GRID, choose_lr, tuning_seed
 
     records: List[dict] = []
     bar = progress_bar(total=len(posteriors) * len(methods) * len(seeds), desc="posteriordb", unit="fit",
                        enabled=progress)
     for name in posteriors:
-        posterior = None
+        cache = {}
+
+        def posterior():
+            if "p" not in cache:
+                cache["p"] = load(name, data_dir)
+            return cache["p"]
+
         for method in methods:
+            rate, tuning = (None, None) if not METHODS[method].tuned else (lr, None)
+            if METHODS[method].tuned and lr is None:
+                tuning = choose_lr(method, name, posterior, budget, tuning_seed(seeds), output_dir,
+                                   lr_grid or LR_GRID, COMMAND)
+                rate = tuning["lr"]
             for seed in seeds:
-                key = _key(budget, name, method, seed)
+                key = _key(budget, name, method, seed, rate)
                 path = unit_path(output_dir, key, f"{name}__{method}__s{seed}")
                 record = read_record(path, _UNIT_FIELDS, COMMAND) if path.exists() else None
                 if record is None or record["key"] != key:
-                    if posterior is None:
-                        posterior = load(name, data_dir)
-                    t0 = time.perf_counter()
-                    try:
-                        fit = fit_method(method, posterior, budget, seed)
-                        scores, error = score(fit, posterior, seed), None
-                        grad, dens, extra = fit.grad_evals, fit.density_evals, fit.extra
-                    except (RuntimeError, ValueError) as err:  # a method that fails on a posterior is a result
-                        scores, error, grad, dens, extra = {}, f"{type(err).__name__}: {err}", 0, 0, {}
-                    record = {"key": key, "posterior": name, "method": method, "seed": seed, "scores": scores,
-                              "grad_evals": grad, "density_evals": dens, "seconds": time.perf_counter() - t0,
-                              "extra": extra, "error": error}
+                    record = {"key": key, "posterior": name, "method": method, "seed": seed, "lr": rate,
+                              "tuning": tuning, **_fit_unit(name, posterior(), method, seed, budget, rate)}
                     atomic_write_json(path, _finite_json(record))
-                    w = record["scores"].get("w1_debiased")
+                    w, error = record["scores"].get("w1_debiased"), record["error"]
                     bar.write(f"{COMMAND}: {name} {method} seed {seed}: " + (
-                        f"W1 debiased {w:.3g}, {record['grad_evals']} gradient evaluations, "
-                        f"{record['seconds']:.1f}s" if error is None else f"failed ({error})"))
+                        f"W1 debiased {w if w is not None else float('nan'):.3g}, {record['grad_evals']} gradient "
+                        f"evaluations, {record['seconds']:.1f}s" if error is None else f"failed ({error})"))
                 records.append(record)
                 bar.update(1)
     bar.close()
@@ -183,76 +232,6 @@ def _finite_json(obj):
     return obj
 
 
-def _median(values):
-    vals = sorted(v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v)))
-    if not vals:
-        return float("nan")
-    mid = len(vals) // 2
-    return vals[mid] if len(vals) % 2 else 0.5 * (vals[mid - 1] + vals[mid])
-
-
-def tables(records: List[dict]) -> str:
-    """A markdown table per posterior: medians over seeds, ranked by the debiased W1."""
-    out = []
-    header = ["method", "W1", "W1 debiased", "W1 floor", "max mean err (sd)", "sd ratio min-max", "k-hat",
-              "grad evals", "density evals", "seconds", "failed"]
-    for name in dict.fromkeys(r["posterior"] for r in records):
-        rows = []
-        for method in dict.fromkeys(r["method"] for r in records if r["posterior"] == name):
-            rs = [r for r in records if r["posterior"] == name and r["method"] == method]
-            ok = [r for r in rs if not r.get("error")]
-            med = {k: _median([r["scores"].get(k) for r in ok]) for k in
-                   ("w1", "w1_debiased", "w1_floor", "max_mean_error", "min_sd_ratio", "max_sd_ratio", "khat")}
-            rows.append((med["w1_debiased"], [
-                method, f"{med['w1']:.3g}", f"{med['w1_debiased']:.3g}", f"{med['w1_floor']:.3g}",
-                f"{med['max_mean_error']:.3g}", f"{med['min_sd_ratio']:.2f}-{med['max_sd_ratio']:.2f}",
-                f"{med['khat']:.2f}", f"{_median([r['grad_evals'] for r in ok]):.0f}",
-                f"{_median([r.get('density_evals', 0) for r in ok]):.0f}",
-                f"{_median([r['seconds'] for r in ok]):.2f}", f"{len(rs) - len(ok)}/{len(rs)}"]))
-        rows.sort(key=lambda t: (math.isnan(t[0]), t[0]))
-        out.append(f"### {name}\n\nMedians over {len({r['seed'] for r in records if r['posterior'] == name})} "
-                   "seeds, ranked by the debiased W1.\n\n" + markdown_table(header, [r for _, r in rows]))
-    return "\n\n".join(out) + "\n"
-
-
-def figure(records: List[dict], path) -> None:
-    """Debiased W1 against log-density gradient evaluations, every method (one point per seed), a panel per
-    posterior."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401
-
-    from pyro_fa.experiments._io import atomic_savefig
-
-    names = list(dict.fromkeys(r["posterior"] for r in records))
-    cols = min(3, len(names))
-    rows = -(-len(names) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(max(6.5, 4.5 * cols), 3.5 * rows + 0.8), squeeze=False)
-    methods = list(dict.fromkeys(r["method"] for r in records))
-    colours = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
-    for ax, name in zip(axes.flat, names):
-        for m in methods:
-            pts = [(r["grad_evals"], r["scores"].get("w1_debiased")) for r in records
-                   if r["posterior"] == name and r["method"] == m and not r.get("error")]
-            pts = [(g, w) for g, w in pts if w is not None and math.isfinite(w)]
-            if pts:
-                ax.scatter(*zip(*pts), s=14, color=colours[m], label=m)
-        ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_title(name, fontsize=9)
-        ax.set_xlabel("gradient evaluations")
-        ax.set_ylabel("debiased W1")
-    for ax in list(axes.flat)[len(names):]:
-        ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8)
-    fig.tight_layout(rect=(0, 0.16 / rows, 1, 1))
-    atomic_savefig(fig, path, dpi=120)
-    plt.close(fig)
-
-
 def budget_from_args(args):
     from pyro_fa.experiments.posteriordb.methods import Budget
 
@@ -260,6 +239,8 @@ def budget_from_args(args):
     for field_name, value in (("steps", args.steps), ("rank", args.rank), ("num_draws", args.num_draws)):
         if value is not None:
             b = replace(b, **{field_name: value})
+    if args.checkpoints is not None:
+        b = replace(b, checkpoints=tuple(sorted(set(args.checkpoints))))
     return b
 
 
@@ -269,7 +250,9 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
     budget = budget_from_args(args)
     posteriors = list(dict.fromkeys(args.posteriors or default_posteriors(args.quick)))
-    methods = list(dict.fromkeys(args.methods or _METHOD_NAMES))
+    from pyro_fa.experiments.posteriordb.methods import METHODS
+
+    methods = list(dict.fromkeys(args.methods or METHODS))
     n_seeds = args.seeds or (2 if args.quick else 10)
     seeds = [args.seed + i for i in range(n_seeds)]
     with OutputFolder(args.output_dir, COMMAND, subfolders=("units",)):
@@ -277,10 +260,15 @@ def run(args) -> int:
 
 
 def _run_locked(args, budget, posteriors, methods, seeds) -> int:
+    from pyro_fa.experiments.posteriordb.report import figure, goals_table, posterior_table
+    from pyro_fa.experiments.posteriordb.tuning import QUICK_LR_GRID
+
+    grid = args.lr_grid or (QUICK_LR_GRID if args.quick else None)
     records = run_units(posteriors, methods, seeds, budget, args.output_dir, args.data_dir,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, lr=args.lr, lr_grid=grid)
     atomic_write_json(f"{args.output_dir}/results.json", _finite_json({"budget": asdict(budget), "units": records}))
-    report = tables(records)
+    names = list(dict.fromkeys(r["posterior"] for r in records))
+    report = goals_table(records) + "\n\n" + "\n\n".join(posterior_table(records, n) for n in names) + "\n"
     figure(records, f"{args.output_dir}/w1_vs_gradient_evaluations.png")
     atomic_write_text(f"{args.output_dir}/report.md", f"# {COMMAND}\n\n{report}\n"
                       "![debiased W1 against gradient evaluations](w1_vs_gradient_evaluations.png)\n")
