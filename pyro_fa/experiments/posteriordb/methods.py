@@ -11,24 +11,7 @@ k̂, and for the ELBO that chooses Adam's rate) and the cost so far: ``grad_eval
 model's log density with its gradient (one per SVI step and particle, one per L-BFGS evaluation or leapfrog
 step, D for a dense Hessian by reverse mode), ``density_evals`` evaluations without a gradient.
 
-Adding a method is one registered function. The batch-and-match fits of :class:`pyro_fa.infer.BatchAndMatch`
-(whose API is :class:`~pyro_fa.infer.Pathfinder`'s) would be, once that class exists::
-
-    @register_method("bam", "pyro_fa BatchAndMatch (factor-analysis patch, rank K)", ours=True)
-    def _bam(run):
-        from pyro_fa.infer import BatchAndMatch
-
-        bam = BatchAndMatch(log_density=run.log_density, dim=run.dim, rank=run.rank).fit(generator=run.gen)
-        z = bam.sample(run.n, generator=run.gen)
-        return Fit([Point(0, bam.num_grad_evals_, 0, z, bam.get_posterior().log_prob(z))])
-
-    @register_method("bam-guide", "AutoLowRankFactorGuide initialised by BatchAndMatch, then FactorELBO",
-                     ours=True, guide=True, tuned=True)
-    def _bam_guide(run):
-        from pyro_fa.infer import BatchAndMatch
-
-        bam = BatchAndMatch(log_density=run.log_density, dim=run.dim, rank=run.rank).fit(generator=run.gen)
-        return _guide_after(run, bam, {"bam_grad_evals": bam.num_grad_evals_})
+Adding a method is one registered function (``_bam`` and ``_bam_pathfinder`` below are examples).
 """
 from __future__ import annotations
 
@@ -364,6 +347,38 @@ def _guide_after(run: Run, fitted, extra: dict) -> Fit:
 def _pathfinder_guide(run: Run) -> Fit:
     pf, extra = _pathfinder(run, 1)
     return _guide_after(run, pf, extra)
+
+
+#: gradient evaluations BatchAndMatch may spend (50 iterations of 16 draws)
+BAM_GRAD_EVALS = 800
+
+
+@register_method("bam", "pyro_fa BatchAndMatch (factor-analysis patch, rank K) from N(0, I), 800 gradients",
+                 ours=True)
+def _bam(run: Run) -> Fit:
+    from pyro_fa.infer import BatchAndMatch
+
+    bam = BatchAndMatch(log_density=run.log_density, dim=run.dim, rank=run.rank, max_grad_evals=BAM_GRAD_EVALS)
+    bam.fit(generator=run.gen)
+    z = bam.sample(run.n, generator=run.gen)
+    return Fit([Point(0, bam.num_grad_evals_, 0, z, bam.get_posterior().log_prob(z))],
+               {"bam_skipped": int(getattr(bam, "num_skipped_", 0))})
+
+
+@register_method("bam-pathfinder", "pyro_fa BatchAndMatch started at single-path Pathfinder's mean, 800 gradients",
+                 ours=True)
+def _bam_pathfinder(run: Run) -> Fit:
+    from pyro_fa.infer import BatchAndMatch
+
+    pf, extra = _pathfinder(run, 1)
+    loc = pf.get_posterior().mean.detach().to(torch.float64)
+    bam = BatchAndMatch(log_density=run.log_density, dim=run.dim, rank=run.rank, max_grad_evals=BAM_GRAD_EVALS,
+                        init_loc=loc)
+    bam.fit(generator=run.gen)
+    z = bam.sample(run.n, generator=run.gen)
+    extra["bam_skipped"] = int(getattr(bam, "num_skipped_", 0))
+    return Fit([Point(0, pf.num_grad_evals_ + bam.num_grad_evals_, pf.num_density_evals_, z,
+                      bam.get_posterior().log_prob(z))], extra)
 
 
 @register_method("pyro-factor-laplace", "pyro_fa PyroFactorLaplace at AutoDelta's MAP (Adam), rank K",

@@ -69,8 +69,11 @@ def goals_table(records: List[dict], roles=None) -> str:
         rows.append([name, c1, c2, c3])
     g3 = g["g3"]
     n2 = g["g2_count"]
-    rows.append(["**all**", f"{'pass' if g['g1_passed'] else 'fail'}: {g['g1_share']:.0%} of posteriors (>= 60%)",
-                 f"{'pass' if g['g2_passed'] else 'fail'}: {n2[0]}/{n2[1]} posteriors",
+    judged1 = any(v is not None for v in g["g1"].values())
+    c1 = (f"{'pass' if g['g1_passed'] else 'fail'}: {g['g1_share']:.0%} of posteriors (>= 60%)" if judged1
+          else "n/a (no posterior with both sides)")
+    c2 = f"{'pass' if g['g2_passed'] else 'fail'}: {n2[0]}/{n2[1]} posteriors" if n2[1] else "n/a (no guide curves)"
+    rows.append(["**all**", c1, c2,
                  f"{'pass' if g3['passed'] else 'fail'}: ours {g3['ours'][1]} {g3['ours'][0]} vs Pyro "
                  f"{g3['peer'][1]} {g3['peer'][0]} posteriors with k-hat < {KHAT_USABLE}"])
     return ("### Goals\n\nG1: our best factor-analysis method's median debiased W1 (method, value @ gradient "
