@@ -192,3 +192,35 @@ def test_pathfinder_docstring_example():
     import pyro_fa.infer.pathfinder as module
 
     assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+@pytest.mark.parametrize("cls", ["Pathfinder", "BatchAndMatch"])
+def test_a_float32_model_is_fitted_in_the_fits_own_dtype(cls):
+    # the fit runs in float64 by default; the model's float32 latents get the packed vector in their dtype (this
+    # raised "addmv input tensors must have the same dtype" before) and the fit matches the float64 model's
+    import pyro
+    import pyro.distributions as dist
+
+    from pyro_fa import infer
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(30, 3, generator=g, dtype=torch.float64)
+    y = X @ torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64) + 0.5 * torch.randn(30, generator=g,
+                                                                                     dtype=torch.float64)
+
+    def model(X, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=X.dtype), 1.0).to_event(1))
+        with pyro.plate("n", X.shape[0]):
+            pyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+
+    fits = []
+    for dtype in (torch.float32, torch.float64):
+        kw = {"rank": 2, "num_iters": 40} if cls == "BatchAndMatch" else {}
+        fit = getattr(infer, cls)(model, **kw).fit(X.to(dtype), y.to(dtype), generator=torch.Generator().manual_seed(1))
+        fits.append(fit.get_posterior())
+    assert fits[0].mean.dtype == torch.float64
+    # the exact posterior mean, for scale
+    prec = X.T @ X / 0.25 + torch.eye(3, dtype=torch.float64)
+    exact = torch.linalg.solve(prec, X.T @ y / 0.25)
+    assert torch.allclose(fits[0].mean, exact, atol=0.05) and torch.allclose(fits[1].mean, exact, atol=0.05)
+    assert torch.allclose(fits[0].mean, fits[1].mean, atol=1e-3)

@@ -118,6 +118,51 @@ def _fresh_multiswag(post):
     return MultiSWAG([_fresh_swag(m) for m in post.members])
 
 
+def _online_fa(dtype, device):
+    from pyro_fa import OnlineFactorAnalysis
+
+    X = torch.randn(200, 5, generator=torch.Generator().manual_seed(0), dtype=dtype).to(device)
+    fa = OnlineFactorAnalysis(5, 2, seed=0, dtype=dtype, device=device)
+    fa.update(X)
+    return fa
+
+
+def _fresh_online_fa(post):
+    from pyro_fa import OnlineFactorAnalysis
+
+    return OnlineFactorAnalysis(5, 2, seed=1, dtype=post.loc.dtype, device=post.loc.device)
+
+
+def _batch_fa(dtype, device):
+    from pyro_fa import BatchFactorAnalysis
+
+    X = torch.randn(200, 5, generator=torch.Generator().manual_seed(0), dtype=dtype).to(device)
+    return BatchFactorAnalysis(5, 2, seed=0, dtype=dtype, device=device).fit(X)
+
+
+def _fresh_batch_fa(post):
+    from pyro_fa import BatchFactorAnalysis
+
+    return BatchFactorAnalysis(5, 2, seed=1, dtype=post.loc.dtype, device=post.loc.device)
+
+
+def _pathfinder(dtype, device):
+    from pyro_fa.infer import Pathfinder
+
+    pyro.set_rng_seed(0)
+    X, y = _linear_data(dtype, device)
+    return Pathfinder(_linear_model, dtype=dtype).fit(X, y, generator=torch.Generator(device=device).manual_seed(0))
+
+
+def _batch_and_match(dtype, device):
+    from pyro_fa.infer import BatchAndMatch
+
+    pyro.set_rng_seed(0)
+    X, y = _linear_data(dtype, device)
+    return BatchAndMatch(_linear_model, rank=2, num_iters=30, dtype=dtype).fit(
+        X, y, generator=torch.Generator(device=device).manual_seed(0))
+
+
 #: name -> (build(dtype, device), fresh(post) for the state_dict round trip or None, the form get_posterior returns)
 CASES = {
     "swag-em": (functools.partial(_swag, "em"), _fresh_swag, StableLowRankMultivariateNormal),
@@ -133,6 +178,10 @@ CASES = {
     "laplace-blocks": (functools.partial(_laplace, [2, 3]), functools.partial(_fresh_laplace, [2, 3]),
                        BlockLowRankPrecisionNormal),
     "pyro-laplace": (_pyro_laplace, None, LowRankPrecisionNormal),
+    "online-fa": (_online_fa, _fresh_online_fa, StableLowRankMultivariateNormal),
+    "batch-fa": (_batch_fa, _fresh_batch_fa, StableLowRankMultivariateNormal),
+    "pathfinder": (_pathfinder, None, StableLowRankMultivariateNormal),
+    "batch-and-match": (_batch_and_match, None, StableLowRankMultivariateNormal),
 }
 
 
@@ -289,7 +338,7 @@ def test_sample_moments_match_mean_and_variance_within_five_standard_errors(name
 def test_a_state_dict_round_trip_gives_the_same_posterior(name):
     fresh = CASES[name][1]
     if fresh is None:
-        pytest.skip("PyroFactorLaplace holds no state_dict")
+        pytest.skip("holds no state_dict (PyroFactorLaplace, Pathfinder, BatchAndMatch: refit from the model)")
     post = _built(name, torch.float64, "cpu")
     other = fresh(post)
     other.load_state_dict(post.state_dict())
@@ -305,7 +354,8 @@ def test_a_state_dict_round_trip_gives_the_same_posterior(name):
 
 
 @pytest.mark.parametrize("num_samples", [0, -1, 1.5, True])
-@pytest.mark.parametrize("name", ["swag-em", "multiswag", "guide", "laplace-dense", "pyro-laplace"])
+@pytest.mark.parametrize("name", ["swag-em", "multiswag", "guide", "laplace-dense", "pyro-laplace", "online-fa",
+                                  "batch-fa", "pathfinder", "batch-and-match"])
 def test_sample_refuses_a_bad_number_of_samples(name, num_samples):
     post = _built(name, torch.float64, "cpu")
     with pytest.raises(ValueError, match=r"num_samples must be an integer >= 1(?: or None)?, got "):

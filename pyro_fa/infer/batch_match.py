@@ -64,7 +64,8 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from pyro_fa.distributions import StableLowRankMultivariateNormal
+from pyro_fa.infer._fit_to_guide import model_log_density, set_guide_to
+from pyro_fa.distributions import StableLowRankMultivariateNormal, draw
 from pyro_fa.fa import linalg
 from pyro_fa.fa.batch import BATCH_STEPS
 
@@ -145,59 +146,6 @@ def _check_positive(name: str, arg: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
         raise ValueError(f"{name}: {arg} must be a finite positive number, got {value!r}.")
     return float(value)
-
-
-def _model_log_density(model: Callable, args, kwargs, init_loc_fn) -> Tuple[Callable, int]:
-    """``(log_density, D)``: the model's unconstrained log joint of one packed vector, packed as Pyro's
-    ``AutoContinuous`` packs it (the log-Jacobian included)."""
-    from pyro.infer.autoguide import AutoDiagonalNormal
-    from pyro.infer.mcmc.util import initialize_model
-
-    init = {} if init_loc_fn is None else {"init_loc_fn": init_loc_fn}
-    proto = AutoDiagonalNormal(model, **init)
-    proto._setup_prototype(*args, **kwargs)
-    shapes = dict(proto._unconstrained_shapes)
-    strategy = {} if init_loc_fn is None else {"init_strategy": init_loc_fn}
-    _, potential_fn, _, _ = initialize_model(model, model_args=args, model_kwargs=kwargs, **strategy)
-
-    def log_density(z: Tensor) -> Tensor:
-        params, i = {}, 0
-        for site, shape in shapes.items():
-            n = int(torch.Size(shape).numel())
-            params[site] = z[i:i + n].reshape(shape)
-            i += n
-        return -potential_fn(params)
-
-    return log_density, sum(int(torch.Size(s).numel()) for s in shapes.values())
-
-
-def _init_guide_from(q: StableLowRankMultivariateNormal, guide, owner: str) -> None:
-    """Set an :class:`~pyro_fa.infer.AutoLowRankFactorGuide` (set up, rank K) to ``q`` (as Pathfinder does)."""
-    D, K = guide.latent_dim, guide.rank
-    if D != q.loc.shape[0]:
-        raise ValueError(f"{owner}: the guide's latent dimension must be {q.loc.shape[0]}, got {D}.")
-    F, psi = q.cov_factor, q.cov_diag.clone()
-    F = F[:, F.pow(2).sum(0).argsort(descending=True)]
-    if F.shape[1] > K:  # the dropped columns' variance goes to the diagonal: the marginals stay
-        psi = psi + F[:, K:].pow(2).sum(-1)
-        F = F[:, :K]
-    like = guide.loc
-    with torch.no_grad():
-        per_coordinate = guide.scale.dim() > 0  # noise="diagonal": a scale per coordinate; else one
-        s = psi.sqrt() if per_coordinate else psi.mean().sqrt().expand(D)
-        G = F / s.unsqueeze(-1)
-        if G.shape[1] < K:
-            G = torch.cat([G, torch.randn(D, K - G.shape[1], dtype=G.dtype) * 1e-2], dim=1)
-        if "whitened_loc" in guide._parameters:
-            guide.loc_scale.copy_(q.variance.sqrt().to(like))
-            guide.whitened_loc.data.copy_((q.loc / guide.loc_scale).to(like))
-        else:
-            guide.loc.data.copy_(q.loc.to(like))
-        guide.factor.data.copy_(G.to(like))
-        if per_coordinate:
-            guide.scale = s.to(like)
-        elif guide._noise_scale is None:
-            guide.scale = s[0].to(like)
 
 
 class BatchAndMatch:
@@ -369,7 +317,7 @@ class BatchAndMatch:
         """
         name = type(self).__name__
         if self.model is not None:
-            self._lp, self.dim = _model_log_density(self.model, args, kwargs, self.init_loc_fn)
+            self._lp, self.dim = model_log_density(self.model, args, kwargs, self.init_loc_fn)
             if self.rank > self.dim:
                 raise ValueError(f"{name}: rank must be at most the model's latent dimension {self.dim}, "
                                  f"got {self.rank!r}.")
@@ -436,10 +384,7 @@ class BatchAndMatch:
         self._check_fit("sample()")
         if num_samples is not None:
             _check_int(type(self).__name__, "num_samples", num_samples, 1)
-        n = 1 if num_samples is None else num_samples
-        eps = torch.randn(n, self.dim + self.rank, dtype=self.dtype, generator=generator)
-        out = self.loc_ + eps[:, :self.rank] @ self.cov_factor_.T + self.cov_diag_.sqrt() * eps[:, self.rank:]
-        return out[0] if num_samples is None else out
+        return draw(type(self).__name__, self.get_posterior(), num_samples, generator)
 
     def to_guide(self, rank: Optional[int] = None, *args, **kwargs):
         """A new :class:`~pyro_fa.infer.AutoLowRankFactorGuide` of ``self.model`` set to this posterior
@@ -480,4 +425,4 @@ class BatchAndMatch:
         """
         self._check_fit("init_guide()")
         guide._check_setup(f"{type(self).__name__}.init_guide()")
-        _init_guide_from(self.get_posterior(), guide, type(self).__name__)
+        set_guide_to(self.get_posterior(), guide, type(self).__name__)

@@ -58,7 +58,8 @@ from typing import Callable, List, Optional
 import torch
 from torch import Tensor
 
-from pyro_fa.distributions import StableLowRankMultivariateNormal
+from pyro_fa.infer._fit_to_guide import model_log_density, set_guide_to
+from pyro_fa.distributions import StableLowRankMultivariateNormal, draw
 
 __all__ = ["Pathfinder"]
 
@@ -248,25 +249,7 @@ class Pathfinder:
     def _setup(self, args, kwargs) -> Callable[[Tensor], Tensor]:
         if self._log_density is not None:
             return self._log_density
-        from pyro.infer.autoguide import AutoDiagonalNormal
-        from pyro.infer.mcmc.util import initialize_model
-
-        init = {} if self.init_loc_fn is None else {"init_loc_fn": self.init_loc_fn}
-        proto = AutoDiagonalNormal(self.model, **init)
-        proto._setup_prototype(*args, **kwargs)
-        shapes = dict(proto._unconstrained_shapes)
-        self.dim = sum(int(torch.Size(s).numel()) for s in shapes.values())
-        strategy = {} if self.init_loc_fn is None else {"init_strategy": self.init_loc_fn}
-        _, potential_fn, _, _ = initialize_model(self.model, model_args=args, model_kwargs=kwargs, **strategy)
-
-        def log_density(z: Tensor) -> Tensor:
-            params, i = {}, 0
-            for site, shape in shapes.items():
-                n = int(torch.Size(shape).numel())
-                params[site] = z[i:i + n].reshape(shape)
-                i += n
-            return -potential_fn(params)
-
+        log_density, self.dim = model_log_density(self.model, args, kwargs, self.init_loc_fn)
         return log_density
 
     def _value_and_grad(self, x: Tensor):
@@ -419,7 +402,9 @@ class Pathfinder:
     def sample(self, num_samples: Optional[int] = None, *, generator: Optional[torch.Generator] = None) -> Tensor:
         """Draws in the unconstrained space, (num_samples, D) or (D,) when ``num_samples`` is None.
 
-        Single path: exact draws of the chosen Pathfinder Gaussian (Algorithm 4). Multi-path: each path draws
+        Single path: draws of :meth:`get_posterior` (the chosen Pathfinder Gaussian, Algorithm 4, with any
+        negative eigenvalues of its correction clipped: :attr:`clipped_`; the exact Gaussian's draws are
+        ``best_.draw(n, generator)[0]``). Multi-path: each path draws
         ``num_draws_per_path``; the pool is resampled (with replacement) by PSIS-smoothed weights
         (Algorithm 5). The importance diagnostics of the last call are in :attr:`khat_` (multi-path).
 
@@ -433,11 +418,9 @@ class Pathfinder:
         self._check_fit("sample()")
         if num_samples is not None:
             _check_int(type(self).__name__, "num_samples", num_samples, 1)
-        n = 1 if num_samples is None else num_samples
         if self.num_paths == 1:
-            out = self.best_.draw(n, generator)[0]
-        else:
-            out = self._resample(n, generator)
+            return draw(type(self).__name__, self.get_posterior(), num_samples, generator)
+        out = self._resample(1 if num_samples is None else num_samples, generator)
         return out[0] if num_samples is None else out
 
     def log_importance_ratios(self, z: Tensor) -> Tensor:
@@ -503,30 +486,4 @@ class Pathfinder:
         """
         self._check_fit("init_guide()")
         guide._check_setup("Pathfinder.init_guide()")
-        q = self.get_posterior()
-        D, K = guide.latent_dim, guide.rank
-        if D != q.loc.shape[0]:
-            raise ValueError(f"{type(self).__name__}: the guide's latent dimension must be {q.loc.shape[0]}, "
-                             f"got {D}.")
-        F, psi = q.cov_factor, q.cov_diag.clone()
-        order = F.pow(2).sum(0).argsort(descending=True)
-        F = F[:, order]
-        if F.shape[1] > K:
-            psi = psi + F[:, K:].pow(2).sum(-1)
-            F = F[:, :K]
-        like = guide.loc
-        with torch.no_grad():
-            s = guide.noise_model.scale_from_variances(psi)
-            G = F / s.unsqueeze(-1)
-            if G.shape[1] < K:
-                extra = torch.randn(D, K - G.shape[1], dtype=G.dtype) * 1e-2
-                G = torch.cat([G, extra], dim=1)
-            if "whitened_loc" in guide._parameters:
-                # the guide's loc is whitened: measure it in this posterior's marginal s.d., so that an
-                # optimizer's steps on the mean (Adam's: about its rate, whatever the gradient) are s.d.-sized
-                guide.loc_scale.copy_(q.variance.sqrt().to(like))
-                guide.whitened_loc.data.copy_((q.loc / guide.loc_scale).to(like))
-            else:
-                guide.loc.data.copy_(q.loc.to(like))
-            guide.factor.data.copy_(G.to(like))
-            guide.noise_model.assign(guide, s.to(like))
+        set_guide_to(self.get_posterior(), guide, type(self).__name__)
