@@ -78,3 +78,132 @@ def test_errors_name_the_argument():
     X, y = _data()
     with pytest.raises(RuntimeError, match=r"param store must hold the MAP as 'AutoDelta\.\*' entries"):
         la.fit(X, y)
+
+
+# ------------------------------------------------------------------ flat priors, deterministic sites, rank >= D
+def _orthogonal_design(N=50):
+    """X with orthogonal columns of scales 1, 2, 3: the likelihood's Fisher (= its Hessian at the MLE) is diagonal,
+    so a rank-2 factor fit of the 4 x 4 curvature is exact up to Monte Carlo error."""
+    g = torch.Generator().manual_seed(1)
+    Q, _ = torch.linalg.qr(torch.randn(N, 3, generator=g, dtype=torch.float64))
+    X = Q * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64) * N ** 0.5 / 4
+    y = X @ torch.tensor([0.5, -1.0, 0.2], dtype=torch.float64) + 0.7 * torch.randn(N, generator=g,
+                                                                                    dtype=torch.float64)
+    return X, y
+
+
+def flat_model(X, y=None, extra=False):
+    """Stan's implicit flat priors: beta flat on R^3, sigma flat on (0, inf) (log prior linear in log sigma)."""
+    beta = pyro.sample("beta", dist.ImproperUniform(dist.constraints.real, (), (3,)))
+    sigma = pyro.sample("sigma", dist.ImproperUniform(dist.constraints.positive, (), ()))
+    if extra:  # a flat site the likelihood ignores: an improper posterior
+        pyro.sample("c", dist.ImproperUniform(dist.constraints.real, (), ()))
+    with pyro.plate("n", X.shape[0]):
+        pyro.sample("y", dist.Normal(X @ beta, sigma), obs=y)
+
+
+def _flat_map(X, y):
+    """The MAP in closed form (least squares, sigma^2 = RSS / N), in Pyro's param store as AutoDelta's."""
+    beta = torch.linalg.lstsq(X, y.unsqueeze(-1)).solution.squeeze(-1)
+    sigma = ((y - X @ beta) ** 2).mean().sqrt()
+    pyro.clear_param_store()
+    pyro.param("AutoDelta.beta", beta)
+    pyro.param("AutoDelta.sigma", sigma, constraint=dist.constraints.positive)
+    return torch.cat([beta, sigma.log().reshape(1)])
+
+
+def _dense_covariance(neg_log_joint, u):
+    """The inverse of the dense Hessian of the negative log joint in unconstrained coordinates, at u."""
+    return torch.linalg.inv(torch.autograd.functional.hessian(neg_log_joint, u))
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("rank", [2, 5])  # rank < D = 4, and rank >= D (the Fisher kept exactly, psi = 0)
+def test_flat_prior_matches_dense_hessian(rank):
+    X, y = _orthogonal_design()
+    u = _flat_map(X, y)
+    la = PyroFactorLaplace(flat_model, rank=rank, num_samples=2000).fit(X, y)
+    torch.testing.assert_close(la.loc, u)
+    # log joint in u = (beta, log sigma): the Normal likelihood plus the log-Jacobian log sigma; flat priors add 0
+    C = _dense_covariance(lambda v: -(dist.Normal(X @ v[:3], v[3].exp()).log_prob(y).sum() + v[3]), u)
+    # the prior's curvature: zero (beta flat, and sigma's log prior is linear in log sigma)
+    torch.testing.assert_close(la.prior_curvature, torch.zeros(4, dtype=torch.float64))
+    # the Monte Carlo Fisher of 2000 simulated data sets: relative error about sqrt(2 / 2000) = 0.03
+    assert _rel(la.get_posterior().covariance_matrix, C) < 0.1
+
+
+@pytest.mark.parametrize("rank", [2, 5])
+def test_flat_site_without_likelihood_is_improper(rank):
+    X, y = _orthogonal_design()
+    _flat_map(X, y)
+    pyro.param("AutoDelta.c", torch.zeros((), dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"no curvature from the prior \(flat\) nor the likelihood at \['c'\]: the "
+                                         "posterior is improper"):
+        PyroFactorLaplace(flat_model, rank=rank, num_samples=20).fit(X, y, extra=True)
+
+
+def deterministic_model(X, y=None):
+    w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=X.dtype), 2.0).to_event(1))
+    mean = pyro.deterministic("mean", X @ w, event_dim=1)
+    pyro.sample("y", dist.Normal(mean, 0.5).to_event(1), obs=y)
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+def test_deterministic_site_is_not_data(rank):
+    X, y = _data()
+    # the MAP in closed form (ridge): (X^T X / 0.25 + I / 4) w = X^T y / 0.25
+    P = X.T @ X / 0.25 + torch.eye(3, dtype=torch.float64) / 4
+    w = torch.linalg.solve(P, X.T @ y / 0.25)
+    pyro.clear_param_store()
+    pyro.param("AutoDelta.w", w)
+    la = PyroFactorLaplace(deterministic_model, rank=rank, num_samples=2000).fit(X, y)
+    assert la.site_names() == ["w"]
+    C = _dense_covariance(lambda v: -(dist.Normal(0.0, 2.0).log_prob(v).sum()
+                                     + dist.Normal(X @ v, 0.5).log_prob(y).sum()), w)
+    torch.testing.assert_close(C, torch.linalg.inv(P))
+    assert _rel(la.get_posterior().covariance_matrix, C) < 0.1
+
+
+def sum_model(y=None, a_prior=None, scale=1.0):
+    """a and b flat (or a_prior for a): the likelihood sees only scale * a + b."""
+    a = pyro.sample("a", a_prior if a_prior is not None else dist.ImproperUniform(dist.constraints.real, (), ()))
+    b = pyro.sample("b", dist.ImproperUniform(dist.constraints.real, (), ()))
+    with pyro.plate("n", 10):
+        pyro.sample("y", dist.Normal(scale * a + b, 1.0), obs=y)
+
+
+def _sum_map(a=0.0):
+    pyro.clear_param_store()
+    pyro.param("AutoDelta.a", torch.tensor(a, dtype=torch.float64))
+    pyro.param("AutoDelta.b", torch.tensor(0.0, dtype=torch.float64))
+    return torch.zeros(10, dtype=torch.float64)
+
+
+def test_improper_direction_is_named():
+    y = _sum_map()
+    with pytest.raises(ValueError, match=r"positive definite, got a smallest scaled eigenvalue of .* along "
+                                         r"\['a', 'b'\]: the posterior is improper"):
+        PyroFactorLaplace(sum_model, rank=5, num_samples=20).fit(y)
+
+
+def test_negative_prior_curvature_is_refused():
+    # a Cauchy prior at a = 10, in its tails: -log p has curvature 2 (1 - a^2) / (1 + a^2)^2 < 0 there, more than
+    # the likelihood's 10 * 1e-3^2 makes up
+    y = _sum_map(10.0)
+    with pytest.raises(ValueError, match=r"positive definite, got a diagonal of -0\.01.* at \['a'\]"):
+        PyroFactorLaplace(sum_model, rank=5, num_samples=20).fit(y, a_prior=dist.Cauchy(
+            torch.tensor(0.0, dtype=torch.float64), 1.0), scale=1e-3)
+
+
+def test_no_dense_resplit_above_the_dense_limit(monkeypatch):
+    import pyro_fa.laplace.pyro_guide as pyro_guide
+
+    monkeypatch.setattr(pyro_guide, "_DENSE_MAX_DIM", 2)
+    X, y = _orthogonal_design()
+    _flat_map(X, y)
+    with pytest.raises(ValueError, match=r"Fisher's diagonal must be positive at D > 2, got 0\.0 at "
+                                         r"\['beta\[0\]', 'beta\[1\]', 'beta\[2\]', 'sigma'\]"):
+        PyroFactorLaplace(flat_model, rank=5, num_samples=20).fit(X, y)

@@ -34,6 +34,66 @@ from pyro_fa.swag.guide import FactorPosteriorGuide
 __all__ = ["PyroFactorLaplace"]
 
 
+#: the largest D whose precision is formed densely to re-split it (as fit_second_moment's dense_max_dim)
+_DENSE_MAX_DIM = 1024
+
+
+def _grad(output: Tensor, u: Tensor, **kwargs) -> Tensor:
+    """``torch.autograd.grad(output, u)``, zero where ``output`` has no graph to ``u`` (a flat prior's log density,
+    a constant gradient): such a term contributes no gradient or curvature."""
+    if not output.requires_grad:
+        return torch.zeros_like(u)
+    grad = torch.autograd.grad(output, u, allow_unused=True, **kwargs)[0]
+    return torch.zeros_like(u) if grad is None else grad
+
+
+def _coordinate_names(names: List[str], shapes: List[torch.Size]) -> List[str]:
+    """The unconstrained coordinates' names, ``"beta[0]"`` (``"sigma"`` for a scalar site)."""
+    out = []
+    for n, shape in zip(names, shapes):
+        out.extend([n] if len(shape) == 0 else
+                   [f"{n}[{','.join(str(int(i)) for i in idx)}]"
+                    for idx in zip(*torch.unravel_index(torch.arange(shape.numel()), shape))])
+    return out
+
+
+def _positive_split(F: Tensor, diag: Tensor, coords: List[str], owner: str):
+    r"""``(U, a)`` with :math:`\mathrm{diag}(a) + UU^\top = P = \mathrm{diag}(d) + FF^\top` and :math:`a > 0`, where
+    :math:`d` has entries :math:`\le 0` (a flat prior's zero curvature plus ``psi = 0`` at ``rank >= D``).
+
+    :math:`P` is formed densely (:math:`D \le` ``_DENSE_MAX_DIM``) and Jacobi-scaled,
+    :math:`R = S^{-1/2} P S^{-1/2}` with :math:`S = \mathrm{diag}(P)`; with :math:`\mu = \lambda_{\min}(R) > 0`,
+    :math:`a = \tfrac\mu2 \mathrm{diag}(P)` and :math:`U = S^{1/2} V (\Lambda - \tfrac\mu2)^{1/2}`, exactly
+    :math:`P`. A :math:`P` that is not positive definite (a coordinate with no curvature from the prior or the
+    likelihood) is an improper posterior: refused, naming the coordinates.
+    """
+    D = diag.shape[0]
+    bad = [coords[i] for i in (diag <= 0).nonzero().flatten().tolist()]
+    if D > _DENSE_MAX_DIM:
+        raise ValueError(f"{owner}: the prior's curvature plus the Fisher's diagonal must be positive at D > "
+                         f"{_DENSE_MAX_DIM}, got {float(diag.min())!r} at {bad[:10]!r}; the posterior is improper "
+                         "there or the prior is not log-concave at the MAP.")
+    wide = torch.float64
+    P = F.to(wide) @ F.to(wide).T + torch.diag(diag.to(wide))
+    s = P.diagonal().clone()
+    if not bool((s > 0).all()):
+        zero = [coords[i] for i in (s <= 0).nonzero().flatten().tolist()]
+        raise ValueError(f"{owner}: the Laplace precision (the Hessian of the negative log joint at the MAP) must be "
+                         f"positive definite, got a diagonal of {float(s.min())!r} at {zero[:10]!r}: no curvature "
+                         "from the prior (flat) nor the likelihood there, so the posterior is improper.")
+    r = s.rsqrt()
+    lam, V = torch.linalg.eigh(r.unsqueeze(-1) * P * r)
+    if not float(lam[0]) > D * torch.finfo(wide).eps * float(lam[-1]):
+        v = V[:, 0].abs()
+        worst = [coords[i] for i in (v > 0.1 * v.max()).nonzero().flatten().tolist()]
+        raise ValueError(f"{owner}: the Laplace precision (the Hessian of the negative log joint at the MAP) must be "
+                         f"positive definite, got a smallest scaled eigenvalue of {float(lam[0])!r} along "
+                         f"{worst[:10]!r}: the posterior is improper (or the prior not log-concave) in that direction.")
+    mu = 0.5 * float(lam[0])
+    U = s.sqrt().unsqueeze(-1) * V * (lam - mu).clamp_min(0).sqrt()
+    return U.to(F.dtype), (mu * s).to(diag.dtype)
+
+
 class _FromParamStore:
     from_param_store = True  # FactorPosteriorGuide maps the draws through biject_to(support)
 
@@ -135,14 +195,24 @@ class PyroFactorLaplace:
 
     # ------------------------------------------------------------------ fit
     def fit(self, *args, **kwargs) -> "PyroFactorLaplace":
-        """Fit at the MAP in Pyro's param store; ``args`` / ``kwargs`` are the model's (its data).
+        r"""Fit at the MAP in Pyro's param store; ``args`` / ``kwargs`` are the model's (its data).
 
         Raises
         ------
         RuntimeError
             No ``prefix.*`` entries in the param store, or a model without observed sites.
         ValueError
-            A latent site without a MAP value, or a non-positive curvature (the previous fit, if any, is kept).
+            A latent site without a MAP value, or an improper posterior: a coordinate with no curvature from the
+            prior (flat, or log prior linear in it) nor the likelihood, or a precision
+            :math:`\mathrm{diag}(h) + FF^\top + \Psi` that is not positive definite, the coordinates named (the
+            previous fit, if any, is kept).
+
+        Notes
+        -----
+        A term without a graph to the latents (a flat prior) contributes zero curvature. ``pyro.deterministic``
+        sites are not observations. Where :math:`h + \psi` has zeros but the precision is positive definite (a flat
+        prior at ``rank >= D``, where :math:`\psi = 0`), the posterior's precision is re-split densely
+        (:math:`D \le 1024`) into a positive diagonal plus a low-rank part, the same matrix.
         """
         import pyro
         import pyro.poutine as poutine
@@ -160,8 +230,10 @@ class PyroFactorLaplace:
         trace = poutine.trace(poutine.condition(self.model, data=constrained)).get_trace(*args, **kwargs)
         latent = [(n, s) for n, s in trace.nodes.items() if s["type"] == "sample" and not s["is_observed"]
                   and not site_is_subsample(s)]
+        # pyro.deterministic sites are observed Delta sites: not data (conditioning one on a simulated value
+        # would cut the likelihood's graph to the latents)
         observed = [n for n, s in trace.nodes.items() if s["type"] == "sample" and s["is_observed"]
-                    and n not in constrained]
+                    and n not in constrained and not s["infer"].get("_deterministic", False)]
         missing = [n for n, _ in latent if n not in found]
         if missing:
             raise ValueError(f"{name}: every latent site must have a MAP in the param store, got {missing!r} "
@@ -191,9 +263,10 @@ class PyroFactorLaplace:
             return prior, lik
 
         # prior curvature: diag of the Hessian of -log prior(u), one Hessian-vector product with ones
+        # (a flat prior, or one linear in u, has no graph to u or a constant gradient: zero curvature)
         u = u_star.clone().requires_grad_(True)
-        g = torch.autograd.grad(-log_terms(u, {})[0], u, create_graph=True)[0]
-        h = torch.autograd.grad(g, u, grad_outputs=torch.ones_like(g))[0].detach()
+        g = _grad(-log_terms(u, {})[0], u, create_graph=True)
+        h = _grad(g, u, grad_outputs=torch.ones_like(g)).detach()
         with torch.random.fork_rng():
             torch.manual_seed(self.seed)
             sims = []
@@ -204,18 +277,27 @@ class PyroFactorLaplace:
                         *args, **kwargs)
                 sims.append({n: sim.nodes[n]["value"].detach() for n in observed})
 
+        seen = torch.zeros_like(u_star, dtype=torch.bool)  # coordinates the likelihood's gradients ever move
+
         def passes():
             for data in sims:
                 u = u_star.clone().requires_grad_(True)
-                yield torch.autograd.grad(log_terms(u, data)[1], u)[0].detach().unsqueeze(0)
+                v = _grad(log_terms(u, data)[1], u).detach()
+                seen.logical_or_(v != 0)
+                yield v.unsqueeze(0)
 
         F, psi, fit_info = fit_second_moment(passes, u_star.numel(), self.rank, seed=self.seed,
                                                   dtype=u_star.dtype, device=u_star.device, owner=name)
-        prec_diag = h + psi
-        if not bool((prec_diag > 0).all()):
-            raise ValueError(f"{name}: the prior's curvature plus the Fisher's diagonal must be positive, got a "
-                             f"minimum of {float(prec_diag.min())!r}; the prior is not log-concave at the MAP.")
+        coords = _coordinate_names(names, shapes)
+        flat = [coords[i] for i in ((h <= 0) & ~seen).nonzero().flatten().tolist()]
+        if flat:
+            raise ValueError(f"{name}: the Laplace precision (the Hessian of the negative log joint at the MAP) must be "
+                             f"positive definite, got no curvature from the prior (flat) nor the likelihood at "
+                             f"{flat[:10]!r}: the posterior is improper there.")
+        prec_factor, prec_diag = F, h + psi
+        if not bool((prec_diag > 0).all()):  # e.g. a flat prior with psi = 0 (rank >= D): re-split P, or refuse
+            prec_factor, prec_diag = _positive_split(F, prec_diag, coords, name)
         self._names, self._shapes, self.fit_info = names, shapes, fit_info
         self.loc, self.cov_factor, self.cov_diag, self.prior_curvature = u_star, F, psi, h
-        self._posterior = LowRankPrecisionNormal(u_star, F, prec_diag)
+        self._posterior = LowRankPrecisionNormal(u_star, prec_factor, prec_diag)
         return self
