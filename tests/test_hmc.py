@@ -1,5 +1,6 @@
 """Full-batch HMC (pyro_fa.infer.hmc) against targets with known moments: an anisotropic Gaussian and the exact
-posterior of a Bayesian linear regression; its warm-up schedule, determinism, diagnostics and input checks."""
+posterior of a Bayesian linear regression; its warm-up schedule, determinism, progress reports and gradient
+count, diagnostics (against ArviZ called directly) and input checks."""
 import math
 
 import numpy as np
@@ -93,6 +94,39 @@ def test_chains_are_independent_of_each_other():
     assert bool(torch.isfinite(res.log_prob).all()) and bool((res.draws[..., 0] <= 3).all())
 
 
+def test_progress_sees_every_iteration_and_gradients_are_counted():
+    calls = []
+
+    def log_prob(x):  # counts its own (batched) calls, independently of the sampler's count
+        calls.append(1)
+        return -0.5 * (x / 0.1).pow(2).sum(-1)
+
+    x0 = torch.zeros(3, 2, dtype=torch.float64)
+    seen = []
+    # a fixed step of 5 standard deviations, no warm-up: every iteration diverges, and the count is closed-form
+    res = hmc(log_prob, x0, num_samples=4, num_warmup=0, num_steps=3, thin=2, step_size=0.5, jitter=0.0,
+              generator=torch.Generator().manual_seed(0), progress=lambda it, st: seen.append((it, st)))
+    assert res.grad_evals == len(calls) == 1 + 4 * 2 * 3
+    assert [it for it, _ in seen] == list(range(1, 9)) and not any(st["warmup"] for _, st in seen)
+    assert [st["grad_evals"] for _, st in seen] == [1 + 3 * k for k in range(1, 9)]
+    assert torch.equal(res.divergences, torch.full((3,), 8.0, dtype=torch.float64))
+    assert torch.equal(seen[-1][1]["divergences"], res.divergences)
+    assert all(bool((st["accept"] < 1e-100).all()) for _, st in seen)  # every proposal is far off: rejected
+    assert all(st["seconds"] <= st2["seconds"] for (_, st), (_, st2) in zip(seen, seen[1:]))
+
+    def run(progress):
+        g = torch.Generator().manual_seed(1)
+        return hmc(lambda x: -0.5 * x.pow(2).sum(-1), x0, num_samples=10, num_warmup=40, num_steps=3, generator=g,
+                   progress=progress)
+
+    seen.clear()
+    a, b = run(lambda it, st: seen.append((it, st))), run(None)
+    assert torch.equal(a.draws, b.draws) and a.grad_evals == b.grad_evals  # the callback draws no random numbers
+    assert [it for it, _ in seen] == list(range(1, 51)) and [st["warmup"] for _, st in seen] == [True] * 40 + [False] * 10
+    assert torch.equal(seen[-1][1]["step_size"], a.step_size) and torch.equal(seen[39][1]["step_size"], a.step_size)
+    assert a.grad_evals == seen[-1][1]["grad_evals"] > 1 + 50 * 3  # plus the step-size searches
+
+
 def test_warmup_windows_follow_stans_schedule():
     # Stan's defaults for 1000 warm-up iterations: 75 fast, windows 25, 50, 100, 200, 500, 50 fast
     assert warmup_windows(1000) == [(75, 99), (100, 149), (150, 249), (250, 449), (450, 949)]
@@ -110,6 +144,12 @@ def test_chain_diagnostics_see_chains_that_disagree():
     import arviz as az
     ref = az.rhat(az.convert_to_dataset({"q": shifted.numpy()}), method="rank")["q"].values
     assert chain_diagnostics(shifted)["rhat_max"] == pytest.approx(float(np.max(ref)))
+    data = az.convert_to_dataset({"q": same.numpy()})
+    assert ok["ess_median"] == pytest.approx(float(np.median(az.ess(data, method="bulk")["q"].values)))
+    assert ok["ess_tail_min"] == pytest.approx(float(np.min(az.ess(data, method="tail")["q"].values)))
+    stuck = same.clone()
+    stuck[:, :, 0] = same[:, :, 0].cumsum(1)  # one entry a random walk: its tails are seldom visited
+    assert chain_diagnostics(stuck)["ess_tail_min"] < 50 < ok["ess_tail_min"]
 
 
 def test_input_checks():
@@ -131,6 +171,8 @@ def test_input_checks():
         hmc(lp, x, num_samples=1, num_warmup=0, step_size=0.0)
     with pytest.raises(ValueError, match=r"hmc: jitter must be a number in \[0, 1\)"):
         hmc(lp, x, num_samples=1, num_warmup=0, jitter=1.0)
+    with pytest.raises(ValueError, match=r"hmc: progress must be a callable or None, got 'yes'"):
+        hmc(lp, x, num_samples=1, num_warmup=0, progress="yes")
     with pytest.raises(ValueError, match=r"hmc: log_prob must return shape \(2,\)"):
         hmc(lambda t: t.sum(), x, num_samples=1, num_warmup=0)
     with pytest.raises(ValueError, match=r"hmc: log_prob must be finite with a finite gradient at init"):

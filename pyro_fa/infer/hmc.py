@@ -7,8 +7,9 @@ target acceptance rate (Hoffman & Gelman 2014, Algorithm 5), and its own diagona
 the variances of its warm-up draws, estimated in Stan's doubling windows (Stan Reference Manual, "HMC
 algorithm parameters": a fast window for the step size, slow windows of doubling length for the mass
 matrix, a final fast window). Every random number comes from the ``generator`` given, so a run is
-reproducible. :func:`chain_diagnostics` gives the split R-hat and bulk ESS of any collected quantity
-through ArviZ (Vehtari, Gelman, Simpson, Carpenter & Bürkner 2021).
+reproducible; ``progress`` sees every iteration, and the result counts the (batched) gradient evaluations.
+:func:`chain_diagnostics` gives the split R-hat and the bulk and tail ESS of any collected quantity through
+ArviZ (Vehtari, Gelman, Simpson, Carpenter & Bürkner 2021).
 
 .. math::
 
@@ -68,6 +69,9 @@ class HMCResult:
         Wall-clock time of the run.
     warmup_accept : Tensor of shape (C,)
         Mean acceptance probability over the warm-up iterations (what the dual averaging aimed at its target).
+    grad_evals : int
+        Evaluations of ``log_prob`` with its gradient, each on the whole (C, D) batch: the initial point, the
+        step-size searches and ``num_steps`` per iteration.
     """
 
     draws: Tensor
@@ -79,6 +83,18 @@ class HMCResult:
     last: Tensor
     seconds: float = 0.0
     warmup_accept: Optional[Tensor] = field(default=None)
+    grad_evals: int = 0
+
+
+class _Counted:
+    """``log_prob`` with a count of its calls (each one a batched value and gradient)."""
+
+    def __init__(self, log_prob: LogProb):
+        self.log_prob, self.calls = log_prob, 0
+
+    def __call__(self, theta: Tensor) -> Tensor:
+        self.calls += 1
+        return self.log_prob(theta)
 
 
 def _value_and_grad(log_prob: LogProb, theta: Tensor):
@@ -237,7 +253,8 @@ def _check_int(value, name: str, low: int) -> int:
 def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, num_steps: int = 10,
         step_size: Optional[float] = None, target_accept: float = 0.8, adapt_mass: bool = True,
         thin: int = 1, jitter: float = 0.2, collect: Optional[Callable[[Tensor], Tensor]] = None,
-        generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None) -> HMCResult:
+        generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None,
+        progress: Optional[Callable[[int, Dict[str, object]], None]] = None) -> HMCResult:
     """Sample ``log_prob`` by full-batch HMC, C chains at once.
 
     Parameters
@@ -271,6 +288,12 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
     generator : torch.Generator or sequence of C of them, optional
         The source of every momentum, acceptance and jitter draw (on the device of ``init``); one per chain
         makes each chain's draws independent of the chains run beside it.
+    progress : callable, optional
+        Called after every iteration as ``progress(iteration, stats)``, ``iteration`` counting from 1 over the
+        ``num_warmup + num_samples * thin`` iterations, ``stats`` a dict: ``warmup`` (bool), ``step_size`` (C,)
+        (the adapted step size after the iteration), ``accept`` (C,) (its acceptance probability),
+        ``grad_evals`` (int, so far), ``seconds`` (float, so far) and ``divergences`` (C,) (so far, warm-up
+        included). It does not touch the random numbers: a run is the same with or without it.
 
     Returns
     -------
@@ -308,8 +331,11 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
         raise ValueError(f"hmc: step_size must be a positive finite number, got {step_size!r}.")
     if isinstance(jitter, bool) or not isinstance(jitter, numbers.Real) or not 0 <= jitter < 1:
         raise ValueError(f"hmc: jitter must be a number in [0, 1), got {jitter!r}.")
+    if progress is not None and not callable(progress):
+        raise ValueError(f"hmc: progress must be a callable or None, got {progress!r}.")
     noise = _Noise(generator, init.shape[0])
     start = time.perf_counter()
+    log_prob = _Counted(log_prob)
     collect = collect or (lambda t: t)
     theta = init.detach().clone()
     lp, grad = _value_and_grad(log_prob, theta)
@@ -326,9 +352,17 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
     in_window = {it for first, last in windows for it in range(first, last + 1)}
     closes = {last for _, last in windows}
     count, mean, m2 = 0, torch.zeros_like(theta), torch.zeros_like(theta)
-    warm_acc = torch.zeros_like(eps)
+    warm_acc, all_div = torch.zeros_like(eps), torch.zeros_like(eps)
+
+    def report(it: int, acc: Tensor, delta: Tensor, step: Tensor) -> None:
+        all_div.add_((delta > 1000).to(all_div.dtype))
+        if progress is not None:
+            progress(it + 1, {"warmup": it < num_warmup, "step_size": step, "accept": acc,
+                              "grad_evals": log_prob.calls, "seconds": time.perf_counter() - start,
+                              "divergences": all_div.clone()})
+
     for it in range(num_warmup):
-        theta, lp, grad, acc, _ = _transition(log_prob, theta, lp, grad, eps, inv_mass, num_steps, noise)
+        theta, lp, grad, acc, delta = _transition(log_prob, theta, lp, grad, eps, inv_mass, num_steps, noise)
         warm_acc += acc
         eps = adapt.update(acc)
         if it in in_window:
@@ -344,8 +378,9 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
             eps = _initial_step_size(log_prob, theta, lp, grad, inv_mass, noise, eps0=1.0) \
                 if step_size is None else eps
             adapt.restart(eps)
-    if num_warmup:
-        eps = adapt.final()
+        if it + 1 == num_warmup:
+            eps = adapt.final()
+        report(it, acc, delta, eps)
     draws, lps = [], []
     acc_sum, div = torch.zeros_like(eps), torch.zeros_like(eps)
     for it in range(num_samples * thin):
@@ -358,14 +393,15 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
             with torch.no_grad():
                 draws.append(collect(theta))
             lps.append(lp)
+        report(num_warmup + it, acc, delta, eps)
     return HMCResult(draws=torch.stack(draws, 1), log_prob=torch.stack(lps, 1),
                      accept_rate=acc_sum / (num_samples * thin), step_size=eps, inv_mass=inv_mass,
                      divergences=div, last=theta, seconds=time.perf_counter() - start,
-                     warmup_accept=warm_acc / max(num_warmup, 1))
+                     warmup_accept=warm_acc / max(num_warmup, 1), grad_evals=log_prob.calls)
 
 
 def chain_diagnostics(draws: Tensor) -> Dict[str, float]:
-    """Split R-hat (rank-normalised) and bulk ESS of a collected quantity, through ArviZ.
+    """Split R-hat (rank-normalised), bulk ESS and tail ESS of a collected quantity, through ArviZ.
 
     Parameters
     ----------
@@ -376,7 +412,9 @@ def chain_diagnostics(draws: Tensor) -> Dict[str, float]:
     -------
     dict
         ``rhat_max`` (the largest R-hat over the quantity's entries), ``rhat_mean``, ``ess_min`` (the smallest
-        bulk ESS), ``ess_mean``; entries that are constant in every draw (no R-hat) are left out.
+        bulk ESS), ``ess_mean``, ``ess_median``, ``ess_tail_min`` (the smallest tail ESS: the 5 % and 95 %
+        quantiles' ESS, the smaller of the two); entries that are constant in every draw (no R-hat) are left
+        out.
 
     Raises
     ------
@@ -395,5 +433,7 @@ def chain_diagnostics(draws: Tensor) -> Dict[str, float]:
     with np.errstate(divide="ignore", invalid="ignore"):  # a constant entry (a dead unit) has no R-hat: NaN
         rhat = np.asarray(az.rhat(ds, method="rank")["q"])
         ess = np.asarray(az.ess(ds, method="bulk")["q"])
+        tail = np.asarray(az.ess(ds, method="tail")["q"])
     return {"rhat_max": float(np.nanmax(rhat)), "rhat_mean": float(np.nanmean(rhat)),
-            "ess_min": float(np.nanmin(ess)), "ess_mean": float(np.nanmean(ess))}
+            "ess_min": float(np.nanmin(ess)), "ess_mean": float(np.nanmean(ess)),
+            "ess_median": float(np.nanmedian(ess)), "ess_tail_min": float(np.nanmin(tail))}

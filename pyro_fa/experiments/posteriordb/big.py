@@ -25,8 +25,7 @@ parameters, O(D^2) per step) is slow. The prior keeps the posterior log-concave 
 moderate, so a diagonal-mass HMC mixes.
 
 The reference draws come from :func:`make_reference`: four chains of full-batch HMC
-(:func:`pyro_fa.experiments.posteriordb.hmc.hmc`) from overdispersed points, checked by split R-hat and bulk
-ESS, written to ``<folder>/big_logistic_reference.pt`` (not shipped: tens of megabytes). Make it with::
+(:func:`pyro_fa.infer.hmc.hmc`) from overdispersed points, checked by split R-hat and bulk ESS, written to ``<folder>/big_logistic_reference.pt`` (not shipped: tens of megabytes). Make it with::
 
     python -m pyro_fa.experiments.posteriordb.big --make-reference FOLDER
 
@@ -177,23 +176,26 @@ def overdispersed_inits(data: dict, chains: int, generator: torch.Generator, sca
 
 
 def make_reference(folder, config: BigLogisticConfig = BigLogisticConfig(), *, chains: int = 4,
-                   num_warmup: int = 300, num_samples: int = 2400, thin: int = 4, num_steps: int = 12,
+                   num_warmup: int = 300, num_samples: int = 600, thin: int = 4, num_steps: int = 12,
                    seed: int = 0, dtype=torch.float32, log=print) -> dict:
     """Make the reference draws of ``big_logistic`` by HMC and write them to ``<folder>/big_logistic_reference.pt``.
 
-    ``chains`` chains of :func:`~pyro_fa.experiments.posteriordb.hmc.hmc` (``num_warmup`` warm-up and
-    ``num_samples`` sampling iterations of ``num_steps`` leapfrog steps, every ``thin``-th kept), run in
-    ``dtype`` on the full batch. The file holds ``draws`` ((chains * num_samples / thin, D) float32, chain by
-    chain), the ``config``, the sampler's settings and the diagnostics (split R-hat, bulk and tail ESS,
-    seconds). Warns when the largest R-hat is over 1.01 (the file is written, marked not converged, and
-    :func:`load_big_logistic` refuses it).
+    ``chains`` chains of :func:`pyro_fa.infer.hmc.hmc` (``num_warmup`` warm-up iterations, then
+    ``num_samples * thin`` sampling iterations of ``num_steps`` leapfrog steps, every ``thin``-th kept: the
+    defaults run 2 400 and keep 600 draws per chain), run in ``dtype`` on the full batch, one generator seeded
+    by ``seed``; ``log`` gets a progress line every 100 iterations. The file holds ``draws``
+    ((chains * num_samples, D) float32, chain by chain), the ``config``, the sampler's settings and the
+    diagnostics (``rhat_max``, ``ess_bulk_min``, ``ess_bulk_median``, ``ess_tail_min``, ``num_draws``,
+    ``seconds``, ``step_size`` per chain, ``accept_rate`` over chains, ``grad_evals``, sampling
+    ``divergences``, ``converged``, ``score_identity``). Warns when the largest R-hat is over 1.01 (the file is
+    written, marked not converged, and :func:`load_big_logistic` refuses it).
 
     Returns
     -------
     dict
         the diagnostics.
     """
-    from pyro_fa.experiments.posteriordb.hmc import convergence, hmc
+    from pyro_fa.infer.hmc import chain_diagnostics, hmc
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -203,16 +205,21 @@ def make_reference(folder, config: BigLogisticConfig = BigLogisticConfig(), *, c
     t0 = time.perf_counter()
 
     def progress(it, stats):
-        log(f"{NAME}: iteration {it}/{num_warmup + num_samples}, step size {stats['step_size']:.4g}, "
-            f"acceptance {stats['accept']:.2f}, {stats['grad_evals']} gradients, {stats['seconds']:.0f}s, "
-            f"{stats['divergences']} divergences")
+        if it % 100 == 0:
+            log(f"{NAME}: iteration {it}/{num_warmup + num_samples * thin}, step size "
+                f"{float(stats['step_size'].mean()):.4g}, acceptance {float(stats['accept'].mean()):.2f}, "
+                f"{stats['grad_evals']} gradients, {stats['seconds']:.0f}s, "
+                f"{int(stats['divergences'].sum())} divergences")
 
     result = hmc(lambda z: log_density(data, z), init, num_warmup=num_warmup, num_samples=num_samples,
                  num_steps=num_steps, thin=thin, generator=gen, progress=progress)
-    diagnostics = convergence(result.draws)
-    diagnostics.update(seconds=time.perf_counter() - t0, step_size=result.step_size,
-                       accept_rate=result.accept_rate, grad_evals=result.grad_evals,
-                       divergences=result.divergences, converged=diagnostics["rhat_max"] <= RHAT_LIMIT)
+    chain = chain_diagnostics(result.draws)
+    diagnostics = {"rhat_max": chain["rhat_max"], "ess_bulk_min": chain["ess_min"],
+                   "ess_bulk_median": chain["ess_median"], "ess_tail_min": chain["ess_tail_min"],
+                   "num_draws": int(result.draws.shape[0] * result.draws.shape[1]),
+                   "seconds": time.perf_counter() - t0, "step_size": result.step_size.tolist(),
+                   "accept_rate": float(result.accept_rate.mean()), "grad_evals": result.grad_evals,
+                   "divergences": int(result.divergences.sum()), "converged": chain["rhat_max"] <= RHAT_LIMIT}
     flat = result.draws.reshape(-1, config.dim)
     diagnostics["score_identity"] = score_identity(lambda z: log_density(data, z), flat, diagnostics["ess_bulk_min"])
     if not diagnostics["converged"]:
@@ -275,7 +282,7 @@ def main(argv=None) -> int:
     parser.add_argument("--make-reference", metavar="FOLDER", required=True,
                         help=f"the folder to write {REFERENCE_FILE} to")
     parser.add_argument("--num-warmup", type=int, default=300)
-    parser.add_argument("--num-samples", type=int, default=2400)
+    parser.add_argument("--num-samples", type=int, default=600, help="draws kept per chain (after --thin)")
     parser.add_argument("--thin", type=int, default=4)
     parser.add_argument("--num-steps", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
