@@ -47,7 +47,7 @@ from typing import Optional
 
 import torch
 
-from pyro_fa.experiments.posteriordb.standins import StandInPosterior
+from pyro_fa.experiments.posteriordb.standin_base import StandInPosterior
 
 __all__ = ["BigLogisticConfig", "make_data", "make_model", "log_density", "make_reference", "load_big_logistic",
            "reference_path", "score_identity", "NAME", "REFERENCE_FILE", "MAKE_COMMAND"]

@@ -9,25 +9,13 @@ when no port is installed: ``name``, ``model``, ``dim``, ``reference`` (N, D) an
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from pyro_fa.experiments.posteriordb.standin_base import StandInPosterior
+
 STANDINS = ("gaussian_linreg", "logistic_regression", "big_logistic")
-
-
-@dataclass
-class StandInPosterior:
-    name: str
-    model: Callable
-    dim: int
-    reference: torch.Tensor
-    _log_density: Callable
-
-    def log_density(self, z: torch.Tensor) -> torch.Tensor:
-        """log p(z), ``z`` of shape (D,) or (n, D)."""
-        return self._log_density(z)
 
 
 def _linreg_data(N=40, D=5, seed=0):
