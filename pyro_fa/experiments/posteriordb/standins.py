@@ -9,7 +9,6 @@ when no port is installed: ``name``, ``model``, ``dim``, ``reference`` (N, D) an
 """
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 
