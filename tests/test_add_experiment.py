@@ -38,7 +38,7 @@ def toy(monkeypatch, tmp_path):
 def test_every_experiment_of_the_package_is_found_without_importing_it():
     """The nine experiments of pyro_fa/experiments/ are the subcommands, each with its module's HELP."""
     assert set(cli.EXPERIMENTS) == {"online-fa", "vifa-synthetic", "vifa-linreg", "sgd-iterates",
-                                    "linreg-ensembles", "uci", "classify", "revrand", "posteriordb"}
+                                    "linreg-ensembles", "uci", "classify", "revrand", "posteriordb", "hmc-reference"}
     assert cli.EXPERIMENTS["uci"] == "pyro_fa.experiments.uci.command"
     assert cli.EXPERIMENTS["online-fa"] == "pyro_fa.experiments.online_fa"
     assert cli._HELP["uci"].startswith("The UCI Bayesian-neural-network benchmark")
