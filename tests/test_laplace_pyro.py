@@ -1,5 +1,7 @@
 """PyroFactorLaplace (a Laplace approximation of a Pyro model at AutoDelta's MAP) against Pyro's dense
 AutoLaplaceApproximation, and its guide in pyro.infer.Predictive."""
+import warnings
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -207,3 +209,172 @@ def test_no_dense_resplit_above_the_dense_limit(monkeypatch):
     with pytest.raises(ValueError, match=r"Fisher's diagonal must be positive at D > 2, got 0\.0 at "
                                          r"\['beta\[0\]', 'beta\[1\]', 'beta\[2\]', 'sigma'\]"):
         PyroFactorLaplace(flat_model, rank=5, num_samples=20).fit(X, y)
+
+
+# ------------------------------------------------------------------ coupled priors, pyro.factor: the full prior Hessian
+_Y8 = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0], dtype=torch.float64)
+_S8 = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0], dtype=torch.float64)
+
+
+def eight_schools(y=None):
+    """Centred eight schools (tau ~ LogNormal for a proper mode): theta's prior couples theta, mu and log tau."""
+    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 5.0))
+    tau = pyro.sample("tau", dist.LogNormal(torch.tensor(1.0, dtype=torch.float64), 0.5))
+    with pyro.plate("J", 8):
+        theta = pyro.sample("theta", dist.Normal(mu, tau))
+        pyro.sample("y", dist.Normal(theta, _S8), obs=y)
+
+
+def _eight_schools_neg_log_joint(v):
+    """In u = (mu, log tau, theta), with log tau's Jacobian."""
+    mu, s, theta = v[0], v[1], v[2:]
+    return -(dist.Normal(0.0, 5.0).log_prob(mu) + dist.LogNormal(1.0, 0.5).log_prob(s.exp()) + s
+             + dist.Normal(mu, s.exp()).log_prob(theta).sum() + dist.Normal(theta, _S8).log_prob(_Y8).sum())
+
+
+def _mode(neg_log_joint, v):
+    """The mode in unconstrained coordinates, by L-BFGS (independent of the code under test)."""
+    v = v.clone().requires_grad_(True)
+    opt = torch.optim.LBFGS([v], max_iter=500, tolerance_grad=1e-12, tolerance_change=0, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = neg_log_joint(v)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return v.detach()
+
+
+@pytest.mark.parametrize("rank", [2, 12])  # rank < D = 10, and rank >= D
+def test_centred_hierarchical_prior_matches_dense_hessian(rank):
+    u = _mode(_eight_schools_neg_log_joint, torch.cat([_Y8.mean().reshape(1), torch.ones(1, dtype=torch.float64),
+                                                       _Y8]))
+    pyro.clear_param_store()
+    pyro.param("AutoDelta.mu", u[0].clone())
+    pyro.param("AutoDelta.tau", u[1].exp(), constraint=dist.constraints.positive)
+    pyro.param("AutoDelta.theta", u[2:].clone())
+    la = PyroFactorLaplace(eight_schools, rank=rank, num_samples=2000).fit(_Y8)
+    torch.testing.assert_close(la.loc, u)
+    H = torch.autograd.functional.hessian(_eight_schools_neg_log_joint, u)
+    # the prior's curvature is the dense Hessian's diagonal less the likelihood's 1 / sigma^2 (theta only)
+    torch.testing.assert_close(la.prior_curvature, H.diagonal() - torch.cat([torch.zeros(2, dtype=torch.float64),
+                                                                              _S8 ** -2]))
+    assert la.fit_info["prior_hessian"] == "dense" and la.fit_info["prior_hvps"] == 10
+    # the Fisher of y ~ N(theta, sigma) is its Hessian, diag(1 / sigma^2): Monte Carlo error sqrt(2 / 2000) on it
+    assert _rel(la.get_posterior().covariance_matrix, torch.linalg.inv(H)) < 0.02
+    assert _rel(la.get_posterior().precision_matrix, H) < 0.02
+
+
+_SIGMA_W = 0.3 * torch.tensor([[1.0, 0.9, 0.8], [0.9, 1.0, 0.9], [0.8, 0.9, 1.0]], dtype=torch.float64)
+_M_W = torch.tensor([0.5, -0.5, 0.0], dtype=torch.float64)
+
+
+def mvn_model(X, y=None):
+    """A correlated MultivariateNormal prior and a Gaussian linear likelihood (known noise 2)."""
+    w = pyro.sample("w", dist.MultivariateNormal(_M_W, _SIGMA_W))
+    with pyro.plate("n", X.shape[0]):
+        pyro.sample("y", dist.Normal(X @ w, 2.0), obs=y)
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+def test_correlated_multivariate_normal_prior_matches_dense_hessian(rank):
+    X, y = _data(N=20)
+    # the posterior in closed form: P = Sigma^-1 + X^T X / 4, w = P^-1 (Sigma^-1 m + X^T y / 4)
+    P = torch.linalg.inv(_SIGMA_W) + X.T @ X / 4
+    w = torch.linalg.solve(P, torch.linalg.solve(_SIGMA_W, _M_W) + X.T @ y / 4)
+    pyro.clear_param_store()
+    pyro.param("AutoDelta.w", w)
+    la = PyroFactorLaplace(mvn_model, rank=rank, num_samples=2000).fit(X, y)
+    H = torch.autograd.functional.hessian(
+        lambda v: -(dist.MultivariateNormal(_M_W, _SIGMA_W).log_prob(v) + dist.Normal(X @ v, 2.0).log_prob(y).sum()),
+        w)
+    torch.testing.assert_close(H, P)
+    torch.testing.assert_close(la.prior_curvature, torch.linalg.inv(_SIGMA_W).diagonal())
+    # the Monte Carlo Fisher of 2000 simulated data sets: relative error about sqrt(2 / 2000) on X^T X / 4
+    assert _rel(la.get_posterior().covariance_matrix, torch.linalg.inv(H)) < 0.1
+
+
+_A = torch.tensor([[2.0, 1.0, 0.0], [1.0, 2.0, 1.0], [0.0, 1.0, 2.0]], dtype=torch.float64)
+
+
+def factor_model(X, y=None, likelihood_as_factor=False):
+    """w ~ N(0, 2^2 I) with a coupled quadratic pyro.factor penalty; the likelihood (noise 2) observed, or itself
+    a factor."""
+    w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=X.dtype), 2.0).to_event(1))
+    pyro.factor("penalty", -0.5 * w @ _A @ w)
+    if likelihood_as_factor:
+        pyro.factor("lik", dist.Normal(X @ w, 2.0).log_prob(y).sum())
+    else:
+        with pyro.plate("n", X.shape[0]):
+            pyro.sample("y", dist.Normal(X @ w, 2.0), obs=y)
+
+
+@pytest.mark.parametrize("likelihood_as_factor", [False, True])
+def test_factor_sites_are_part_of_the_log_joint(likelihood_as_factor):
+    X, y = _data(N=10)
+    P = _A + torch.eye(3, dtype=torch.float64) / 4 + X.T @ X / 4
+    w = torch.linalg.solve(P, X.T @ y / 4)  # the MAP in closed form
+    pyro.clear_param_store()
+    pyro.param("AutoDelta.w", w)
+    la = PyroFactorLaplace(factor_model, rank=3, num_samples=2000).fit(X, y, likelihood_as_factor)
+    H = torch.autograd.functional.hessian(lambda v: -(dist.Normal(0.0, 2.0).log_prob(v).sum() - 0.5 * v @ _A @ v
+                                                     + dist.Normal(X @ v, 2.0).log_prob(y).sum()), w)
+    torch.testing.assert_close(H, P)
+    if likelihood_as_factor:  # all of the log joint's curvature is the exact prior-like Hessian: no Fisher
+        assert la.fit_info["passes"] == 0
+        torch.testing.assert_close(la.get_posterior().covariance_matrix, torch.linalg.inv(H))
+    else:
+        torch.testing.assert_close(la.prior_curvature, _A.diagonal() + 0.25)
+        # the Monte Carlo Fisher of 2000 simulated data sets: relative error about sqrt(2 / 2000) on X^T X / 4
+        assert _rel(la.get_posterior().covariance_matrix, torch.linalg.inv(H)) < 0.1
+
+
+def latent_only_model():
+    pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+
+
+def test_model_without_likelihood_is_refused():
+    pyro.clear_param_store()
+    pyro.param("AutoDelta.w", torch.tensor(0.0, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"must have observed sites or pyro\.factor terms \(its likelihood\), got "
+                                           "none"):
+        PyroFactorLaplace(latent_only_model, rank=1).fit()
+    with pytest.raises(ValueError, match="prior_probes must be an integer >= 1, got 0"):
+        PyroFactorLaplace(model, prior_probes=0)
+
+
+def test_above_the_dense_limit_a_diagonal_prior_is_exact(monkeypatch):
+    import pyro_fa.laplace.pyro_guide as pyro_guide
+
+    monkeypatch.setattr(pyro_guide, "_DENSE_MAX_DIM", 2)
+    X, y = _data()
+    pyro.clear_param_store()
+    pyro.param("AutoDelta.w", torch.tensor([0.9, -1.9, 0.4], dtype=torch.float64))
+    pyro.param("AutoDelta.s", torch.tensor(0.6, dtype=torch.float64), constraint=dist.constraints.positive)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        la = PyroFactorLaplace(model, rank=2, num_samples=20).fit(X, y)
+    assert la.fit_info["prior_hessian"] == "diagonal" and la.fit_info["prior_hvps"] == 2
+    # 1/4 for w ~ N(0, 2^2); for log s, s ~ LogNormal(0, 1) with its Jacobian: 1
+    torch.testing.assert_close(la.prior_curvature, torch.tensor([0.25, 0.25, 0.25, 1.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("probes", [100, 400])
+def test_above_the_dense_limit_a_coupled_prior_warns_and_keeps_hutchinsons_diagonal(monkeypatch, probes):
+    import pyro_fa.laplace.pyro_guide as pyro_guide
+
+    monkeypatch.setattr(pyro_guide, "_DENSE_MAX_DIM", 2)
+    X, y = _data(N=20)
+    pyro.clear_param_store()
+    pyro.param("AutoDelta.w", torch.zeros(3, dtype=torch.float64))
+    with pytest.warns(UserWarning, match=rf"only its diagonal is kept \(Hutchinson's estimate, {probes} probes\): the "
+                                         "prior's off-diagonal coupling is dropped"):
+        la = PyroFactorLaplace(mvn_model, rank=3, num_samples=20, prior_probes=probes).fit(X, y)
+    assert la.fit_info["prior_hessian"] == "hutchinson" and la.fit_info["prior_hvps"] == 2 + probes
+    Q = torch.linalg.inv(_SIGMA_W)
+    # Hutchinson's error in coordinate i: standard deviation |Q[i, -i]| / sqrt(probes); within 4 of them
+    sd = (Q - torch.diag(Q.diagonal())).norm(dim=1) / probes ** 0.5
+    assert bool(((la.prior_curvature - Q.diagonal()).abs() < 4 * sd).all())
+    assert float((la.prior_curvature - Q.diagonal()).abs().max()) > 0  # an estimate, not the exact diagonal

@@ -6,22 +6,29 @@ the negative log joint (``torch.autograd.functional.hessian``) and inverts it. :
 
 .. math::
 
-    P = \mathrm{diag}(h) + FF^\top + \Psi, \qquad
-    h = \mathrm{diag}\,\nabla^2_u\big[-\log p(z(u)) - \log|\det \partial z/\partial u|\big], \qquad
+    P = H + FF^\top + \Psi, \qquad
+    H = \nabla^2_u\big[-\log p(z(u)) - \log|\det \partial z/\partial u|\big], \qquad
     FF^\top + \Psi \approx \mathbb E_{\tilde y \sim p(y \mid z(u_*))}\big[g g^\top\big],\;
     g = \nabla_u \log p(\tilde y \mid z(u)),
 
-the prior's curvature exactly (one Hessian-vector product with the ones vector: exact when the latent sites'
-priors and transforms act coordinate by coordinate, as ``dist.Normal(...).to_event()`` priors do) and the
-likelihood's by the Monte Carlo Fisher of the observed sites (Kunstner, Hennig & Balles 2019, §3: observations
-simulated from the model, not the data, so it is not the biased empirical Fisher), whose ``num_samples``
-gradients the factor-analysis core fits (:func:`~pyro_fa.laplace.moment.fit_second_moment`). For a model whose
-observations are Gaussian or categorical in a linear predictor, the Fisher is the Hessian, and the approximation
-converges to Pyro's ``AutoLaplaceApproximation`` as ``num_samples`` grows (with ``rank >= D``).
+where the prior term also holds the model's ``pyro.factor`` terms (part of the log joint, not data). Its curvature
+is kept exactly: for :math:`D \le 1024` the full Hessian :math:`H` of the negative log prior (:math:`D`
+Hessian-vector products), coupling included (a centred hierarchical prior couples :math:`\theta_j`, :math:`\mu`
+and :math:`\log\tau`; a correlated ``MultivariateNormal`` prior its coordinates), so that
+:math:`P = H + FF^\top + \Psi`, re-split into a positive diagonal plus a low-rank part where :math:`H` is not
+diagonal; above it, only :math:`h = \mathrm{diag}\,H`: exact when :math:`H` is diagonal (the priors and transforms
+act coordinate by coordinate, as ``dist.Normal(...).to_event()`` priors do), else Hutchinson's estimate, the
+off-diagonal coupling dropped (with a warning). The likelihood's curvature is the Monte Carlo Fisher of the
+observed sites (Kunstner, Hennig & Balles 2019, §3: observations simulated from the model, not the data, so it is
+not the biased empirical Fisher), whose ``num_samples`` gradients the factor-analysis core fits
+(:func:`~pyro_fa.laplace.moment.fit_second_moment`). For a model whose observations are Gaussian or categorical in
+a linear predictor, the Fisher is the Hessian, and the approximation converges to Pyro's
+``AutoLaplaceApproximation`` as ``num_samples`` grows (with ``rank >= D``).
 """
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Callable, List, Optional
 
 import torch
@@ -47,6 +54,43 @@ def _grad(output: Tensor, u: Tensor, **kwargs) -> Tensor:
     return torch.zeros_like(u) if grad is None else grad
 
 
+def _prior_hessian(g: Tensor, u: Tensor) -> Tensor:
+    """The dense Hessian of the negative log prior, row by row: :math:`D` Hessian-vector products
+    :math:`He_i` of its gradient ``g`` (``create_graph=True``), symmetrized."""
+    D = u.numel()
+    if not g.requires_grad:  # a flat prior, or one linear in u
+        return u.new_zeros(D, D)
+    eye = torch.eye(D, dtype=u.dtype, device=u.device)
+    H = torch.stack([_grad(g, u, grad_outputs=eye[i], retain_graph=True).detach() for i in range(D)])
+    return 0.5 * (H + H.T)
+
+
+def _prior_diagonal(g: Tensor, u: Tensor, probes: int, seed: int):
+    r"""``(h, coupled, hvps)``: the diagonal of the Hessian :math:`H` of the negative log prior at large :math:`D`.
+
+    The row sums :math:`r = H\mathbf 1` are the diagonal exactly when :math:`H` is diagonal, which holds iff
+    :math:`Hz = r \odot z` for a Gaussian :math:`z` (:math:`(H - \mathrm{diag}(r))z` is zero almost surely only
+    when :math:`H` has no off-diagonal entries): then ``h = r``. Otherwise (``coupled``) Hutchinson's estimate
+    :math:`h = \frac1S \sum_s v_s \odot Hv_s` over ``probes`` :math:`S` Rademacher probes (Bekas, Kokiopoulou &
+    Saad 2007, eq. 2.1): unbiased, with standard deviation :math:`\lVert H_{i,-i}\rVert / \sqrt S` in
+    coordinate :math:`i`.
+    """
+    if not g.requires_grad:
+        return torch.zeros_like(u), False, 0
+    gen = torch.Generator(device=u.device).manual_seed(seed)
+    r = _grad(g, u, grad_outputs=torch.ones_like(g), retain_graph=True).detach()
+    z = torch.randn(u.shape, generator=gen, dtype=u.dtype, device=u.device)
+    Hz = _grad(g, u, grad_outputs=z, retain_graph=True).detach()
+    scale = float(torch.maximum((r * z).abs().max(), Hz.abs().max()))
+    if float((Hz - r * z).abs().max()) <= math.sqrt(torch.finfo(u.dtype).eps) * scale:
+        return r, False, 2
+    h = torch.zeros_like(u)
+    for _ in range(probes):
+        v = torch.randint(0, 2, u.shape, generator=gen, device=u.device).to(u.dtype).mul_(2).sub_(1)
+        h += v * _grad(g, u, grad_outputs=v, retain_graph=True).detach()
+    return h / probes, True, 2 + probes
+
+
 def _coordinate_names(names: List[str], shapes: List[torch.Size]) -> List[str]:
     """The unconstrained coordinates' names, ``"beta[0]"`` (``"sigma"`` for a scalar site)."""
     out = []
@@ -57,24 +101,20 @@ def _coordinate_names(names: List[str], shapes: List[torch.Size]) -> List[str]:
     return out
 
 
-def _positive_split(F: Tensor, diag: Tensor, coords: List[str], owner: str):
-    r"""``(U, a)`` with :math:`\mathrm{diag}(a) + UU^\top = P = \mathrm{diag}(d) + FF^\top` and :math:`a > 0`, where
-    :math:`d` has entries :math:`\le 0` (a flat prior's zero curvature plus ``psi = 0`` at ``rank >= D``).
+def _positive_split(P: Tensor, coords: List[str], owner: str):
+    r"""``(U, a)`` with :math:`\mathrm{diag}(a) + UU^\top = P` and :math:`a > 0`, for a dense precision :math:`P`
+    whose diagonal-plus-low-rank form :math:`\mathrm{diag}(h + \psi) + FF^\top` has entries
+    :math:`h + \psi \le 0` (a flat prior's zero curvature plus ``psi = 0`` at ``rank >= D``) or that holds the
+    prior's off-diagonal curvature (a coupled prior).
 
-    :math:`P` is formed densely (:math:`D \le` ``_DENSE_MAX_DIM``) and Jacobi-scaled,
+    :math:`P` (:math:`D \le` ``_DENSE_MAX_DIM``, float64) is Jacobi-scaled,
     :math:`R = S^{-1/2} P S^{-1/2}` with :math:`S = \mathrm{diag}(P)`; with :math:`\mu = \lambda_{\min}(R) > 0`,
     :math:`a = \tfrac\mu2 \mathrm{diag}(P)` and :math:`U = S^{1/2} V (\Lambda - \tfrac\mu2)^{1/2}`, exactly
     :math:`P`. A :math:`P` that is not positive definite (a coordinate with no curvature from the prior or the
     likelihood) is an improper posterior: refused, naming the coordinates.
     """
-    D = diag.shape[0]
-    bad = [coords[i] for i in (diag <= 0).nonzero().flatten().tolist()]
-    if D > _DENSE_MAX_DIM:
-        raise ValueError(f"{owner}: the prior's curvature plus the Fisher's diagonal must be positive at D > "
-                         f"{_DENSE_MAX_DIM}, got {float(diag.min())!r} at {bad[:10]!r}; the posterior is improper "
-                         "there or the prior is not log-concave at the MAP.")
+    D = P.shape[0]
     wide = torch.float64
-    P = F.to(wide) @ F.to(wide).T + torch.diag(diag.to(wide))
     s = P.diagonal().clone()
     if not bool((s > 0).all()):
         zero = [coords[i] for i in (s <= 0).nonzero().flatten().tolist()]
@@ -91,7 +131,7 @@ def _positive_split(F: Tensor, diag: Tensor, coords: List[str], owner: str):
                          f"{worst[:10]!r}: the posterior is improper (or the prior not log-concave) in that direction.")
     mu = 0.5 * float(lam[0])
     U = s.sqrt().unsqueeze(-1) * V * (lam - mu).clamp_min(0).sqrt()
-    return U.to(F.dtype), (mu * s).to(diag.dtype)
+    return U, mu * s
 
 
 class _FromParamStore:
@@ -112,6 +152,11 @@ class PyroFactorLaplace:
     num_samples : int, default 256
         Simulated data sets (gradients) for the Monte Carlo Fisher.
     seed : int, default 0
+        Seeds the simulated data sets and the probes.
+    prior_probes : int, default 100
+        Above :math:`D = 1024`, when the prior's Hessian is not diagonal: the Rademacher probes :math:`S` of
+        Hutchinson's estimate of its diagonal, whose error in coordinate :math:`i` has standard deviation
+        :math:`\lVert H_{i,-i}\rVert / \sqrt S` (a tenth of the off-diagonal row's norm at the default).
 
     Attributes
     ----------
@@ -121,12 +166,24 @@ class PyroFactorLaplace:
     cov_diag : Tensor of shape (D,)
         The fitted Fisher :math:`FF^\top + \Psi`.
     prior_curvature : Tensor of shape (D,)
-        :math:`h`.
+        :math:`h = \mathrm{diag}\,H`, the diagonal of the negative log prior's Hessian (``pyro.factor`` terms
+        included).
+    fit_info : dict
+        The second-moment fit's, plus ``"prior_hessian"``: ``"dense"`` (the full :math:`H`), ``"diagonal"``
+        (:math:`H` diagonal, exactly) or ``"hutchinson"`` (estimated, the coupling dropped), and
+        ``"prior_hvps"``, the Hessian-vector products spent on :math:`H`.
 
     Notes
     -----
-    :meth:`fit` costs one trace of the model for the MAP, one Hessian-vector product for :math:`h`, and
-    ``num_samples`` simulations and gradients; memory :math:`O(DK)` besides the fit of the second moment.
+    :meth:`fit` costs one trace of the model for the MAP, :math:`D` Hessian-vector products for :math:`H`
+    (:math:`D \le 1024`; above it 2, plus ``prior_probes`` where :math:`H` is not diagonal), and ``num_samples``
+    simulations and gradients. Where :math:`H` has off-diagonal entries (:math:`D \le 1024`) the precision
+    :math:`H + FF^\top + \Psi` is formed densely and re-split into a positive diagonal plus a rank-:math:`D`
+    factor, the same matrix. **Above** :math:`D = 1024` **the prior's off-diagonal coupling is dropped**: the
+    precision is :math:`\mathrm{diag}(h) + FF^\top + \Psi`, exact for priors that act coordinate by coordinate,
+    an approximation (warned of) for coupled ones. ``pyro.factor`` terms count as prior terms (their exact
+    curvature); a model whose likelihood is all ``pyro.factor`` terms has no Fisher (:math:`F = 0`,
+    :math:`\Psi = 0`).
 
     References
     ----------
@@ -135,16 +192,17 @@ class PyroFactorLaplace:
     """
 
     def __init__(self, model: Callable, prefix: str = "AutoDelta", rank: int = 20, num_samples: int = 256,
-                 seed: int = 0):
+                 seed: int = 0, prior_probes: int = 100):
         name = type(self).__name__
         if not callable(model):
             raise TypeError(f"{name}: model must be a callable Pyro model, got {type(model).__name__}.")
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"{name}: prefix must be a non-empty str (the AutoDelta guide's name), got {prefix!r}.")
-        for arg, value in (("rank", rank), ("num_samples", num_samples)):
+        for arg, value in (("rank", rank), ("num_samples", num_samples), ("prior_probes", prior_probes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: {arg} must be an integer >= 1, got {value!r}.")
         self.model, self.prefix, self.rank, self.num_samples, self.seed = model, prefix, rank, num_samples, seed
+        self.prior_probes = prior_probes
         self._source = _FromParamStore()
         self._names: Optional[List[str]] = None
         self._shapes: Optional[List[torch.Size]] = None
@@ -200,22 +258,30 @@ class PyroFactorLaplace:
         Raises
         ------
         RuntimeError
-            No ``prefix.*`` entries in the param store, or a model without observed sites.
+            No ``prefix.*`` entries in the param store, or a model without observed sites or ``pyro.factor``
+            terms.
         ValueError
             A latent site without a MAP value, or an improper posterior: a coordinate with no curvature from the
             prior (flat, or log prior linear in it) nor the likelihood, or a precision
-            :math:`\mathrm{diag}(h) + FF^\top + \Psi` that is not positive definite, the coordinates named (the
-            previous fit, if any, is kept).
+            :math:`H + FF^\top + \Psi` that is not positive definite, the coordinates named (the previous fit, if
+            any, is kept).
+
+        Warns
+        -----
+        UserWarning
+            Above :math:`D = 1024`, when the prior's Hessian is not diagonal: its coupling is dropped.
 
         Notes
         -----
         A term without a graph to the latents (a flat prior) contributes zero curvature. ``pyro.deterministic``
         sites are not observations. Where :math:`h + \psi` has zeros but the precision is positive definite (a flat
-        prior at ``rank >= D``, where :math:`\psi = 0`), the posterior's precision is re-split densely
-        (:math:`D \le 1024`) into a positive diagonal plus a low-rank part, the same matrix.
+        prior at ``rank >= D``, where :math:`\psi = 0`), or where the prior's Hessian :math:`H` is not diagonal, the
+        posterior's precision is re-split densely (:math:`D \le 1024`) into a positive diagonal plus a low-rank
+        part, the same matrix.
         """
         import pyro
         import pyro.poutine as poutine
+        from pyro.distributions import Unit
         from pyro.poutine.util import site_is_subsample
         from torch.distributions import biject_to
 
@@ -232,14 +298,18 @@ class PyroFactorLaplace:
                   and not site_is_subsample(s)]
         # pyro.deterministic sites are observed Delta sites: not data (conditioning one on a simulated value
         # would cut the likelihood's graph to the latents)
+        # pyro.factor sites are observed Unit sites: terms of the log joint, not data, kept with the prior
+        factors = [n for n, s in trace.nodes.items() if s["type"] == "sample" and s["is_observed"]
+                   and isinstance(s["fn"], Unit)]
         observed = [n for n, s in trace.nodes.items() if s["type"] == "sample" and s["is_observed"]
-                    and n not in constrained and not s["infer"].get("_deterministic", False)]
+                    and n not in constrained and not s["infer"].get("_deterministic", False) and n not in factors]
         missing = [n for n, _ in latent if n not in found]
         if missing:
             raise ValueError(f"{name}: every latent site must have a MAP in the param store, got {missing!r} "
                              f"without {head}<site> entries.")
-        if not observed:
-            raise RuntimeError(f"{name}: the model must have observed sites (its likelihood), got none.")
+        if not observed and not factors:
+            raise RuntimeError(f"{name}: the model must have observed sites or pyro.factor terms (its likelihood), "
+                               "got none.")
         names = [n for n, _ in trace.nodes.items() if n in found]
         supports = {n: trace.nodes[n]["fn"].support for n in names}
         shapes = [found[n].shape for n in names]  # set on self once the fit is accepted
@@ -258,19 +328,35 @@ class PyroFactorLaplace:
         def log_terms(u: Tensor, data: dict):
             values, logdet = constrain(u)
             tr = poutine.trace(poutine.condition(self.model, data={**values, **data})).get_trace(*args, **kwargs)
-            prior = sum(tr.nodes[n]["fn"].log_prob(tr.nodes[n]["value"]).sum() for n in names) + logdet
+            prior = sum(tr.nodes[n]["fn"].log_prob(tr.nodes[n]["value"]).sum() for n in names + factors) + logdet
             lik = sum(tr.nodes[n]["fn"].log_prob(tr.nodes[n]["value"]).sum() for n in observed)
             return prior, lik
 
-        # prior curvature: diag of the Hessian of -log prior(u), one Hessian-vector product with ones
+        # prior curvature: the Hessian H of -log prior(u), dense up to _DENSE_MAX_DIM, else its diagonal
         # (a flat prior, or one linear in u, has no graph to u or a constant gradient: zero curvature)
+        D = u_star.numel()
         u = u_star.clone().requires_grad_(True)
         g = _grad(-log_terms(u, {})[0], u, create_graph=True)
-        h = _grad(g, u, grad_outputs=torch.ones_like(g)).detach()
+        coupling = None
+        if D <= _DENSE_MAX_DIM:
+            H = _prior_hessian(g, u)
+            h = H.diagonal().clone()
+            if bool((H - torch.diag(h)).ne(0).any()):
+                coupling = (H - torch.diag(h)).to(torch.float64)
+            prior_info = {"prior_hessian": "dense", "prior_hvps": D if g.requires_grad else 0}
+        else:
+            h, coupled, hvps = _prior_diagonal(g, u, self.prior_probes, self.seed)
+            prior_info = {"prior_hessian": "hutchinson" if coupled else "diagonal", "prior_hvps": hvps}
+            if coupled:
+                warnings.warn(f"{name}: the prior's Hessian (pyro.factor terms included) is not diagonal, and at D = "
+                              f"{D} > {_DENSE_MAX_DIM} only its diagonal is kept (Hutchinson's estimate, "
+                              f"{self.prior_probes} probes): the prior's off-diagonal coupling is dropped.",
+                              UserWarning, stacklevel=2)
+        del g, u
         with torch.random.fork_rng():
             torch.manual_seed(self.seed)
             sims = []
-            for _ in range(self.num_samples):
+            for _ in range(self.num_samples if observed else 0):
                 with torch.no_grad():
                     values, _ = constrain(u_star)
                     sim = poutine.trace(poutine.condition(poutine.uncondition(self.model), data=values)).get_trace(
@@ -286,8 +372,12 @@ class PyroFactorLaplace:
                 seen.logical_or_(v != 0)
                 yield v.unsqueeze(0)
 
-        F, psi, fit_info = fit_second_moment(passes, u_star.numel(), self.rank, seed=self.seed,
-                                                  dtype=u_star.dtype, device=u_star.device, owner=name)
+        if observed:
+            F, psi, fit_info = fit_second_moment(passes, D, self.rank, seed=self.seed, dtype=u_star.dtype,
+                                                 device=u_star.device, owner=name)
+        else:  # the likelihood is all pyro.factor terms, whose curvature H holds
+            F, psi, fit_info = u_star.new_zeros(D, self.rank), u_star.new_zeros(D), {"method": None, "passes": 0}
+        fit_info = {**fit_info, **prior_info}
         coords = _coordinate_names(names, shapes)
         flat = [coords[i] for i in ((h <= 0) & ~seen).nonzero().flatten().tolist()]
         if flat:
@@ -295,8 +385,17 @@ class PyroFactorLaplace:
                              f"positive definite, got no curvature from the prior (flat) nor the likelihood at "
                              f"{flat[:10]!r}: the posterior is improper there.")
         prec_factor, prec_diag = F, h + psi
-        if not bool((prec_diag > 0).all()):  # e.g. a flat prior with psi = 0 (rank >= D): re-split P, or refuse
-            prec_factor, prec_diag = _positive_split(F, prec_diag, coords, name)
+        # a coupled prior, or e.g. a flat prior with psi = 0 (rank >= D): re-split P densely, or refuse
+        if coupling is not None or not bool((prec_diag > 0).all()):
+            if D > _DENSE_MAX_DIM:
+                bad = [coords[i] for i in (prec_diag <= 0).nonzero().flatten().tolist()]
+                raise ValueError(f"{name}: the prior's curvature plus the Fisher's diagonal must be positive at D > "
+                                 f"{_DENSE_MAX_DIM}, got {float(prec_diag.min())!r} at {bad[:10]!r}; the posterior is "
+                                 "improper there or the prior is not log-concave at the MAP.")
+            wide = torch.float64
+            P = F.to(wide) @ F.to(wide).T + torch.diag(prec_diag.to(wide))
+            U, a = _positive_split(P if coupling is None else P + coupling, coords, name)
+            prec_factor, prec_diag = U.to(F.dtype), a.to(prec_diag.dtype)
         self._names, self._shapes, self.fit_info = names, shapes, fit_info
         self.loc, self.cov_factor, self.cov_diag, self.prior_curvature = u_star, F, psi, h
         self._posterior = LowRankPrecisionNormal(u_star, prec_factor, prec_diag)

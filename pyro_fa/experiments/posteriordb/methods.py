@@ -392,8 +392,8 @@ def _pyro_factor_laplace(run: Run) -> Fit:
     run.optimise(guide, _trace_elbo())
     lap = PyroFactorLaplace(run.model, rank=run.rank, num_samples=run.budget.laplace_samples, seed=run.seed).fit()
     z = lap.sample(run.n, generator=run.gen)
-    # curvature: one Hessian-vector product (2 gradients) and a gradient per simulated data set and pass
-    curvature = 2 + lap.fit_info.get("passes", 1) * run.budget.laplace_samples
+    # curvature: the prior's Hessian-vector products (2 gradients each) and a gradient per simulated data set and pass
+    curvature = 2 * lap.fit_info["prior_hvps"] + lap.fit_info.get("passes", 1) * run.budget.laplace_samples
     return Fit([Point(run.budget.steps, run.budget.steps + curvature, 0, z, lap.get_posterior().log_prob(z))],
                {"curvature_grad_evals": curvature})
 
