@@ -195,6 +195,15 @@ def _finite_cases():
         "mutual_information": (metrics.mutual_information, dict(samples=probs)),
         "ood_auroc": (
             metrics.ood_auroc, dict(scores_in=torch.randn(5, generator=g), scores_out=torch.randn(4, generator=g))),
+        "agreement": (metrics.agreement, dict(probs=probs, ref_probs=probs.flip(0))),
+        "total_variation": (metrics.total_variation, dict(probs=probs, ref_probs=probs.flip(0))),
+        "competition_wasserstein": (metrics.competition_wasserstein,
+                                    dict(samples=torch.randn(4, 6, generator=g), ref_samples=torch.randn(4, 7, generator=g))),
+        "predictive_wasserstein2": (metrics.predictive_wasserstein2,
+                                    dict(mean=torch.randn(4, generator=g), var=torch.rand(4, generator=g) + 0.1,
+                                         ref_mean=torch.randn(4, generator=g), ref_var=torch.rand(4, generator=g) + 0.1)),
+        "deep_ensemble_equivalent": (metrics.deep_ensemble_equivalent,
+                                     dict(value=0.5, ensemble_curve=torch.tensor([0.4, 0.6, 0.7]))),
     }
 
 
@@ -209,8 +218,8 @@ def test_metrics_refuse_non_finite_input(metric, bad):
     fn, kwargs = _finite_cases()[metric]
     assert torch.isfinite(torch.as_tensor(fn(**kwargs)[0] if metric == "calibration" else fn(**kwargs))).all()
     for name, value in kwargs.items():
-        if not value.is_floating_point():
-            continue  # integer class labels cannot hold NaN
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue  # integer class labels cannot hold NaN; a plain number is checked on its own below
         spoiled = value.clone()
         spoiled.view(-1)[1] = bad
         with pytest.raises(ValueError, match=rf"{metric}: {name} must be finite, got NaN or inf in 1 of "):

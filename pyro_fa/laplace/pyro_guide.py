@@ -119,8 +119,9 @@ def _positive_split(P: Tensor, coords: List[str], owner: str):
     if not bool((s > 0).all()):
         zero = [coords[i] for i in (s <= 0).nonzero().flatten().tolist()]
         raise ValueError(f"{owner}: the Laplace precision (the Hessian of the negative log joint at the MAP) must be "
-                         f"positive definite, got a diagonal of {float(s.min())!r} at {zero[:10]!r}: no curvature "
-                         "from the prior (flat) nor the likelihood there, so the posterior is improper.")
+                         f"positive definite, got a diagonal of {float(s.min())!r} at {zero[:10]!r}: the prior and the "
+                         "likelihood give no positive curvature there (a flat prior, or one not log-concave at the "
+                         "MAP), so the Gaussian is improper.")
     r = s.rsqrt()
     lam, V = torch.linalg.eigh(r.unsqueeze(-1) * P * r)
     if not float(lam[0]) > D * torch.finfo(wide).eps * float(lam[-1]):
