@@ -174,3 +174,29 @@ def test_quick_yacht_reference_end_to_end(tmp_path):
     (choice,) = [json.loads(p.read_text())["value"] for p in (out / "units").glob("yacht__map__*.json")]
     assert diag["precision"] == choice["precision"] and choice["precision"] in Budget.quick().precisions
     assert diag["noise"] > 0 and diag["dim"] == 6 * 50 + 50 + 50 + 1
+
+
+def test_command_runs_a_dense_mass_matrix_in_units_of_its_own(tmp_path, toy_tasks, capsys):
+    from pyro_fa.infer.hmc import MASS_MATRICES
+
+    out = tmp_path / "refs"
+    argv = ["hmc-reference", "--quick", "--tasks", "yacht", "--chains", "2", "--output-dir", str(out),
+            "--no-progress"]
+    assert cli.main(argv) == 0
+    diag_units = set((out / "units").glob("toy-split0__chain*.pt"))
+    keys = [torch.load(u, weights_only=True)["key"]["settings"] for u in diag_units]
+    assert all("mass" not in k for k in keys)  # the default stays out of the key: earlier unit files still match
+    assert json.loads((out / "toy-split0.json").read_text())["mass"] == "diag"
+    assert cli.main(argv + ["--mass", "dense"]) == 0
+    assert capsys.readouterr().out.count("chain") == 4  # the dense chains are run, not read from the diag ones
+    dense_units = set((out / "units").glob("toy-split0__chain*.pt")) - diag_units
+    assert len(dense_units) == 2
+    assert all(torch.load(u, weights_only=True)["key"]["settings"]["mass"] == "dense" for u in dense_units)
+    assert json.loads((out / "toy-split0.json").read_text())["mass"] == "dense"
+    # the choices are the sampler's table
+    parser = cli.build_parser()
+    sub = parser.parse_args(["hmc-reference", "--mass", "dense"])
+    assert sub.mass == "dense" and sorted(MASS_MATRICES) == ["dense", "diag"]
+    with pytest.raises(SystemExit):
+        cli.main(argv + ["--mass", "full"])
+    assert "invalid choice: 'full'" in capsys.readouterr().err

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from pyro_fa.experiments._io import OutputFolder, atomic_write_json, nonnegative_int, positive_int, unit_path
+from pyro_fa.infer.hmc import MASS_MATRICES
 
 HELP = "Full-batch HMC reference predictives (UCI 1x50 regression, digits MLP) with R-hat and chain agreement."
 
@@ -72,6 +73,7 @@ class Settings:
     init_steps: int = 2000
     init_lr: float = 1e-2
     target_accept: float = 0.8
+    mass: str = "diag"
 
     @classmethod
     def quick(cls) -> "Settings":
@@ -337,7 +339,7 @@ def run_chains(task: Task, chains: List[int], settings: Settings, seed: int) -> 
     init_seconds = time.perf_counter() - start
     res = hmc(post.log_prob, theta.detach(), num_samples=settings.samples, num_warmup=settings.warmup,
               num_steps=settings.num_steps, target_accept=settings.target_accept, thin=settings.thin,
-              collect=post.collect, generator=gens)
+              mass=settings.mass, collect=post.collect, generator=gens)
     return [{"draws": res.draws[i].float(), "log_prob": res.log_prob[i].float(),
              "accept_rate": float(res.accept_rate[i]), "warmup_accept": float(res.warmup_accept[i]),
              "step_size": float(res.step_size[i]), "divergences": int(res.divergences[i]),
@@ -384,14 +386,24 @@ def add_arguments(parser) -> None:
                         help="leapfrog steps per iteration (default 100)")
     parser.add_argument("--init-steps", type=nonnegative_int, default=None,
                         help="Adam steps before HMC from each random initialisation (default 2000)")
+    parser.add_argument("--mass", choices=sorted(MASS_MATRICES), default=None,
+                        help="the HMC mass matrix adapted in the warm-up (default diag)")
     parser.add_argument("--precision", type=float, default=None,
                         help="digits: the prior precision (default: pyro-fa classify's MAP choice)")
     parser.add_argument("--data-dir", default=None, help="UCI data folder (default $PYRO_FA_DATA)")
 
 
+#: Settings added after references were written: left out of a unit's key at their defaults (old unit files match).
+_KEYED_WHEN_SET = frozenset({"mass"})
+
+
+def _settings_key(settings: Settings) -> dict:
+    return {k: v for k, v in vars(settings).items() if k not in _KEYED_WHEN_SET or v != getattr(Settings, k)}
+
+
 def _settings(args) -> Settings:
     s = Settings.quick() if args.quick else Settings()
-    for name in ("chains", "warmup", "samples", "thin", "num_steps", "init_steps"):
+    for name in ("chains", "warmup", "samples", "thin", "num_steps", "init_steps", "mass"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
     return s
@@ -439,7 +451,7 @@ def _run_locked(args, out: OutputFolder, settings: Settings, tasks, splits) -> i
         units = {}
         for chain in range(settings.chains):
             key = {"task": name, "split": split, "chain": chain, "seed": args.seed,
-                   "settings": vars(settings), "precision": task.precision, "noise": task.noise}
+                   "settings": _settings_key(settings), "precision": task.precision, "noise": task.noise}
             path = unit_path(out.path, key, f"{task.label}__chain{chain}").with_suffix(".pt")
             units[chain] = (key, path, _load_unit(path, key) if path.is_file() else None)
         missing = [c for c, (_, _, value) in units.items() if value is None]
@@ -453,6 +465,7 @@ def _run_locked(args, out: OutputFolder, settings: Settings, tasks, splits) -> i
                       f"divergences {value['divergences']}", flush=True)
         chains = [units[c][2] for c in range(settings.chains)]
         reference, diag = summarize(task, chains)
+        diag["mass"] = settings.mass
         _save_pt(out.path / f"{task.label}.pt", reference)
         atomic_write_json(out.path / f"{task.label}.json", diag)
         print(f"{task.label}: R-hat max {diag.get('rhat_max', float('nan')):.3f} "

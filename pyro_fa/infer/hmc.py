@@ -3,10 +3,11 @@ r"""Full-batch Hamiltonian Monte Carlo in torch, vectorised over chains: the ref
 A log density of a batch of points, ``log_prob(theta)`` with ``theta`` of shape (C, D) returning (C,), is
 sampled by C independent chains at once: one gradient (autograd of the summed log density) per leapfrog
 step serves every chain. Each chain has its own step size, adapted during warm-up by dual averaging to a
-target acceptance rate (Hoffman & Gelman 2014, Algorithm 5), and its own diagonal mass matrix, the inverse of
-the variances of its warm-up draws, estimated in Stan's doubling windows (Stan Reference Manual, "HMC
-algorithm parameters": a fast window for the step size, slow windows of doubling length for the mass
-matrix, a final fast window). Every random number comes from the ``generator`` given, so a run is
+target acceptance rate (Hoffman & Gelman 2014, Algorithm 5), and its own mass matrix, estimated from its
+warm-up draws in Stan's doubling windows (Stan Reference Manual, "HMC algorithm parameters": a fast window for
+the step size, slow windows of doubling length for the mass matrix, a final fast window): diagonal (the inverse
+mass is the draws' variances) or dense (their covariance matrix, :data:`MASS_MATRICES`), regularised as Stan
+does. Every random number comes from the ``generator`` given, so a run is
 reproducible; ``progress`` sees every iteration, and the result counts the (batched) gradient evaluations.
 :func:`chain_diagnostics` gives the split R-hat and the bulk and tail ESS of any collected quantity through
 ArviZ (Vehtari, Gelman, Simpson, Carpenter & Bürkner 2021).
@@ -40,7 +41,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["HMCResult", "hmc", "chain_diagnostics", "warmup_windows"]
+__all__ = ["HMCResult", "MASS_MATRICES", "hmc", "chain_diagnostics", "warmup_windows"]
 
 LogProb = Callable[[Tensor], Tensor]
 
@@ -59,8 +60,9 @@ class HMCResult:
         Mean acceptance probability over the sampling iterations.
     step_size : Tensor of shape (C,)
         The adapted step size of each chain.
-    inv_mass : Tensor of shape (C, D)
-        The adapted diagonal inverse mass matrix (the warm-up variances) of each chain.
+    inv_mass : Tensor of shape (C, D) or (C, D, D)
+        The adapted inverse mass matrix of each chain: its diagonal (the warm-up variances, ``mass="diag"``)
+        or the whole matrix (the warm-up covariance, ``mass="dense"``).
     divergences : Tensor of shape (C,)
         Sampling iterations whose energy error exceeded 1000 (or was not finite).
     last : Tensor of shape (C, D)
@@ -112,27 +114,106 @@ def _finite_or(value: Tensor, fill: float) -> Tensor:
     return torch.where(torch.isfinite(value), value, torch.full_like(value, fill))
 
 
-def _leapfrog(log_prob: LogProb, theta, p, grad, eps, inv_mass, num_steps: int):
+class _DiagonalMass:
+    """A diagonal mass matrix per chain, ``inv_mass`` (C, D) the inverse's diagonal; adapted to the variances of
+    the draws it observes (Welford's running variance), regularised as Stan does."""
+
+    def __init__(self, theta: Tensor):
+        self.inv_mass = torch.ones_like(theta)
+        self._reset(theta)
+
+    def _reset(self, theta: Tensor) -> None:
+        self.count, self.mean, self.m2 = 0, torch.zeros_like(theta), torch.zeros_like(theta)
+
+    def momentum(self, z: Tensor) -> Tensor:
+        """``p ~ N(0, M)`` from standard normal ``z`` (C, D)."""
+        return z / self.inv_mass.sqrt()
+
+    def move(self, eps: Tensor, p: Tensor) -> Tensor:
+        """The position step ``eps M^{-1} p`` of the leapfrog, ``eps`` (C, 1)."""
+        return eps * self.inv_mass * p
+
+    def kinetic(self, p: Tensor) -> Tensor:
+        return 0.5 * (p * p * self.inv_mass).sum(-1)
+
+    def _spread(self, d: Tensor, e: Tensor) -> Tensor:
+        return d * e
+
+    def _regularised(self, var: Tensor, n: int) -> Tensor:
+        return (n / (n + 5.0)) * var + 1e-3 * (5.0 / (n + 5.0))
+
+    def observe(self, theta: Tensor) -> None:
+        """Add a warm-up draw (C, D) to the current window."""
+        self.count += 1
+        d = theta - self.mean
+        self.mean = self.mean + d / self.count
+        self.m2 = self.m2 + self._spread(d, theta - self.mean)
+
+    def adapt(self, theta: Tensor) -> None:
+        """Close the window: the inverse mass becomes Stan's regularised estimate from its draws."""
+        n = self.count
+        self.inv_mass = self._regularised(self.m2 / max(n - 1, 1), n)
+        self._reset(theta)
+
+
+class _DenseMass(_DiagonalMass):
+    """A dense mass matrix per chain, ``inv_mass`` (C, D, D): the covariance of the window's draws,
+    ``n / (n + 5) cov + 1e-3 (5 / (n + 5)) I`` (Stan); momenta drawn with the Cholesky factor of ``M``."""
+
+    def __init__(self, theta: Tensor):
+        c, d = theta.shape
+        self.inv_mass = torch.eye(d, dtype=theta.dtype, device=theta.device).expand(c, d, d).clone()
+        self.chol_mass = self.inv_mass.clone()
+        self._reset(theta)
+
+    def _reset(self, theta: Tensor) -> None:
+        c, d = theta.shape
+        self.count, self.mean, self.m2 = 0, torch.zeros_like(theta), theta.new_zeros(c, d, d)
+
+    def momentum(self, z: Tensor) -> Tensor:
+        return (self.chol_mass @ z.unsqueeze(-1)).squeeze(-1)
+
+    def move(self, eps: Tensor, p: Tensor) -> Tensor:
+        return eps * (self.inv_mass @ p.unsqueeze(-1)).squeeze(-1)
+
+    def kinetic(self, p: Tensor) -> Tensor:
+        return 0.5 * (p * (self.inv_mass @ p.unsqueeze(-1)).squeeze(-1)).sum(-1)
+
+    def _spread(self, d: Tensor, e: Tensor) -> Tensor:
+        return d.unsqueeze(-1) * e.unsqueeze(-2)
+
+    def _regularised(self, cov: Tensor, n: int) -> Tensor:
+        cov = 0.5 * (cov + cov.transpose(-1, -2))
+        eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
+        return (n / (n + 5.0)) * cov + 1e-3 * (5.0 / (n + 5.0)) * eye
+
+    def adapt(self, theta: Tensor) -> None:
+        super().adapt(theta)
+        mass = torch.cholesky_inverse(torch.linalg.cholesky(self.inv_mass))
+        self.chol_mass = torch.linalg.cholesky(0.5 * (mass + mass.transpose(-1, -2)))
+
+
+#: The mass matrices of :func:`hmc` (its ``mass`` argument): name -> implementation.
+MASS_MATRICES = {"diag": _DiagonalMass, "dense": _DenseMass}
+
+
+def _leapfrog(log_prob: LogProb, theta, p, grad, eps, mass, num_steps: int):
     """``num_steps`` leapfrog steps of size ``eps`` (C, 1) from (theta, p); the new state, log density, gradient."""
     lp = None
     for _ in range(num_steps):
         p = p + 0.5 * eps * grad
-        theta = theta + eps * inv_mass * p
+        theta = theta + mass.move(eps, p)
         lp, grad = _value_and_grad(log_prob, theta)
         p = p + 0.5 * eps * grad
     return theta, p, lp, grad
 
 
-def _kinetic(p: Tensor, inv_mass: Tensor) -> Tensor:
-    return 0.5 * (p * p * inv_mass).sum(-1)
-
-
-def _transition(log_prob, theta, lp, grad, eps, inv_mass, num_steps, noise):
+def _transition(log_prob, theta, lp, grad, eps, mass, num_steps, noise):
     """One HMC transition of every chain: new (theta, lp, grad), acceptance probability and energy error."""
-    p = noise.randn(theta) / inv_mass.sqrt()
-    h0 = -lp + _kinetic(p, inv_mass)
-    theta1, p1, lp1, grad1 = _leapfrog(log_prob, theta, p, grad, eps.unsqueeze(-1), inv_mass, num_steps)
-    h1 = -lp1 + _kinetic(p1, inv_mass)
+    p = mass.momentum(noise.randn(theta))
+    h0 = -lp + mass.kinetic(p)
+    theta1, p1, lp1, grad1 = _leapfrog(log_prob, theta, p, grad, eps.unsqueeze(-1), mass, num_steps)
+    h1 = -lp1 + mass.kinetic(p1)
     delta = _finite_or(h1 - h0, math.inf)
     accept_prob = torch.exp(torch.clamp(-delta, max=0.0))
     u = noise.rand(lp)
@@ -143,16 +224,16 @@ def _transition(log_prob, theta, lp, grad, eps, inv_mass, num_steps, noise):
     return theta, lp, grad, accept_prob, delta
 
 
-def _initial_step_size(log_prob, theta, lp, grad, inv_mass, noise, eps0: float = 0.1) -> Tensor:
+def _initial_step_size(log_prob, theta, lp, grad, mass, noise, eps0: float = 0.1) -> Tensor:
     """Hoffman & Gelman (2014), Algorithm 4, per chain: halve or double until one leapfrog step's acceptance
     ratio crosses 1/2."""
     eps = theta.new_full(theta.shape[:1], eps0)
-    p = noise.randn(theta) / inv_mass.sqrt()
-    h0 = -lp + _kinetic(p, inv_mass)
+    p = mass.momentum(noise.randn(theta))
+    h0 = -lp + mass.kinetic(p)
 
     def log_ratio(e):
-        _, p1, lp1, _ = _leapfrog(log_prob, theta, p, grad, e.unsqueeze(-1), inv_mass, 1)
-        return _finite_or(h0 - (-lp1 + _kinetic(p1, inv_mass)), -math.inf)
+        _, p1, lp1, _ = _leapfrog(log_prob, theta, p, grad, e.unsqueeze(-1), mass, 1)
+        return _finite_or(h0 - (-lp1 + mass.kinetic(p1)), -math.inf)
 
     direction = torch.where(log_ratio(eps) > math.log(0.5), 1.0, -1.0).to(theta.dtype)
     active = torch.ones_like(eps, dtype=torch.bool)
@@ -252,7 +333,7 @@ def _check_int(value, name: str, low: int) -> int:
 
 def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, num_steps: int = 10,
         step_size: Optional[float] = None, target_accept: float = 0.8, adapt_mass: bool = True,
-        thin: int = 1, jitter: float = 0.2, collect: Optional[Callable[[Tensor], Tensor]] = None,
+        mass: str = "diag", thin: int = 1, jitter: float = 0.2, collect: Optional[Callable[[Tensor], Tensor]] = None,
         generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None,
         progress: Optional[Callable[[int, Dict[str, object]], None]] = None) -> HMCResult:
     """Sample ``log_prob`` by full-batch HMC, C chains at once.
@@ -275,7 +356,12 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
     target_accept : float, default 0.8
         Target of the dual averaging, in (0, 1).
     adapt_mass : bool, default True
-        Estimate a diagonal mass matrix in the warm-up windows (:func:`warmup_windows`); else the identity.
+        Estimate the mass matrix in the warm-up windows (:func:`warmup_windows`); else the identity.
+    mass : {"diag", "dense"}, default "diag"
+        The mass matrix (a key of :data:`MASS_MATRICES`): ``"diag"``, the inverse mass the warm-up variances
+        (O(D) per leapfrog step); ``"dense"``, the warm-up covariance matrix (O(D^2) per step, O(D^3) per
+        window), which also undoes correlations between coordinates: a posterior narrow along directions
+        that are not coordinate axes is then sampled with a larger step size.
     thin : int, default 1
         Keep one iteration in ``thin``.
     jitter : float, default 0.2
@@ -302,7 +388,7 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
     Raises
     ------
     ValueError
-        On a malformed ``init``, counts, ``target_accept`` or ``step_size``, and when the log density is not
+        On a malformed ``init``, counts, ``target_accept``, ``step_size`` or ``mass``, and when the log density is not
         finite at ``init`` or returns the wrong shape.
 
     Examples
@@ -331,6 +417,8 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
         raise ValueError(f"hmc: step_size must be a positive finite number, got {step_size!r}.")
     if isinstance(jitter, bool) or not isinstance(jitter, numbers.Real) or not 0 <= jitter < 1:
         raise ValueError(f"hmc: jitter must be a number in [0, 1), got {jitter!r}.")
+    if not isinstance(mass, str) or mass not in MASS_MATRICES:
+        raise ValueError(f"hmc: mass must be one of {sorted(MASS_MATRICES)}, got {mass!r}.")
     if progress is not None and not callable(progress):
         raise ValueError(f"hmc: progress must be a callable or None, got {progress!r}.")
     noise = _Noise(generator, init.shape[0])
@@ -342,16 +430,15 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
     if not bool(torch.isfinite(lp).all()) or not bool(torch.isfinite(grad).all()):
         raise ValueError("hmc: log_prob must be finite with a finite gradient at init, got non-finite values in "
                          f"chains {torch.nonzero(~torch.isfinite(lp)).flatten().tolist()}.")
-    inv_mass = torch.ones_like(theta)
+    metric = MASS_MATRICES[mass](theta)
     if step_size is None:
-        eps = _initial_step_size(log_prob, theta, lp, grad, inv_mass, noise)
+        eps = _initial_step_size(log_prob, theta, lp, grad, metric, noise)
     else:
         eps = theta.new_full(theta.shape[:1], float(step_size))
     adapt = _DualAveraging(eps, float(target_accept))
     windows = warmup_windows(num_warmup) if adapt_mass else []
     in_window = {it for first, last in windows for it in range(first, last + 1)}
     closes = {last for _, last in windows}
-    count, mean, m2 = 0, torch.zeros_like(theta), torch.zeros_like(theta)
     warm_acc, all_div = torch.zeros_like(eps), torch.zeros_like(eps)
 
     def report(it: int, acc: Tensor, delta: Tensor, step: Tensor) -> None:
@@ -362,20 +449,14 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
                               "divergences": all_div.clone()})
 
     for it in range(num_warmup):
-        theta, lp, grad, acc, delta = _transition(log_prob, theta, lp, grad, eps, inv_mass, num_steps, noise)
+        theta, lp, grad, acc, delta = _transition(log_prob, theta, lp, grad, eps, metric, num_steps, noise)
         warm_acc += acc
         eps = adapt.update(acc)
         if it in in_window:
-            count += 1  # Welford's running variance over the current slow window
-            d = theta - mean
-            mean = mean + d / count
-            m2 = m2 + d * (theta - mean)
+            metric.observe(theta)  # Welford's running (co)variance over the current slow window
         if it in closes:
-            var = m2 / max(count - 1, 1)
-            n = count
-            inv_mass = (n / (n + 5.0)) * var + 1e-3 * (5.0 / (n + 5.0))  # Stan's regularised variances
-            count, mean, m2 = 0, torch.zeros_like(theta), torch.zeros_like(theta)
-            eps = _initial_step_size(log_prob, theta, lp, grad, inv_mass, noise, eps0=1.0) \
+            metric.adapt(theta)
+            eps = _initial_step_size(log_prob, theta, lp, grad, metric, noise, eps0=1.0) \
                 if step_size is None else eps
             adapt.restart(eps)
         if it + 1 == num_warmup:
@@ -385,7 +466,7 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
     acc_sum, div = torch.zeros_like(eps), torch.zeros_like(eps)
     for it in range(num_samples * thin):
         scale = 1 + jitter * (2 * noise.rand(eps) - 1)
-        theta, lp, grad, acc, delta = _transition(log_prob, theta, lp, grad, eps * scale, inv_mass, num_steps,
+        theta, lp, grad, acc, delta = _transition(log_prob, theta, lp, grad, eps * scale, metric, num_steps,
                                                   noise)
         acc_sum += acc
         div += (delta > 1000).to(div.dtype)
@@ -395,7 +476,7 @@ def hmc(log_prob: LogProb, init: Tensor, *, num_samples: int, num_warmup: int, n
             lps.append(lp)
         report(num_warmup + it, acc, delta, eps)
     return HMCResult(draws=torch.stack(draws, 1), log_prob=torch.stack(lps, 1),
-                     accept_rate=acc_sum / (num_samples * thin), step_size=eps, inv_mass=inv_mass,
+                     accept_rate=acc_sum / (num_samples * thin), step_size=eps, inv_mass=metric.inv_mass,
                      divergences=div, last=theta, seconds=time.perf_counter() - start,
                      warmup_accept=warm_acc / max(num_warmup, 1), grad_evals=log_prob.calls)
 
