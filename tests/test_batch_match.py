@@ -259,7 +259,7 @@ def test_refuses_bad_arguments_and_unfitted_use():
     fitted = BatchAndMatch(log_density=lp, dim=3, rank=1, num_iters=2).fit()
     with pytest.raises(RuntimeError, match="BatchAndMatch: to_guide\\(\\) needs a model, got one built on log_density"):
         fitted.to_guide()
-    with pytest.raises(ValueError, match=r"BatchAndMatch: num_samples must be an integer >= 1, got 0\."):
+    with pytest.raises(ValueError, match=r"BatchAndMatch: num_samples must be an integer >= 1 or None, got 0\."):
         fitted.sample(0)
     pyro.clear_param_store()
     guide = AutoLowRankFactorGuide(model, rank=1)

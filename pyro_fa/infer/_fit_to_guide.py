@@ -77,3 +77,25 @@ def set_guide_to(q, guide, owner: str) -> None:
             guide.loc.data.copy_(q.loc.to(like))
         guide.factor.data.copy_(G.to(like))
         guide.noise_model.assign(guide, s.to(like))
+
+
+def guide_of_model(fitted, rank: int, args, kwargs):
+    """A new :class:`~pyro_fa.infer.AutoLowRankFactorGuide` of ``fitted.model`` (rank ``rank``, the fit's
+    ``init_loc_fn``), run once on the model's ``args``/``kwargs`` and set to the fit by ``fitted.init_guide``.
+
+    Raises
+    ------
+    RuntimeError
+        If the fit was built on a log density (no model to build a guide of).
+    """
+    from pyro_fa.infer.guide import AutoLowRankFactorGuide
+
+    owner = type(fitted).__name__
+    if fitted.model is None:
+        raise RuntimeError(f"{owner}: to_guide() needs a model, got one built on log_density; build an "
+                           "AutoLowRankFactorGuide of your model and call init_guide().")
+    init = {} if fitted.init_loc_fn is None else {"init_loc_fn": fitted.init_loc_fn}
+    guide = AutoLowRankFactorGuide(fitted.model, rank=rank, **init)
+    guide(*args, **kwargs)
+    fitted.init_guide(guide)
+    return guide

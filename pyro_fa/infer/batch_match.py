@@ -64,7 +64,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from pyro_fa.infer._fit_to_guide import model_log_density, set_guide_to
+from pyro_fa.infer._fit_to_guide import guide_of_model, model_log_density, set_guide_to
 from pyro_fa.distributions import StableLowRankMultivariateNormal, draw
 from pyro_fa.fa import linalg
 from pyro_fa.fa.batch import BATCH_STEPS
@@ -382,8 +382,6 @@ class BatchAndMatch:
             If ``num_samples`` is not None or an integer >= 1.
         """
         self._check_fit("sample()")
-        if num_samples is not None:
-            _check_int(type(self).__name__, "num_samples", num_samples, 1)
         return draw(type(self).__name__, self.get_posterior(), num_samples, generator)
 
     def to_guide(self, rank: Optional[int] = None, *args, **kwargs):
@@ -395,17 +393,8 @@ class BatchAndMatch:
         RuntimeError
             Before :meth:`fit`, or when built on a ``log_density`` (no model).
         """
-        from pyro_fa.infer.guide import AutoLowRankFactorGuide
-
         self._check_fit("to_guide()")
-        if self.model is None:
-            raise RuntimeError(f"{type(self).__name__}: to_guide() needs a model, got one built on log_density; "
-                               "build an AutoLowRankFactorGuide of your model and call init_guide().")
-        init = {} if self.init_loc_fn is None else {"init_loc_fn": self.init_loc_fn}
-        guide = AutoLowRankFactorGuide(self.model, rank=self.rank if rank is None else rank, **init)
-        guide(*args, **kwargs)
-        self.init_guide(guide)
-        return guide
+        return guide_of_model(self, self.rank if rank is None else rank, args, kwargs)
 
     def init_guide(self, guide) -> None:
         """Set an :class:`~pyro_fa.infer.AutoLowRankFactorGuide` (already set up, rank K) to :meth:`get_posterior`.

@@ -58,7 +58,7 @@ from typing import Callable, List, Optional
 import torch
 from torch import Tensor
 
-from pyro_fa.infer._fit_to_guide import model_log_density, set_guide_to
+from pyro_fa.infer._fit_to_guide import guide_of_model, model_log_density, set_guide_to
 from pyro_fa.distributions import StableLowRankMultivariateNormal, draw
 
 __all__ = ["Pathfinder"]
@@ -454,17 +454,8 @@ class Pathfinder:
         RuntimeError
             Before :meth:`fit`, or when the Pathfinder was built on a ``log_density`` (no model).
         """
-        from pyro_fa.infer.guide import AutoLowRankFactorGuide
-
         self._check_fit("to_guide()")
-        if self.model is None:
-            raise RuntimeError(f"{type(self).__name__}: to_guide() needs a model, got a Pathfinder built on "
-                               "log_density; build an AutoLowRankFactorGuide of your model and call init_guide().")
-        init = {} if self.init_loc_fn is None else {"init_loc_fn": self.init_loc_fn}
-        guide = AutoLowRankFactorGuide(self.model, rank=rank, **init)
-        guide(*args, **kwargs)
-        self.init_guide(guide)
-        return guide
+        return guide_of_model(self, rank, args, kwargs)
 
     def init_guide(self, guide) -> None:
         """Set an :class:`~pyro_fa.infer.AutoLowRankFactorGuide` (already set up, rank K) to :meth:`get_posterior`.
