@@ -276,6 +276,24 @@ def test_goals_fail_where_they_should():
     assert "| p4 | fail" in table and "fail: 2/3 posteriors" in table and "fail: 33% of posteriors" in table
 
 
+def test_g1_paired_difference_by_hand():
+    """Seeds 0-2 of pathfinder (one point) against auto-mvn at its second checkpoint: differences -0.1, 0.2, 0.05
+    by hand (mean 0.05, s.d. 0.15, SE 0.15 / sqrt 3); seed 3 has no auto-mvn and is left out; one shared seed
+    gives no difference."""
+    from pyro_fa.experiments.posteriordb.goals import goals, paired_difference
+    from pyro_fa.experiments.posteriordb.report import goals_table
+
+    records = [_rec("p", "auto-mvn", s, [(100, 0.9), (1000, w)], 0.5) for s, w in ((0, 0.3), (1, 0.1), (2, 0.2))]
+    records += [_rec("p", "pathfinder", s, [(50, w)], 0.3) for s, w in ((0, 0.2), (1, 0.3), (2, 0.25), (3, 9.0))]
+    g1 = goals(records, ROLES)["g1"]["p"]
+    assert g1["peer"] == ("auto-mvn", 1000, 0.2) and g1["ours"][0] == "pathfinder"
+    mean, se, n = g1["paired"]
+    assert n == 3 and mean == pytest.approx(0.05) and se == pytest.approx(0.15 / 3 ** 0.5)
+    assert "paired diff 0.05 ± 0.087 (3 seeds)" in goals_table(records, ROLES)
+    one = [r for r in records if r["seed"] in (0, 3)]
+    assert paired_difference(one, "p", ("pathfinder", 50, 0.2), ("auto-mvn", 1000, 0.3)) is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["auto-lowrank", "auto-mvn", "auto-laplace", "factor-guide", "factor-guide-jit",
                                     "pathfinder-multi", "pathfinder-guide", "pyro-factor-laplace", "nuts"])

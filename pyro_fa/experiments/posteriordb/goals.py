@@ -11,6 +11,10 @@
 * **G3**: k̂ < 0.7 (median over seeds, final fit) on at least as many posteriors as the best baseline: the best
   of our methods' counts against the best of Pyro's guides'.
 
+G1 also reports the paired difference of the two chosen points (ours minus the Pyro guide's debiased W1, seed by
+seed over the seeds both have, each at the same position of its curve as the chosen median point): its mean and
+standard error, so that a pass or a fail can be read against the seeds' scatter.
+
 "No worse" allows a tie of ``TIE`` times the posterior's W1 floor: the debiased W1 is 0 in expectation for an
 exact fit and scatters by a fraction of the floor, so values closer than that are not told apart.
 """
@@ -69,9 +73,36 @@ def _points(records, name, methods) -> List[tuple]:
             if math.isfinite(p.get("w1_debiased", float("nan")))]
 
 
+def _per_seed(records: List[dict], name: str, method: str, grad_evals: float) -> Dict[int, float]:
+    """Seed -> debiased W1 at the position of ``method``'s median curve whose gradient evaluations are
+    ``grad_evals`` (the median curve is built position by position)."""
+    ok = _ok(records, name, method)
+    if not ok:
+        return {}
+    size = min(len(_curve_points(r)) for r in ok)
+    medians = [median([_curve_points(r)[i]["grad_evals"] for r in ok]) for i in range(size)]
+    i = min(range(size), key=lambda j: abs(medians[j] - grad_evals))
+    return {r["seed"]: _curve_points(r)[i]["scores"].get("w1_debiased") for r in ok}
+
+
+def paired_difference(records: List[dict], name: str, ours: tuple, peer: tuple) -> Optional[tuple]:
+    """(mean, standard error, number of seeds) of ours minus peer's debiased W1 over the seeds both have, each
+    point a (method, gradient evaluations, W1) of :func:`goal_g1`; None with fewer than two shared seeds."""
+    a, b = (_per_seed(records, name, p[0], p[1]) for p in (ours, peer))
+    diffs = [a[s] - b[s] for s in sorted(set(a) & set(b))
+             if a[s] is not None and b[s] is not None and math.isfinite(a[s]) and math.isfinite(b[s])]
+    if len(diffs) < 2:
+        return None
+    mean = sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return mean, math.sqrt(var / len(diffs)), len(diffs)
+
+
 def goal_g1(records: List[dict], name: str, roles: Mapping) -> Optional[dict]:
     """G1 on one posterior: ``passed``, the Pyro point to beat (``peer``: method, gradient evaluations, median
-    debiased W1) and ``ours`` (our cheapest point that qualifies, else our best); None without both sides."""
+    debiased W1), ``ours`` (our cheapest point that qualifies, else our best) and ``paired`` (the paired
+    difference ours minus peer: mean, standard error, seeds; None with fewer than two shared seeds); None
+    without both sides."""
     present = list(dict.fromkeys(r["method"] for r in records if r["posterior"] == name))
     peers = _points(records, name, [m for m in present if m in roles and roles[m].peer])
     ours = _points(records, name, [m for m in present if m in roles and roles[m].ours])
@@ -82,7 +113,8 @@ def goal_g1(records: List[dict], name: str, roles: Mapping) -> Optional[dict]:
     peer = min((p for p in peers if p[2] <= best + tie), key=lambda p: (p[1], p[2]))
     good = [p for p in ours if p[2] <= best + tie and p[1] <= G1_COST_RATIO * peer[1]]
     chosen = min(good, key=lambda p: (p[1], p[2])) if good else min(ours, key=lambda p: (p[2], p[1]))
-    return {"passed": bool(good), "peer": peer, "ours": chosen}
+    return {"passed": bool(good), "peer": peer, "ours": chosen,
+            "paired": paired_difference(records, name, chosen, peer)}
 
 
 def _peer_at(curve: List[dict], grad_evals: float) -> dict:
