@@ -9,7 +9,7 @@ from torch import nn
 
 from pyro_fa.distributions import LowRankPrecisionNormal
 from pyro_fa.optim import FactorIVON, WeightPosterior
-from pyro_fa.optim._lowrank import Woodbury, sketch_update
+from pyro_fa.optim._lowrank import Woodbury, row_squares, sketch_update
 
 ivon = pytest.importorskip("ivon")
 
@@ -82,32 +82,35 @@ def test_woodbury_solve_and_inverse_root_against_dense():
     D, K = 12, 3
     psi = torch.rand(D, generator=g, dtype=torch.float64) + 0.5
     U = torch.randn(D, K, generator=g, dtype=torch.float64)
-    wb = Woodbury.of(psi, U)
+    wb = Woodbury.of(psi, U.T.contiguous(), 1.0)
     P = torch.diag(psi) + U @ U.T
     v = torch.randn(D, generator=g, dtype=torch.float64)
     torch.testing.assert_close(wb.solve(v), torch.linalg.solve(P, v), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(wb.matvec(v), P @ v, rtol=1e-12, atol=1e-12)
-    R = torch.stack([wb.inverse_root(e) for e in torch.eye(D, dtype=torch.float64)], 1)
+    draws = [wb.draw(e) for e in torch.eye(D, dtype=torch.float64)]
+    R = torch.stack([z for z, _ in draws], 1)  # z = R eps
     torch.testing.assert_close(R @ R.T, torch.linalg.inv(P), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.stack([pz for _, pz in draws], 1), P @ R, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(row_squares(U.T.contiguous()), U.square().sum(-1), rtol=1e-14, atol=0)
 
 
 def test_sketch_update_is_the_top_eigenpairs_of_the_dense_update():
     g = torch.Generator().manual_seed(1)
     D, r = 10, 3
-    Q = torch.linalg.qr(torch.randn(D, r, generator=g, dtype=torch.float64))[0]
+    Q = torch.linalg.qr(torch.randn(D, r, generator=g, dtype=torch.float64))[0].T.contiguous()  # Q^T
     lam = torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64)
     pairs = [(torch.randn(D, generator=g, dtype=torch.float64), torch.randn(D, generator=g, dtype=torch.float64))
              for _ in range(2)]
     Q2, lam2 = sketch_update(Q, lam, pairs, 0.9)
-    S = 0.9 * Q @ torch.diag(lam) @ Q.T
+    S = 0.9 * Q.T @ torch.diag(lam) @ Q
     for u, a in pairs:
         S = S + 0.1 / 2 * 0.5 * (torch.outer(u, a) + torch.outer(a, u))
     ev, vec = torch.linalg.eigh(S)
     torch.testing.assert_close(lam2, ev.flip(0)[:r], rtol=1e-12, atol=1e-12)
     top = vec[:, -r:] @ torch.diag(ev[-r:]) @ vec[:, -r:].T
-    torch.testing.assert_close(Q2 @ torch.diag(lam2) @ Q2.T, top, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(Q2.T @ Q2, torch.eye(r, dtype=torch.float64), rtol=0, atol=1e-12)
-    empty, lam0 = sketch_update(torch.zeros(D, r, dtype=torch.float64), torch.zeros(r, dtype=torch.float64),
+    torch.testing.assert_close(Q2.T @ torch.diag(lam2) @ Q2, top, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(Q2 @ Q2.T, torch.eye(r, dtype=torch.float64), rtol=0, atol=1e-12)
+    empty, lam0 = sketch_update(torch.zeros(r, D, dtype=torch.float64), torch.zeros(r, dtype=torch.float64),
                                 pairs[:1], 0.9)  # from empty slots: the positive eigenpair of the first term
     u, a = pairs[0]
     want = 0.1 * 0.5 * (u @ a + u.norm() * a.norm())

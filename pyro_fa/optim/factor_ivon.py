@@ -11,9 +11,14 @@ from torch import Tensor
 from pyro_fa.distributions import LowRankPrecisionNormal
 from pyro_fa.optim._checks import (NAME, check_count, check_dimension, check_hyperparameters, check_params,
                                    check_shared)
-from pyro_fa.optim._lowrank import Woodbury, sketch_update
+from pyro_fa.optim._lowrank import Woodbury, row_squares, sketch_update
 
 __all__ = ["FactorIVON"]
+
+
+def _join(parts: List[Tensor]) -> Tensor:
+    """``torch.cat(parts)``, without the copy for one part."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _welford_mean(avg: Optional[Tensor], new: Tensor, count: int) -> Tensor:
@@ -93,6 +98,11 @@ class FactorIVON(torch.optim.Optimizer):
         Multiply ``lr`` by :math:`h_0 + \delta`.
     rank : int, default 10
         :math:`K` (keyword only); 0 is IVON.
+    update_every : int, default 1
+        (keyword only) Fold the curvature into the low-rank part, and refactorise :math:`P`, every this many
+        steps (with the step's draws, the decay :math:`\beta_2^{T}` and weight :math:`1 - \beta_2^{T}`); in
+        between, :math:`P` (its diagonal too) stays as last factorised while :math:`h` keeps learning. 1 is
+        the update above; 10 to 50 cut the :math:`O(DK^2)` work to :math:`O(DK)` per step on large networks.
     diag_floor : float, default 0.25
         :math:`\rho` (keyword only): the diagonal part :math:`\psi` never drops below this fraction of IVON's
         :math:`h + \delta`. It bounds by :math:`1/\rho` how far the Newton step off the low-rank directions may
@@ -107,9 +117,10 @@ class FactorIVON(torch.optim.Optimizer):
 
     Notes
     -----
-    Memory: IVON's :math:`3D` (mean, momentum, :math:`h`) plus :math:`DK` for :math:`U` and :math:`2MD` for the
-    step's curvature vectors. Time per step beyond IVON's: :math:`O(DK^2)` (the sketch's rotation and the
-    :math:`K\times K` Gram matrix), plus :math:`O(DK)` per draw. Gradients that are not finite are refused
+    Memory: IVON's :math:`3D` (mean, momentum, :math:`h`) plus :math:`DK` for :math:`Q^\top` (stored (K, D), rows
+    contiguous) and :math:`2MD` for the step's curvature vectors. Time per step beyond IVON's: three passes over
+    :math:`U` per draw and two for the step (:math:`O(DK)`), and every ``update_every`` steps :math:`O(DK^2)` for
+    the sketch's rotation and the :math:`K\times K` Gram matrix. Gradients that are not finite are refused
     (``ValueError`` on leaving :meth:`sampled_params`) before they reach the state.
 
     References
@@ -144,11 +155,12 @@ class FactorIVON(torch.optim.Optimizer):
     def __init__(self, params, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
                  beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1,
                  clip_radius: float = float("inf"), debias: bool = True, rescale_lr: bool = True, *,
-                 rank: int = 10, diag_floor: float = 0.25):
+                 rank: int = 10, diag_floor: float = 0.25, update_every: int = 1):
         check_hyperparameters(dict(lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2,
                                    weight_decay=weight_decay, clip_radius=clip_radius, diag_floor=diag_floor))
         self.mc_samples = check_count("mc_samples", mc_samples, 1)
         self.rank = check_count("rank", rank, 0)
+        self.update_every = check_count("update_every", update_every, 1)
         defaults = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, hess_init=hess_init, ess=ess,
                         clip_radius=clip_radius)
         super().__init__(params, defaults)
@@ -164,7 +176,7 @@ class FactorIVON(torch.optim.Optimizer):
         self.state["momentum"] = torch.zeros(D, dtype=dtype, device=device)
         self.state["hess"] = torch.cat([torch.zeros(n, dtype=dtype, device=device).add(torch.as_tensor(g["hess_init"]))
                                         for g, n in zip(self.param_groups, self._sizes)])
-        self.state["basis"] = torch.zeros(D, self.rank, dtype=dtype, device=device)
+        self.state["basis"] = torch.zeros(self.rank, D, dtype=dtype, device=device)  # Q^T, rows orthonormal or 0
         self.state["eigvals"] = torch.zeros(self.rank, dtype=dtype, device=device)
         self._factors: Optional[Woodbury] = None
         self._mean: Optional[Tensor] = None  # the mean while a draw is loaded into the parameters
@@ -185,19 +197,20 @@ class FactorIVON(torch.optim.Optimizer):
             start += n
 
     def _flat(self) -> Tensor:
-        return torch.cat([p.detach().flatten() for p in self._params])
+        return _join([p.detach().flatten() for p in self._params])
 
     def _woodbury(self) -> Woodbury:
         r"""The factorisation of :math:`\mathrm{diag}(\psi) + UU^\top` at the current state (cached until a step)."""
         if self._factors is None:
             group = self.param_groups[0]
             total = self.state["hess"] + group["weight_decay"]
-            U = self.state["basis"] * self.state["eigvals"].clamp_min(0).sqrt()
+            factor_t = self.state["basis"] * self.state["eigvals"].clamp_min(0).sqrt().unsqueeze(-1)  # U^T (K, D)
             room = (1.0 - self.diag_floor) * total.clamp_min(0)
-            rows = U.square().sum(-1)
-            U = U * torch.where(rows > room, (room / rows.clamp_min(torch.finfo(rows.dtype).tiny)).sqrt(),
-                                torch.ones_like(rows)).unsqueeze(-1)
-            self._factors = Woodbury.of(total - U.square().sum(-1), U)
+            rows = row_squares(factor_t)
+            shrink = rows > room  # rows of U shrunk to 1 - rho of h + delta
+            if bool(shrink.any()):
+                factor_t.mul_(torch.where(shrink, (room / rows.clamp_min(torch.finfo(rows.dtype).tiny)).sqrt(), 1.0))
+            self._factors = Woodbury.of(total - torch.minimum(rows, room), factor_t, group["ess"])
         return self._factors
 
     def _precision_diag(self) -> Tensor:
@@ -216,8 +229,8 @@ class FactorIVON(torch.optim.Optimizer):
         Inside :meth:`sampled_params` the mean is still :math:`m`, not the draw.
         """
         loc = (self._flat() if self._mean is None else self._mean).clone()
-        factor = self._woodbury().factor * math.sqrt(self.param_groups[0]["ess"]) if self.rank else loc.new_zeros(
-            loc.shape[0], 0)
+        factor = self._woodbury().factor_t.T * math.sqrt(self.param_groups[0]["ess"]) if self.rank else \
+            loc.new_zeros(loc.shape[0], 0)
         return LowRankPrecisionNormal(loc, factor.clone(), self._precision_diag().clone())
 
     def posterior(self, module: torch.nn.Module):
@@ -232,8 +245,8 @@ class FactorIVON(torch.optim.Optimizer):
     def _reset_samples(self) -> None:
         self.state["count"] = 0
         self.state["avg_grad"] = None
-        self.state["avg_nxg"] = None
-        self._pairs = []  # (g_j, a_j) of this step's draws (rank > 0)
+        self.state["avg_nxg"] = None  # rank 0: the mean of z * g (ivon-opt's); rank > 0: of g * Pz
+        self._pairs = []  # (g_j, a_j = P z_j) of this step's draws, on the steps that update the low-rank part
 
     @contextmanager
     def sampled_params(self, train: bool = False):
@@ -250,7 +263,7 @@ class FactorIVON(torch.optim.Optimizer):
             On leaving with ``train=True``, a gradient holding NaN or inf (the mean is restored, the
             state untouched).
         """
-        mean, noise = self._sample_params()
+        mean, noise, precision_noise = self._sample_params()
         self._mean = mean
         try:
             yield
@@ -258,19 +271,20 @@ class FactorIVON(torch.optim.Optimizer):
             self._mean = None
             self._load(mean)
         if train:
-            self._collect(noise)
+            self._collect(noise, precision_noise)
 
     def _sample_params(self):
         hess = self.state["hess"]
         eps = [torch.randn(s.stop - s.start, device=hess.device, dtype=hess.dtype) for _, s in self._groups()]
         if self.rank:
-            noise = self._woodbury().inverse_root(torch.cat(eps)) / math.sqrt(self.param_groups[0]["ess"])
+            noise, precision_noise = self._woodbury().draw(_join(eps))  # z ~ N(0, P^-1), P z
         else:  # ivon-opt's expression
+            precision_noise = None
             noise = torch.cat([e / (g["ess"] * (hess[s] + g["weight_decay"])).sqrt()
                                for e, (g, s) in zip(eps, self._groups())])
         mean = self._flat()
         self._load(mean + noise)
-        return mean, noise
+        return mean, noise, precision_noise
 
     def _load(self, flat: Tensor) -> None:
         start = 0
@@ -279,7 +293,7 @@ class FactorIVON(torch.optim.Optimizer):
             start += p.numel()
 
     @torch.no_grad()
-    def _collect(self, noise: Tensor) -> None:
+    def _collect(self, noise: Tensor, precision_noise: Optional[Tensor]) -> None:
         grad = torch.cat([p.grad.flatten() if p.requires_grad and p.grad is not None
                           else torch.zeros_like(p).flatten() for p in self._params])
         if not bool(torch.isfinite(grad).all()):
@@ -289,7 +303,10 @@ class FactorIVON(torch.optim.Optimizer):
         self.state["count"] = count
         self.state["avg_grad"] = _welford_mean(self.state["avg_grad"], grad, count)
         if self.rank:
-            self._pairs.append((grad, self.param_groups[0]["ess"] * self._woodbury().matvec(noise)))
+            a = precision_noise
+            self.state["avg_nxg"] = _welford_mean(self.state["avg_nxg"], grad * a, count)
+            if (self.state["step"] + 1) % self.update_every == 0:
+                self._pairs.append((grad, a))
         else:
             self.state["avg_nxg"] = _welford_mean(self.state["avg_nxg"], noise * grad, count)
 
@@ -316,7 +333,7 @@ class FactorIVON(torch.optim.Optimizer):
         if self.state["count"] == 0:
             raise RuntimeError(f"{NAME}: step() needs the gradient of at least one draw; draw inside "
                                "`with optimizer.sampled_params(train=True):` and call loss.backward() there.")
-        if self.rank:
+        if self.rank and self._pairs:
             check_dimension(self.dim, self.rank, len(self._pairs))
         self._update()
         self._reset_samples()
@@ -328,21 +345,21 @@ class FactorIVON(torch.optim.Optimizer):
         mean, hess, avg_grad = self._flat(), self.state["hess"], self.state["avg_grad"]
         momentum, new_hess = [], []
         self._previous_momentum = self.state["momentum"]
-        curvature = self._curvature_diagonal() if self.rank else None
         for g, s in self._groups():
             b1, b2, wd = g["beta1"], g["beta2"], g["weight_decay"]
             momentum.append(b1 * self.state["momentum"][s] + (1.0 - b1) * avg_grad[s])
             h = hess[s]
-            f = curvature[s] if self.rank else self.state["avg_nxg"][s] * (h + wd) * g["ess"]
+            f = self.state["avg_nxg"][s] if self.rank else self.state["avg_nxg"][s] * (h + wd) * g["ess"]
             new_hess.append(b2 * h + (1.0 - b2) * f + (0.5 * (1 - b2) ** 2) * (h - f).square() / (h + wd))
-        self.state["momentum"], self.state["hess"] = torch.cat(momentum), torch.cat(new_hess)
-        if self.rank:
+        self.state["momentum"], self.state["hess"] = _join(momentum), _join(new_hess)
+        if self.rank and self._pairs:  # every update_every steps: the low-rank part, and P refactorised
             baseline = self._baseline(t)  # E[baseline a^T] = 0: a control variate, not a bias
             centred = [(grad - baseline, a) for grad, a in self._pairs]
             basis, eigvals = sketch_update(self.state["basis"], self.state["eigvals"], centred,
-                                           self.param_groups[0]["beta2"])
+                                           self.param_groups[0]["beta2"] ** self.update_every)
             self.state["basis"], self.state["eigvals"] = basis, torch.minimum(eigvals, self._cap(basis))
-        self._factors = None
+        if not self.rank or self._pairs:
+            self._factors = None
         self._load(self._new_mean(mean, t))
 
     def _baseline(self, t: float) -> Tensor:
@@ -358,25 +375,18 @@ class FactorIVON(torch.optim.Optimizer):
 
     def _cap(self, basis: Tensor) -> Tensor:
         r"""The largest :math:`q^\top Hq` any positive semi-definite :math:`H` with diagonal :math:`h + \delta`
-        allows, per column :math:`q` of ``basis``: :math:`(\sum_d |q_d|\sqrt{h_d + \delta})^2` (Cauchy-Schwarz,
+        allows, per row :math:`q` of ``basis`` (:math:`Q^\top`): :math:`(\sum_d |q_d|\sqrt{h_d + \delta})^2` (Cauchy-Schwarz,
         :math:`|H_{de}| \le \sqrt{H_{dd}H_{ee}}`)."""
         total = (self.state["hess"] + self.param_groups[0]["weight_decay"]).clamp_min(0).sqrt()
-        return (basis.abs().T @ total).square()
-
-    def _curvature_diagonal(self) -> Tensor:
-        r""":math:`f = \mathrm{diag}\,\hat H = \frac1M\sum_j g_j \odot a_j`."""
-        total = None
-        for grad, a in self._pairs:
-            total = grad * a if total is None else total.add_(grad * a)
-        return total / len(self._pairs)
+        return torch.stack([row.abs() @ total for row in basis]).square()
 
     def _new_mean(self, mean: Tensor, t: float) -> Tensor:
         hess, momentum = self.state["hess"], self.state["momentum"]
         parts = []
         if self.rank:  # the natural-gradient direction couples the groups: one Woodbury solve
             g0 = self.param_groups[0]
-            rhs = torch.cat([momentum[s] / (1.0 - math.pow(g["beta1"], t) if self.debias else 1.0)
-                             for g, s in self._groups()]) + g0["weight_decay"] * mean
+            rhs = _join([momentum[s] / (1.0 - math.pow(g["beta1"], t) if self.debias else 1.0)
+                         for g, s in self._groups()]).add(mean, alpha=g0["weight_decay"])
             direction = self._woodbury().solve(rhs)
         for g, s in self._groups():
             lr = g["lr"] * (g["hess_init"] + g["weight_decay"]) if self.rescale_lr else g["lr"]
@@ -387,7 +397,7 @@ class FactorIVON(torch.optim.Optimizer):
                 wd = g["weight_decay"]
                 step = (momentum[s] / debias + wd * mean[s]) / (hess[s] + wd)
             parts.append(mean[s] - lr * torch.clip(step, min=-g["clip_radius"], max=g["clip_radius"]))
-        return torch.cat(parts)
+        return _join(parts)
 
     def load_state_dict(self, state_dict) -> None:
         """As :meth:`torch.optim.Optimizer.load_state_dict`; the cached factorisation is recomputed."""
