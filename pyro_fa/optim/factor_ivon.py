@@ -296,7 +296,7 @@ class FactorIVON(torch.optim.Optimizer):
     def _collect(self, noise: Tensor, precision_noise: Optional[Tensor]) -> None:
         grad = torch.cat([p.grad.flatten() if p.requires_grad and p.grad is not None
                           else torch.zeros_like(p).flatten() for p in self._params])
-        if not bool(torch.isfinite(grad).all()):
+        if not bool(torch.isfinite(grad.sum())) and not bool(torch.isfinite(grad).all()):  # one pass when finite
             raise ValueError(f"{NAME}: the gradients must be finite, got NaN or inf at the drawn weights; the draw "
                              "is dropped and the state is unchanged.")
         count = self.state["count"] + 1
