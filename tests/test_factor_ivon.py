@@ -347,3 +347,29 @@ def test_the_posterior_refuses_bad_input():
         post.scale = -1.0
     with pytest.raises(ValueError, match=r"WeightPosterior: loader must be None"):
         post.predictive(loader=[X])
+
+
+def test_update_every_refreshes_the_precision_every_t_steps_only():
+    net = _mlp()
+    X, y = _data()
+    opt = FactorIVON(net.parameters(), lr=0.05, ess=40.0, beta2=0.99, rank=2, update_every=3)
+    seen = [opt.get_posterior()]
+    for _ in range(6):
+        _draw_and_step(opt, net, X, y)
+        seen.append(opt.get_posterior())
+    same = [torch.equal(a.prec_diag, b.prec_diag) and torch.equal(a.prec_factor, b.prec_factor)
+            for a, b in zip(seen, seen[1:])]
+    assert same == [True, True, False, True, True, False]  # refreshed at steps 3 and 6
+    assert not torch.equal(seen[1].mean, seen[2].mean)  # the mean and h learn at every step
+    torch.testing.assert_close(seen[-1].precision_matrix.diagonal(), 40.0 * (opt.state["hess"] + 1e-4),
+                               rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match=r"FactorIVON: update_every must be an integer >= 1, got 0."):
+        FactorIVON(net.parameters(), lr=0.05, ess=40.0, rank=2, update_every=0)
+
+
+@pytest.mark.parametrize("module", ["factor_ivon", "posterior"])
+def test_the_doctests(module):
+    import doctest
+    import importlib
+
+    assert doctest.testmod(importlib.import_module(f"pyro_fa.optim.{module}")).failed == 0
