@@ -11,8 +11,6 @@ from pyro_fa.distributions import LowRankPrecisionNormal
 from pyro_fa.optim import FactorIVON, WeightPosterior
 from pyro_fa.optim._lowrank import Woodbury, row_squares, sketch_update
 
-ivon = pytest.importorskip("ivon")
-
 
 def _mlp(seed=0, dtype=torch.float64):
     torch.manual_seed(seed)
@@ -39,6 +37,7 @@ def _flat(net):
 # ----------------------------------------------------------------------------- rank 0 is IVON
 @pytest.mark.parametrize("groups", [1, 2])
 def test_rank_0_reproduces_ivon_to_the_bit_over_20_steps(groups):
+    ivon = pytest.importorskip("ivon")  # ivon-opt, the reference implementation (the "peers" extra)
     a, b = _mlp(), _mlp()
     X, y = _data()
 
