@@ -147,7 +147,7 @@ class Woodbury(NamedTuple):
         return torch.addcmul(w, c.to(v.dtype) @ self.factor_t, self.inv_psi, value=-1.0)
 
     def draw(self, eps: Tensor) -> Tuple[Tensor, Tensor]:
-        r"""A draw :math:`z \sim N(0, P^{-1})` and :math:`Pz` from standard normal ``eps`` (D,): three passes over
+        r"""A draw :math:`z \sim N(0, P^{-1})` and :math:`Pz` from standard normal ``eps`` (D,): two passes over
         :math:`U^\top`.
 
         With :math:`x = (\lambda\psi)^{-1/2}\odot\varepsilon`, :math:`e = U^\top x` and :math:`c_1 =

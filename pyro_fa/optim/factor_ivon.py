@@ -118,7 +118,7 @@ class FactorIVON(torch.optim.Optimizer):
     Notes
     -----
     Memory: IVON's :math:`3D` (mean, momentum, :math:`h`) plus :math:`DK` for :math:`Q^\top` (stored (K, D), rows
-    contiguous) and :math:`2MD` for the step's curvature vectors. Time per step beyond IVON's: three passes over
+    contiguous) and :math:`2MD` for the step's curvature vectors. Time per step beyond IVON's: two passes over
     :math:`U` per draw and two for the step (:math:`O(DK)`), and every ``update_every`` steps :math:`O(DK^2)` for
     the sketch's rotation and the :math:`K\times K` Gram matrix. Gradients that are not finite are refused
     (``ValueError`` on leaving :meth:`sampled_params`) before they reach the state.
