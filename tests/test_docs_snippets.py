@@ -25,7 +25,7 @@ BLOCK = re.compile(r"(?:<!--\s*no-test:(?P<reason>[^>]*?)-->\s*\n)?```python\n(?
 MAX_SKIPPED = 7
 #: the user guide: one page per way to a posterior, and the laplace-torch user's page; each holds a runnable
 #: example whose printed numbers carry none of autograd's bookkeeping
-GUIDE = ["variational.md", "swag.md", "laplace.md", "from_laplace_torch.md"]
+GUIDE = ["variational.md", "swag.md", "laplace.md", "optim.md", "from_laplace_torch.md"]
 NOISE = ("grad_fn", "requires_grad", "Parameter containing")
 #: printed after each block, so that each block's output can be told apart
 _END = "--- end of python block "

@@ -163,6 +163,20 @@ def _batch_and_match(dtype, device):
         X, y, generator=torch.Generator(device=device).manual_seed(0))
 
 
+def _factor_ivon(dtype, device):
+    from pyro_fa.optim import FactorIVON
+
+    X, y = _mlp_data(dtype, device)
+    net = _mlp(dtype, device)
+    opt = FactorIVON(net.parameters(), lr=0.05, ess=30.0, beta2=0.99, rank=2)
+    for _ in range(10):
+        with opt.sampled_params(train=True):
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(X), y).backward()
+        opt.step()
+    return opt.posterior(net.eval())
+
+
 #: name -> (build(dtype, device), fresh(post) for the state_dict round trip or None, the form get_posterior returns)
 CASES = {
     "swag-em": (functools.partial(_swag, "em"), _fresh_swag, StableLowRankMultivariateNormal),
@@ -182,6 +196,7 @@ CASES = {
     "batch-fa": (_batch_fa, _fresh_batch_fa, StableLowRankMultivariateNormal),
     "pathfinder": (_pathfinder, None, StableLowRankMultivariateNormal),
     "batch-and-match": (_batch_and_match, None, StableLowRankMultivariateNormal),
+    "factor-ivon": (_factor_ivon, None, LowRankPrecisionNormal),  # state: FactorIVON.state_dict()
 }
 
 

@@ -1,0 +1,15 @@
+r"""Optimizers that learn a posterior while training.
+
+* :class:`FactorIVON` — IVON's variational online Newton (Shen et al. 2024) with a low-rank-plus-diagonal
+  precision: :math:`q(\theta) = N(m, P^{-1})`, :math:`P = \lambda(\mathrm{diag}(\psi) + UU^\top)`, at about
+  Adam's cost; ``rank=0`` is IVON;
+* :class:`WeightPosterior` — a distribution over a module's weights as a :class:`~pyro_fa.predictive.Posterior`
+  (``predict``, ``predict_proba``, ``tune_scale``, ...): what :meth:`FactorIVON.posterior` returns.
+
+Layer: beside :mod:`pyro_fa.swag` and :mod:`pyro_fa.laplace`; needs :mod:`pyro_fa.distributions` and
+:mod:`pyro_fa.predictive` only.
+"""
+from pyro_fa.optim.factor_ivon import FactorIVON
+from pyro_fa.optim.posterior import WeightPosterior
+
+__all__ = ["FactorIVON", "WeightPosterior"]

@@ -1,0 +1,406 @@
+r"""IVON with a factor-analysis precision: variational online Newton learning a low-rank-plus-diagonal Gaussian."""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Callable, List, Optional
+
+import torch
+from torch import Tensor
+
+from pyro_fa.distributions import LowRankPrecisionNormal
+from pyro_fa.optim._checks import (NAME, check_count, check_dimension, check_hyperparameters, check_params,
+                                   check_shared)
+from pyro_fa.optim._lowrank import Woodbury, row_squares, sketch_update
+
+__all__ = ["FactorIVON"]
+
+
+def _join(parts: List[Tensor]) -> Tensor:
+    """``torch.cat(parts)``, without the copy for one part."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _welford_mean(avg: Optional[Tensor], new: Tensor, count: int) -> Tensor:
+    """The running mean of ``count`` values, as ivon-opt keeps it (bit for bit)."""
+    return new if avg is None else avg + (new - avg) / count
+
+
+class FactorIVON(torch.optim.Optimizer):
+    r"""IVON (Shen et al. 2024) whose Gaussian posterior has a low-rank-plus-diagonal precision.
+
+    Learns :math:`q(\theta) = N(m, P^{-1})` over the flattened weights (parameter order) while training, at about
+    Adam's cost, with
+
+    .. math::
+
+        P = \lambda\,\big(\mathrm{diag}(\psi) + UU^\top\big), \qquad
+        \psi = h + \delta - \mathrm{rowsq}(U), \qquad U \in \mathbb{R}^{D\times K},
+
+    :math:`\lambda` = ``ess``, :math:`\delta` = ``weight_decay``, :math:`\mathrm{rowsq}(U)_d = \sum_k U_{dk}^2`.
+    :math:`h` is IVON's diagonal curvature, updated as IVON updates it; :math:`U = \mathrm{diag}(c)\,Q\,
+    \mathrm{diag}(\lambda^+)^{1/2}` comes from the top-:math:`K` part :math:`Q\Lambda Q^\top` of an exponential
+    moving average of the same reparameterisation Hessian estimates, full matrices kept at rank :math:`K`, its
+    rows shrunk (:math:`c_d \le 1`) where they would claim more than :math:`1 - \rho` of :math:`h_d + \delta`
+    (:math:`\rho` = ``diag_floor``), so that :math:`\psi \ge \rho(h + \delta)`. The diagonal of :math:`P` is
+    therefore always IVON's, :math:`\lambda(h + \delta)`: no curvature is counted twice, and :math:`UU^\top` adds
+    the correlations. With ``rank=0`` the updates, the draws and the random numbers are IVON's.
+
+    Each step, after :math:`M` draws :math:`\theta_j = m + z_j`, :math:`z_j \sim N(0, P^{-1})` and their
+    minibatch gradients :math:`g_j` (inside :meth:`sampled_params`), with :math:`a_j = Pz_j`:
+
+    .. math::
+
+        \bar g &= \tfrac1M \textstyle\sum_j g_j, \qquad
+        \hat H = \tfrac1M \textstyle\sum_j \mathrm{sym}(g_j a_j^\top)
+        \quad (\mathbb E\,\hat H = \mathbb E_q \nabla^2 \ell \text{ by Stein's lemma}), \\
+        \mu &\leftarrow \beta_1 \mu + (1 - \beta_1)\,\bar g, \\
+        h &\leftarrow \beta_2 h + (1-\beta_2) f + \tfrac12(1-\beta_2)^2 \frac{(h - f)^2}{h + \delta},
+        \qquad f = \mathrm{diag}\,\hat H, \\
+        Q\Lambda Q^\top &\leftarrow \mathrm{top}_K\big(\beta_2\, Q\Lambda Q^\top + (1 - \beta_2)\hat H_b\big), \\
+        m &\leftarrow m - \alpha\, \mathrm{clip}\Big(\big(\mathrm{diag}(\psi) + UU^\top\big)^{-1}
+        \big(\mu / (1 - \beta_1^t) + \delta m\big),\ \pm r\Big),
+
+    :math:`\alpha` = ``lr`` times :math:`h_0 + \delta` with ``rescale_lr`` (Shen et al. 2024, Algorithm 1;
+    Khan et al. 2018 for the variational online Newton step). :math:`\mathrm{top}_K` keeps the :math:`K` largest
+    eigenvalues (:func:`pyro_fa.optim._lowrank.sketch_update`, SLANG's truncation, Mishkin et al. 2018, made
+    deterministic), each then capped at :math:`(\sum_d |Q_{dk}|\sqrt{h_d+\delta})^2`, the most any positive
+    semi-definite matrix with diagonal :math:`h + \delta` allows. :math:`\hat H_b` is :math:`\hat H` with
+    :math:`g_j - b` for :math:`g_j`, :math:`b` the previous step's debiased momentum: a control variate
+    (:math:`\mathbb E[b\,a_j^\top] = 0`) that removes the gradient at the mean, whose product with :math:`a_j` is
+    noise only. (The diagonal :math:`h` keeps IVON's estimate: its noise per coordinate is about :math:`D` times
+    smaller than the rank-two estimate's along its own direction.) The draws use the Woodbury square root,
+    :math:`z = \lambda^{-1/2}\Psi^{-1/2}(I + AA^\top)^{-1/2}\varepsilon`, :math:`A = \Psi^{-1/2}U`, and the step
+    the Woodbury solve; nothing :math:`D\times D` is formed.
+
+    Parameters
+    ----------
+    params : iterable of Tensors or of dicts
+        As for any :class:`torch.optim.Optimizer`; with ``rank`` > 0 the groups must share ``ess``,
+        ``weight_decay`` and ``beta2`` (the low-rank part spans them all).
+    lr : float
+        Learning rate (ivon-opt's).
+    ess : float
+        Effective sample size :math:`\lambda`, usually the number of training examples.
+    hess_init : float, default 1.0
+        :math:`h_0`.
+    beta1, beta2 : float, default 0.9, 0.99999
+        Decay of the gradient momentum, of the curvature (diagonal and low rank).
+    weight_decay : float, default 1e-4
+        :math:`\delta`, the prior precision per example.
+    mc_samples : int, default 1
+        Draws per step when :meth:`step` is given a closure.
+    clip_radius : float, default inf
+        Elementwise clip :math:`r` of the preconditioned step.
+    debias : bool, default True
+        Divide the momentum by :math:`1 - \beta_1^t`.
+    rescale_lr : bool, default True
+        Multiply ``lr`` by :math:`h_0 + \delta`.
+    rank : int, default 10
+        :math:`K` (keyword only); 0 is IVON.
+    update_every : int, default 1
+        (keyword only) Fold the curvature into the low-rank part, and refactorise :math:`P`, every this many
+        steps (with the step's draws, the decay :math:`\beta_2^{T}` and weight :math:`1 - \beta_2^{T}`); in
+        between, :math:`P` (its diagonal too) stays as last factorised while :math:`h` keeps learning. 1 is
+        the update above; 10 to 50 cut the :math:`O(DK^2)` work to :math:`O(DK)` per step on large networks.
+    diag_floor : float, default 0.25
+        :math:`\rho` (keyword only): the diagonal part :math:`\psi` never drops below this fraction of IVON's
+        :math:`h + \delta`. It bounds by :math:`1/\rho` how far the Newton step off the low-rank directions may
+        exceed IVON's while the low-rank part is still mostly noise; a lower value lets strongly correlated
+        posteriors be matched more closely, at the risk of an unstable start.
+
+    Raises
+    ------
+    ValueError, TypeError
+        A hyperparameter outside its range or not a number; no parameters, parameters on several devices or
+        dtypes; with ``rank`` > 0, groups that disagree on ``ess``, ``weight_decay`` or ``beta2``.
+
+    Notes
+    -----
+    Memory: IVON's :math:`3D` (mean, momentum, :math:`h`) plus :math:`DK` for :math:`Q^\top` (stored (K, D), rows
+    contiguous) and :math:`2MD` for the step's curvature vectors. Time per step beyond IVON's: two passes over
+    :math:`U` per draw and two for the step (:math:`O(DK)`), and every ``update_every`` steps :math:`O(DK^2)` for
+    the sketch's rotation and the :math:`K\times K` Gram matrix. Gradients that are not finite are refused
+    (``ValueError`` on leaving :meth:`sampled_params`) before they reach the state.
+
+    References
+    ----------
+    Shen, Y., Daheim, N., Cong, B., Nickl, P., Marconi, G. M., Bazan, C., Yokota, R., Gurevych, I., Cremers, D.,
+    Khan, M. E. & Möllenhoff, T. (2024). Variational learning is effective for large deep networks. ICML.
+    Mishkin, A., Kunstner, F., Nielsen, D., Schmidt, M. & Khan, M. E. (2018). SLANG: Fast structured covariance
+    approximations for Bayesian deep learning with natural gradient. NeurIPS.
+    Khan, M. E., Nielsen, D., Tangkaratt, V., Lin, W., Gal, Y. & Srivastava, A. (2018). Fast and scalable Bayesian
+    deep learning by weight-perturbation in Adam. ICML.
+    Lin, W., Schmidt, M. & Khan, M. E. (2020). Handling the positive-definite constraint in the Bayesian learning
+    rule. ICML.
+
+    See also
+    --------
+    pyro_fa.optim.WeightPosterior : what :meth:`posterior` returns (the prediction protocol).
+    pyro_fa.distributions.LowRankPrecisionNormal : what :meth:`get_posterior` returns.
+
+    Examples
+    --------
+    >>> net = torch.nn.Linear(4, 1)
+    >>> opt = FactorIVON(net.parameters(), lr=0.1, ess=100, rank=2)
+    >>> x, y = torch.randn(8, 4), torch.randn(8, 1)
+    >>> with opt.sampled_params(train=True):
+    ...     opt.zero_grad()
+    ...     torch.nn.functional.mse_loss(net(x), y).backward()
+    >>> opt.step()
+    >>> opt.get_posterior().prec_factor.shape
+    torch.Size([5, 2])
+    """
+
+    def __init__(self, params, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
+                 beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1,
+                 clip_radius: float = float("inf"), debias: bool = True, rescale_lr: bool = True, *,
+                 rank: int = 10, diag_floor: float = 0.25, update_every: int = 1):
+        check_hyperparameters(dict(lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2,
+                                   weight_decay=weight_decay, clip_radius=clip_radius, diag_floor=diag_floor))
+        self.mc_samples = check_count("mc_samples", mc_samples, 1)
+        self.rank = check_count("rank", rank, 0)
+        self.update_every = check_count("update_every", update_every, 1)
+        defaults = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, hess_init=hess_init, ess=ess,
+                        clip_radius=clip_radius)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            check_hyperparameters({k: group[k] for k in defaults})
+        self._params: List[Tensor] = [p for g in self.param_groups for p in g["params"]]
+        D, dtype, device = check_params(self._params)
+        check_shared(self.param_groups, self.rank)
+        check_dimension(D, self.rank, self.mc_samples)
+        self.debias, self.rescale_lr, self.diag_floor = bool(debias), bool(rescale_lr), float(diag_floor)
+        self._sizes = [sum(p.numel() for p in g["params"]) for g in self.param_groups]
+        self.state["step"] = 0
+        self.state["momentum"] = torch.zeros(D, dtype=dtype, device=device)
+        self.state["hess"] = torch.cat([torch.zeros(n, dtype=dtype, device=device).add(torch.as_tensor(g["hess_init"]))
+                                        for g, n in zip(self.param_groups, self._sizes)])
+        self.state["basis"] = torch.zeros(self.rank, D, dtype=dtype, device=device)  # Q^T, rows orthonormal or 0
+        self.state["eigvals"] = torch.zeros(self.rank, dtype=dtype, device=device)
+        self._factors: Optional[Woodbury] = None
+        self._mean: Optional[Tensor] = None  # the mean while a draw is loaded into the parameters
+        self._previous_momentum: Optional[Tensor] = None
+        self._reset_samples()
+
+    # ------------------------------------------------------------------ the posterior's parts
+    @property
+    def dim(self) -> int:
+        """:math:`D`, the number of weights."""
+        return self.state["momentum"].shape[0]
+
+    def _groups(self):
+        """``(group, slice of the flat vector)`` per param group."""
+        start = 0
+        for group, n in zip(self.param_groups, self._sizes):
+            yield group, slice(start, start + n)
+            start += n
+
+    def _flat(self) -> Tensor:
+        return _join([p.detach().flatten() for p in self._params])
+
+    def _woodbury(self) -> Woodbury:
+        r"""The factorisation of :math:`\mathrm{diag}(\psi) + UU^\top` at the current state (cached until a step)."""
+        if self._factors is None:
+            group = self.param_groups[0]
+            total = self.state["hess"] + group["weight_decay"]
+            factor_t = self.state["basis"] * self.state["eigvals"].clamp_min(0).sqrt().unsqueeze(-1)  # U^T (K, D)
+            room = (1.0 - self.diag_floor) * total.clamp_min(0)
+            rows = row_squares(factor_t)
+            shrink = rows > room  # rows of U shrunk to 1 - rho of h + delta
+            if bool(shrink.any()):
+                factor_t.mul_(torch.where(shrink, (room / rows.clamp_min(torch.finfo(rows.dtype).tiny)).sqrt(), 1.0))
+            self._factors = Woodbury.of(total - torch.minimum(rows, room), factor_t, group["ess"])
+        return self._factors
+
+    def _precision_diag(self) -> Tensor:
+        r""":math:`\lambda\psi` (per group's :math:`\lambda` and :math:`\delta` when ``rank=0``)."""
+        if self.rank:
+            return self.param_groups[0]["ess"] * self._woodbury().psi
+        hess = self.state["hess"]
+        return torch.cat([g["ess"] * (hess[s] + g["weight_decay"]) for g, s in self._groups()])
+
+    @torch.no_grad()
+    def get_posterior(self) -> LowRankPrecisionNormal:
+        r"""The variational posterior :math:`N(m, P^{-1})` over the flattened weights, parameter order.
+
+        A :class:`~pyro_fa.distributions.LowRankPrecisionNormal` with ``prec_diag`` :math:`\lambda\psi` and
+        ``prec_factor`` :math:`\sqrt\lambda\,U` (shape (D, K)); a snapshot, sharing no storage with the state.
+        Inside :meth:`sampled_params` the mean is still :math:`m`, not the draw.
+        """
+        loc = (self._flat() if self._mean is None else self._mean).clone()
+        factor = self._woodbury().factor_t.T * math.sqrt(self.param_groups[0]["ess"]) if self.rank else \
+            loc.new_zeros(loc.shape[0], 0)
+        return LowRankPrecisionNormal(loc, factor.clone(), self._precision_diag().clone())
+
+    def posterior(self, module: torch.nn.Module):
+        """The posterior as the prediction protocol's object over ``module`` (whose parameters this optimizer
+        trains): a :class:`~pyro_fa.optim.WeightPosterior` (``predict``, ``predict_proba``, ``tune_scale``, ...),
+        a snapshot of :meth:`get_posterior`."""
+        from pyro_fa.optim.posterior import WeightPosterior
+
+        return WeightPosterior(module, self.get_posterior(), self._params)
+
+    # ------------------------------------------------------------------ drawing weights
+    def _reset_samples(self) -> None:
+        self.state["count"] = 0
+        self.state["avg_grad"] = None
+        self.state["avg_nxg"] = None  # rank 0: the mean of z * g (ivon-opt's); rank > 0: of g * Pz
+        self._pairs = []  # (g_j, a_j = P z_j) of this step's draws, on the steps that update the low-rank part
+
+    @contextmanager
+    def sampled_params(self, train: bool = False):
+        r"""Load a draw :math:`\theta = m + z`, :math:`z \sim N(0, P^{-1})`, into the parameters for the block.
+
+        With ``train=True`` the block must leave the gradient of the loss at :math:`\theta` in ``.grad``
+        (``loss.backward()``); on leaving, the mean is restored and the gradient is kept for :meth:`step`
+        (several blocks before one step: several draws). The random numbers are IVON's (``torch.randn`` of each
+        group's size, in group order, from the global generator).
+
+        Raises
+        ------
+        ValueError
+            On leaving with ``train=True``, a gradient holding NaN or inf (the mean is restored, the
+            state untouched).
+        """
+        mean, noise, precision_noise = self._sample_params()
+        self._mean = mean
+        try:
+            yield
+        finally:
+            self._mean = None
+            self._load(mean)
+        if train:
+            self._collect(noise, precision_noise)
+
+    def _sample_params(self):
+        hess = self.state["hess"]
+        eps = [torch.randn(s.stop - s.start, device=hess.device, dtype=hess.dtype) for _, s in self._groups()]
+        if self.rank:
+            noise, precision_noise = self._woodbury().draw(_join(eps))  # z ~ N(0, P^-1), P z
+        else:  # ivon-opt's expression
+            precision_noise = None
+            noise = torch.cat([e / (g["ess"] * (hess[s] + g["weight_decay"])).sqrt()
+                               for e, (g, s) in zip(eps, self._groups())])
+        mean = self._flat()
+        self._load(mean + noise)
+        return mean, noise, precision_noise
+
+    def _load(self, flat: Tensor) -> None:
+        start = 0
+        for p in self._params:
+            p.data = flat[start:start + p.numel()].view(p.shape)
+            start += p.numel()
+
+    @torch.no_grad()
+    def _collect(self, noise: Tensor, precision_noise: Optional[Tensor]) -> None:
+        grad = torch.cat([p.grad.flatten() if p.requires_grad and p.grad is not None
+                          else torch.zeros_like(p).flatten() for p in self._params])
+        if not bool(torch.isfinite(grad.sum())) and not bool(torch.isfinite(grad).all()):  # one pass when finite
+            raise ValueError(f"{NAME}: the gradients must be finite, got NaN or inf at the drawn weights; the draw "
+                             "is dropped and the state is unchanged.")
+        count = self.state["count"] + 1
+        self.state["count"] = count
+        self.state["avg_grad"] = _welford_mean(self.state["avg_grad"], grad, count)
+        if self.rank:
+            a = precision_noise
+            self.state["avg_nxg"] = _welford_mean(self.state["avg_nxg"], grad * a, count)
+            if (self.state["step"] + 1) % self.update_every == 0:
+                self._pairs.append((grad, a))
+        else:
+            self.state["avg_nxg"] = _welford_mean(self.state["avg_nxg"], noise * grad, count)
+
+    # ------------------------------------------------------------------ the update
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:
+        """Update the posterior from the gradients of the draws since the last step.
+
+        ``closure``, if given, is called ``mc_samples`` times (with gradients enabled) and must draw with
+        :meth:`sampled_params` itself; the mean of its losses is returned.
+
+        Raises
+        ------
+        RuntimeError
+            No gradient was collected (no ``sampled_params(train=True)`` block since the last step).
+        """
+        loss = None
+        if closure is not None:
+            losses = []
+            for _ in range(self.mc_samples):
+                with torch.enable_grad():
+                    losses.append(closure())
+            loss = sum(losses) / self.mc_samples
+        if self.state["count"] == 0:
+            raise RuntimeError(f"{NAME}: step() needs the gradient of at least one draw; draw inside "
+                               "`with optimizer.sampled_params(train=True):` and call loss.backward() there.")
+        if self.rank and self._pairs:
+            check_dimension(self.dim, self.rank, len(self._pairs))
+        self._update()
+        self._reset_samples()
+        return loss
+
+    def _update(self) -> None:
+        self.state["step"] += 1
+        t = float(self.state["step"])
+        mean, hess, avg_grad = self._flat(), self.state["hess"], self.state["avg_grad"]
+        momentum, new_hess = [], []
+        self._previous_momentum = self.state["momentum"]
+        for g, s in self._groups():
+            b1, b2, wd = g["beta1"], g["beta2"], g["weight_decay"]
+            momentum.append(b1 * self.state["momentum"][s] + (1.0 - b1) * avg_grad[s])
+            h = hess[s]
+            f = self.state["avg_nxg"][s] if self.rank else self.state["avg_nxg"][s] * (h + wd) * g["ess"]
+            new_hess.append(b2 * h + (1.0 - b2) * f + (0.5 * (1 - b2) ** 2) * (h - f).square() / (h + wd))
+        self.state["momentum"], self.state["hess"] = _join(momentum), _join(new_hess)
+        if self.rank and self._pairs:  # every update_every steps: the low-rank part, and P refactorised
+            baseline = self._baseline(t)  # E[baseline a^T] = 0: a control variate, not a bias
+            centred = [(grad - baseline, a) for grad, a in self._pairs]
+            basis, eigvals = sketch_update(self.state["basis"], self.state["eigvals"], centred,
+                                           self.param_groups[0]["beta2"] ** self.update_every)
+            self.state["basis"], self.state["eigvals"] = basis, torch.minimum(eigvals, self._cap(basis))
+        if not self.rank or self._pairs:
+            self._factors = None
+        self._load(self._new_mean(mean, t))
+
+    def _baseline(self, t: float) -> Tensor:
+        r"""The previous step's debiased momentum (zero at the first step): subtracted from the gradients before
+        they enter the low-rank part. It does not depend on this step's draws, so
+        :math:`\mathbb E[(g - b)a^\top] = \mathbb E[ga^\top]`; it removes the gradient at the mean, whose product
+        with :math:`a` is pure noise."""
+        previous = self._previous_momentum
+        if t <= 1.0 or previous is None:
+            return torch.zeros_like(previous if previous is not None else self.state["momentum"])
+        b1 = self.param_groups[0]["beta1"]
+        return previous / (1.0 - math.pow(b1, t - 1.0)) if self.debias else previous
+
+    def _cap(self, basis: Tensor) -> Tensor:
+        r"""The largest :math:`q^\top Hq` any positive semi-definite :math:`H` with diagonal :math:`h + \delta`
+        allows, per row :math:`q` of ``basis`` (:math:`Q^\top`): :math:`(\sum_d |q_d|\sqrt{h_d + \delta})^2` (Cauchy-Schwarz,
+        :math:`|H_{de}| \le \sqrt{H_{dd}H_{ee}}`)."""
+        total = (self.state["hess"] + self.param_groups[0]["weight_decay"]).clamp_min(0).sqrt()
+        return torch.stack([row.abs() @ total for row in basis]).square()
+
+    def _new_mean(self, mean: Tensor, t: float) -> Tensor:
+        hess, momentum = self.state["hess"], self.state["momentum"]
+        parts = []
+        if self.rank:  # the natural-gradient direction couples the groups: one Woodbury solve
+            g0 = self.param_groups[0]
+            rhs = _join([momentum[s] / (1.0 - math.pow(g["beta1"], t) if self.debias else 1.0)
+                         for g, s in self._groups()]).add(mean, alpha=g0["weight_decay"])
+            direction = self._woodbury().solve(rhs)
+        for g, s in self._groups():
+            lr = g["lr"] * (g["hess_init"] + g["weight_decay"]) if self.rescale_lr else g["lr"]
+            if self.rank:
+                step = direction[s]
+            else:  # ivon-opt's expression
+                debias = 1.0 - math.pow(g["beta1"], t) if self.debias else 1.0
+                wd = g["weight_decay"]
+                step = (momentum[s] / debias + wd * mean[s]) / (hess[s] + wd)
+            parts.append(mean[s] - lr * torch.clip(step, min=-g["clip_radius"], max=g["clip_radius"]))
+        return _join(parts)
+
+    def load_state_dict(self, state_dict) -> None:
+        """As :meth:`torch.optim.Optimizer.load_state_dict`; the cached factorisation is recomputed."""
+        super().load_state_dict(state_dict)
+        self._factors = None
+        self._reset_samples()
