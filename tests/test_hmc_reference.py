@@ -131,6 +131,22 @@ def test_command_writes_the_reference_and_resumes_from_unit_files(tmp_path, toy_
     assert capsys.readouterr().out.count("chain 1:") == 1
 
 
+def test_command_reports_progress_in_a_log(tmp_path, toy_tasks, capsys):
+    """Without --no-progress and with no terminal (pytest captures the output), one line every tenth of the
+    iterations, the last one the total; with --no-progress none."""
+    settings = ref.Settings.quick()
+    total = settings.warmup + settings.samples * settings.thin
+    argv = ["hmc-reference", "--quick", "--tasks", "yacht", "--splits", "0", "--chains", "2", "--output-dir",
+            str(tmp_path / "a")]
+    assert cli.main(argv) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ": iteration " in ln]
+    assert len(lines) == total // max(1, total // 10) + (total % max(1, total // 10) != 0)
+    assert lines[-1].startswith(f"toy-split0: iteration {total}/{total} (sampling)") and "acceptance" in lines[-1]
+    assert "(warm-up)" in lines[0]
+    assert cli.main(argv[:-1] + [str(tmp_path / "b"), "--no-progress"]) == 0
+    assert ": iteration " not in capsys.readouterr().out
+
+
 def test_command_refuses_a_bad_precision(tmp_path):
     with pytest.raises(SystemExit, match=r"pyro-fa hmc-reference: --precision must be a positive finite number, "
                                          r"got -1.0"):

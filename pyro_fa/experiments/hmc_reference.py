@@ -320,11 +320,34 @@ class NetworkPosterior:
         return self.likelihood.collect(self.outputs(theta, self.task.x_test))
 
 
-def run_chains(task: Task, chains: List[int], settings: Settings, seed: int) -> List[dict]:
+class _Progress:
+    """HMC's ``progress`` callback for the command: a bar over the iterations on a terminal, and where no one
+    watches (a log, a pipe) one line every tenth of the run, with the warm-up phase, step sizes and acceptance."""
+
+    def __init__(self, label: str, total: int, enabled: bool):
+        from pyro_fa.experiments._io import progress_bar
+
+        self.label, self.total, self.enabled = label, total, enabled
+        self.bar = progress_bar(total=total, desc=label, unit="it", enabled=enabled)
+        self.every = max(1, total // 10)
+
+    def __call__(self, it: int, stats: dict) -> None:
+        self.bar.update(1)
+        if self.enabled and self.bar.disable and (it % self.every == 0 or it == self.total):
+            step = stats["step_size"]
+            print(f"{self.label}: iteration {it}/{self.total} ({'warm-up' if stats['warmup'] else 'sampling'}), "
+                  f"step sizes {float(step.min()):.3g}-{float(step.max()):.3g}, acceptance "
+                  f"{float(stats['accept'].mean()):.2f}, divergences {int(stats['divergences'].sum())}, "
+                  f"{stats['seconds']:.0f} s", flush=True)
+        if it == self.total:
+            self.bar.close()
+
+
+def run_chains(task: Task, chains: List[int], settings: Settings, seed: int, progress: bool = False) -> List[dict]:
     """The chains ``chains`` of ``task``, run as one batch: each from its own random initialisation moved by
     ``settings.init_steps`` Adam steps, then HMC with its own generator (seeded by ``seed``, the split and the
     chain: a chain's draws do not depend on the chains beside it); per chain its test predictive draws
-    (float32) and diagnostics."""
+    (float32) and diagnostics. ``progress``: report the iterations (:class:`_Progress`)."""
     from pyro_fa.infer.hmc import hmc
 
     post = NetworkPosterior(task)
@@ -339,7 +362,8 @@ def run_chains(task: Task, chains: List[int], settings: Settings, seed: int) -> 
     init_seconds = time.perf_counter() - start
     res = hmc(post.log_prob, theta.detach(), num_samples=settings.samples, num_warmup=settings.warmup,
               num_steps=settings.num_steps, target_accept=settings.target_accept, thin=settings.thin,
-              mass=settings.mass, collect=post.collect, generator=gens)
+              mass=settings.mass, collect=post.collect, generator=gens,
+              progress=_Progress(task.label, settings.warmup + settings.samples * settings.thin, progress))
     return [{"draws": res.draws[i].float(), "log_prob": res.log_prob[i].float(),
              "accept_rate": float(res.accept_rate[i]), "warmup_accept": float(res.warmup_accept[i]),
              "step_size": float(res.step_size[i]), "divergences": int(res.divergences[i]),
@@ -456,7 +480,8 @@ def _run_locked(args, out: OutputFolder, settings: Settings, tasks, splits) -> i
             units[chain] = (key, path, _load_unit(path, key) if path.is_file() else None)
         missing = [c for c, (_, _, value) in units.items() if value is None]
         if missing:  # run together (one gradient serves every chain), each written to its own file
-            for chain, value in zip(missing, run_chains(task, missing, settings, args.seed)):
+            for chain, value in zip(missing, run_chains(task, missing, settings, args.seed,
+                                                          not getattr(args, "no_progress", False))):
                 key, path, _ = units[chain]
                 _save_pt(path, {"key": key, "value": value})
                 units[chain] = (key, path, value)
