@@ -224,6 +224,7 @@ def test_classify_scores_each_row_against_the_reference_of_its_seeds(tmp_path, m
     table = (out / "table.md").read_text()
     assert "| agreement w. HMC | TV to HMC | DEE (NLL) | MAP trainings |" in table
     assert "Fidelity to HMC, seed 0:" in table and "fidelity to HMC (best first)" in table
+    assert "Agreement and TV to HMC are over seed(s) [0] only (the other columns over [0, 1])." in table
     assert (out / "fidelity_digits-mlp.png").is_file()
     # the units are reused: scoring again with the reference trains nothing
     fake.calls.clear()

@@ -308,6 +308,10 @@ def notes(combo: dict) -> str:
     lines = []
     ref = combo.get("hmc_reference")
     if ref is not None:
+        every = sorted({s for r in combo["methods"].values() for s in r.get("seeds", [])})
+        if ref.get("seeds") and every and len(ref["seeds"]) < len(every):
+            lines.append(f"Agreement and TV to HMC are over seed(s) {ref['seeds']} only (the other columns over "
+                         f"{every}).")
         if not ref.get("seeds"):
             lines.append(f"Fidelity to HMC: no reference in {ref['dir']} for this dataset and these seeds "
                          f"({REFERENCE_FILE.format(dataset=combo['dataset'], seed='<seed>')}); its columns are empty.")
@@ -353,6 +357,7 @@ def fidelity_figure(key: str, combo: dict):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
     from pyro_fa.experiments.classify import report as rep
 
@@ -375,7 +380,12 @@ def fidelity_figure(key: str, combo: dict):
         elif not tempered:
             ax.annotate(rep.label(name), (c, tv), fontsize=6, xytext=(3, 2), textcoords="offset points",
                         color=color if color != "0.5" else "0.3")
+    for x in (1, 5):  # one training; five (a deep ensemble's, a grid's)
+        ax.axvline(x, color="0.85", lw=0.6, zorder=0)
     ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%.3g"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("cost (multiples of one MAP training; log scale)", fontsize=8)
     ax.set_ylabel("total variation to HMC's predictive (lower is better)", fontsize=8)
     ax.tick_params(labelsize=7)
