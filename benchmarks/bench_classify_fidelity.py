@@ -83,7 +83,7 @@ def main(argv=None):
         verdicts = []
         for p in peers:
             d, se = paired(rows[best]["points"], rows[p]["points"])
-            v = "lower" if d < -2 * se else ("higher" if d > 2 * se else "tie")
+            v = "tie" if abs(d) <= max(2 * se, 1e-6) else ("lower" if d < 0 else "higher")
             verdicts.append(v)
             print(f"- vs {label(p)} (TV {rows[p]['tv']:.4f}, {rows[p]['cost']:.2f} MAP trainings): "
                   f"paired diff {d:+.4f} ± {se:.4f}: {v}")
