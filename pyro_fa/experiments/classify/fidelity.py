@@ -49,6 +49,8 @@ EXTRA_KEYS = ("hmc_agreement", "hmc_total_variation", "map_trainings", "dee_nll"
 #: table columns: (header, key in ``extra``, digits)
 COLUMNS = (("agreement w. HMC", "hmc_agreement", 3), ("TV to HMC", "hmc_total_variation", 3),
            ("DEE (NLL)", "dee_nll", 2), ("MAP trainings", "map_trainings", 1))
+#: the smallest total variation the figure draws (log scale)
+_TV_FLOOR = 1e-4
 #: relative tolerance of the checks of a reference's recorded test scores against this run's test part
 _SCORE_RTOL = 1e-6
 
@@ -350,7 +352,7 @@ def fidelity_table(combo: dict) -> str:
 
 
 def fidelity_figure(key: str, combo: dict):
-    """Total variation to HMC against cost in MAP trainings (log x), one point per row, mean ± s.e. over seeds;
+    """Total variation to HMC (log y) against cost in MAP trainings (log x), one point per row, mean ± s.e. over seeds;
     None when no row holds both. Ours (factor-analysis posteriors) blue, tuned peers red, the rest grey; open
     markers: "+T", joined to their row."""
     import matplotlib
@@ -364,15 +366,15 @@ def fidelity_figure(key: str, combo: dict):
     pts = {}
     for name, r in combo["methods"].items():
         tv, cost = _values(r, "hmc_total_variation"), _values(r, "map_trainings")
-        if tv and cost:
-            pts[name] = (mean_se(cost), mean_se(tv))
+        if tv and cost:  # log y: a TV of 0 (the reference itself) is drawn at the floor
+            pts[name] = (mean_se(cost), (max(mean_se(tv)[0], _TV_FLOOR), mean_se(tv)[1]))
     if not pts:
         return None
-    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    fig, ax = plt.subplots(figsize=(7.2, 5.4))
     for name, ((c, cse), (tv, tse)) in pts.items():
         ours, peer, tempered = rep._is_ours(name), rep._is_peer(name), name.endswith("+T")
         color = "C0" if ours else ("C3" if peer else "0.5")
-        ax.errorbar(c, tv, xerr=0 if math.isnan(cse) else cse, yerr=0 if math.isnan(tse) else tse,
+        ax.errorbar(c, tv, xerr=0 if math.isnan(cse) else cse, yerr=0 if math.isnan(tse) else min(tse, 0.9 * tv),
                     fmt="o" if ours else "s", mfc="none" if tempered else color, color=color, ms=5, lw=0.8)
         base = rep._base(name)
         if tempered and base in pts:
@@ -383,13 +385,14 @@ def fidelity_figure(key: str, combo: dict):
     for x in (1, 5):  # one training; five (a deep ensemble's, a grid's)
         ax.axvline(x, color="0.85", lw=0.6, zorder=0)
     ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     ax.xaxis.set_major_formatter(FormatStrFormatter("%.3g"))
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("cost (multiples of one MAP training; log scale)", fontsize=8)
-    ax.set_ylabel("total variation to HMC's predictive (lower is better)", fontsize=8)
+    ax.set_ylabel("total variation to HMC's predictive (lower is better; log scale)", fontsize=8)
     ax.tick_params(labelsize=7)
-    ax.set_title(f"{key}: fidelity to HMC against cost (blue: ours, red: tuned peers, grey: baselines; open: "
-                 "+ temperature)", fontsize=8)
+    ax.set_title(f"{key}: fidelity to HMC against cost, mean ± s.e. over seeds\n(blue: ours, red: tuned peers, "
+                 "grey: baselines; open: + temperature, joined to its row)", fontsize=8)
     fig.tight_layout()
     return fig
