@@ -210,7 +210,8 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
     budget : Budget
     seeds : sequence of int
     output_dir : path
-        Receives ``results.json``, ``table.md``, ``front_<dataset>-<network>.png``, ``reliability.png``,
+        Receives ``results.json``, ``table.md``, ``front_<dataset>-<network>.png`` (and, with
+        ``hmc_reference``, ``fidelity_<dataset>-<network>.png``), ``reliability.png``,
         ``entropy.png`` and ``predictions.pt`` (the first seed's predictive probabilities per method,
         ``[test, *OOD sets]``, each (N, C), and the test targets), and ``units/``: a file per dataset ×
         network × seed, written as soon as it is done and reused by a rerun of the same run
