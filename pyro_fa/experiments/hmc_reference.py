@@ -23,8 +23,10 @@ written when they end: a run again reuses them. When every chain of a task is th
 the reference (classification: the mean probabilities (N_test, C); regression: the predictive mean and variance per
 test point, in standardised units, with ``y_std``, and f at every draw, ``f_draws`` (S, N_test), and ``noise``: the
 competition's predictive samples are f at a random draw plus noise times a standard normal), per chain too, and
-``<task>-split<k>.json`` the diagnostics: the split R-hat and bulk ESS of the test predictive over chains (R-hat <
-1.05 required: ``rhat_ok``), acceptance, step sizes, divergences, the agreement / total variation (classification)
+``checks`` (the prior precision, the network's weight shapes and SHA-256 digests of the test and training parts,
+by which ``pyro-fa classify --hmc-reference`` checks that a reference is of its run), and ``<task>-split<k>.json``
+the diagnostics: the split R-hat and bulk ESS of the test predictive over chains (R-hat < 1.05 required:
+``rhat_ok``), acceptance, step sizes, divergences, the agreement / total variation (classification)
 or W2 (regression) between every two chains' predictives, the reference's test metrics, and seconds.
 
 References
@@ -393,8 +395,13 @@ def summarize(task: Task, chains: List[dict]) -> tuple:
     diag["between_chains"] = pairs
     diag["scores"] = like.scores(ref, task)
     diag["meta"] = {k: v for k, v in task.meta.items()}
+    from pyro_fa.experiments.classify.fidelity import digest_of, parameter_shapes
+
+    # what a run scored against the reference checks it by (pyro-fa classify --hmc-reference)
+    checks = {"precision": task.precision, "parameter_shapes": parameter_shapes(task.make_net()),
+              "test_digest": digest_of(task.x_test, task.y_test), "train_digest": digest_of(task.x, task.y)}
     return {"reference": ref, "per_chain": per_chain, "meta": task.meta, "likelihood": task.likelihood,
-            **like.kept(pooled, task)}, diag
+            "checks": checks, **like.kept(pooled, task)}, diag
 
 
 # ----------------------------------------------------------------------------- the command

@@ -50,8 +50,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from pyro_fa.experiments.classify.data import DATASETS, load_classify, median_norms
+from pyro_fa.experiments.classify import fidelity as fid
 from pyro_fa.experiments.classify.methods import GRIDS, MAP_SCORES, METHODS, NETWORKS, PEERS, \
-    Budget, epochs_of, peers_available, run_methods
+    Budget, epochs_of, make_network, peers_available, run_methods
 from pyro_fa.experiments.classify.merge import merge_results, prior_precisions_from
 from pyro_fa.experiments.classify.results import path_of, read_done, refuse_to_replace, run_key, unit_key, \
     write_unit
@@ -104,6 +105,10 @@ def add_arguments(parser) -> None:
                         help="with --merge: runs whose rows replace (or join) the rows of the same name in the same "
                              "seeds of the merged runs (a few rows rerun after a change; of the same budget but "
                              "for the grid of the rows they bring, e.g. IVON's)")
+    parser.add_argument("--hmc-reference", default=None, metavar="DIR",
+                        help="a folder of pyro-fa hmc-reference: each row's test predictive (raw and +T) is scored "
+                             "against <DIR>/<dataset>-split<seed>.pt where it exists (agreement, total variation); "
+                             "refused when it is not of this run's test part, network or prior precision")
 
 
 #: the budget fields ``--grid`` may replace: the hyperparameter grids, and FactorLaplace's rank
@@ -194,7 +199,7 @@ def parse_device(value) -> torch.device:
 
 def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budget, seeds: Sequence[int],
                   output_dir, progress: bool = True, subset: Optional[tuple] = None, device="cpu",
-                  prior_precisions: Optional[Dict[str, dict]] = None) -> dict:
+                  prior_precisions: Optional[Dict[str, dict]] = None, hmc_reference=None) -> dict:
     """Run ``methods`` on every (dataset, network) of ``combos`` for every seed; write the result files.
 
     Parameters
@@ -205,7 +210,8 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
     budget : Budget
     seeds : sequence of int
     output_dir : path
-        Receives ``results.json``, ``table.md``, ``front_<dataset>-<network>.png``, ``reliability.png``,
+        Receives ``results.json``, ``table.md``, ``front_<dataset>-<network>.png`` (and, with
+        ``hmc_reference``, ``fidelity_<dataset>-<network>.png``), ``reliability.png``,
         ``entropy.png`` and ``predictions.pt`` (the first seed's predictive probabilities per method,
         ``[test, *OOD sets]``, each (N, C), and the test targets), and ``units/``: a file per dataset ×
         network × seed, written as soon as it is done and reused by a rerun of the same run
@@ -219,6 +225,11 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
     prior_precisions : dict, optional
         MAP's prior precision per ``"<dataset>-<network>"`` and seed, chosen by an earlier run
         (:func:`prior_precisions_from`): MAP's grid is not trained again (``run_methods(prior_precision=)``).
+    hmc_reference : path, optional
+        A folder of ``pyro-fa hmc-reference``: the seeds of a dataset with ``<dataset>-split<seed>.pt`` there
+        are scored against it (:mod:`~pyro_fa.experiments.classify.fidelity`; their units keep their
+        probabilities). Every row's ``extra`` also gets its cost in MAP trainings and, where the deep ensemble's
+        size curve is there, the deep-ensemble equivalent of its NLL.
 
     Returns
     -------
@@ -239,29 +250,38 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
     run = run_key(json.loads(json.dumps(asdict(budget))), combos, methods, seeds,
                   None if subset is None else list(subset), device, prior_precisions)
     refuse_to_replace(out, run)
+    refs = _references(hmc_reference, combos, seeds, subset)
     per_seed_epochs = epochs_of(methods, budget, reuse_prior=prior_precisions is not None)
     for dataset, network in combos:
         key = f"{dataset}-{network}"
         record = None
         for i, seed in enumerate(seeds):
             ukey = unit_key(run, dataset, network, seed)
-            unit = read_done(out, ukey, with_probs=i == 0)
+            ref = refs.get((dataset, network, seed))
+            unit = read_done(out, ukey, with_probs=i == 0 or ref is not None)
             if unit is not None:
                 bar.update(per_seed_epochs)
                 tqdm.write(f"{key} seed {seed}: done before ({path_of(out, ukey)})")
             else:
                 bar.set_description(f"classify {key} seed {seed}")
-                unit = _run_unit(ukey, methods, budget, prior_precisions, device, subset, first=i == 0,
-                                 tick=bar.update, out=out)
+                unit = _run_unit(ukey, methods, budget, prior_precisions, device, subset,
+                                 first=i == 0 or ref is not None, tick=bar.update, out=out)
+            reused = None if prior_precisions is None else prior_precisions[key][seed]
+            more = _seed_extras(unit, ref, reused, budget, f"{key} seed {seed}")
             if record is None:
                 record = {**unit["record"], "methods": {}}
+                if hmc_reference is not None:
+                    record["hmc_reference"] = {"dir": str(hmc_reference), "seeds": [], "diagnostics": {}}
+            if ref is not None:
+                record["hmc_reference"]["seeds"].append(seed)
+                record["hmc_reference"]["diagnostics"][str(seed)] = ref.summary()
             for name, r in unit["rows"].items():
                 m = record["methods"].setdefault(name, {"per_seed": {k: [] for k in r["scores"]}, "seconds": [],
                                                         "extra": [], "seeds": []})
                 for k, v in r["scores"].items():
                     m["per_seed"][k].append(v)
                 m["seconds"].append(r["seconds"])
-                m["extra"].append(r["extra"])
+                m["extra"].append({**r["extra"], **more[name]})
                 m["seeds"].append(seed)
             if i == 0:
                 probs0[key], targets0[key] = unit["probs"]["probs"], unit["probs"]["targets"]
@@ -275,6 +295,35 @@ def run_benchmark(combos: Sequence[tuple], methods: Sequence[str], budget: Budge
     checks = rep.bar_checks(combos_out)
     write_report(out, combos_out, checks, budget, seeds, probs0, targets0, devices=[str(device)], run=run)
     return {"combos": combos_out, "bar": checks, "probs": probs0, "targets": targets0}
+
+
+def _references(folder, combos, seeds, subset) -> dict:
+    """``{(dataset, network, seed): Reference}`` of ``--hmc-reference``, each checked against the run's test
+    part and network (:func:`.fidelity.check_reference`) before anything trains; {} without a folder."""
+    if folder is None:
+        return {}
+    found, out = fid.find_references(folder, combos, seeds), {}
+    for dataset, network in combos:
+        for seed in seeds:
+            if (dataset, seed) in found:
+                ref = fid.load_reference(found[dataset, seed])
+                data = load_classify(dataset, seed)
+                data = data.subset(*subset) if subset is not None else data
+                fid.check_reference(ref, data, make_network(network, data))
+                out[dataset, network, seed] = ref
+    return out
+
+
+def _seed_extras(unit: dict, ref, reused: Optional[float], budget: Budget, where: str) -> Dict[str, dict]:
+    """:func:`.fidelity.seed_extras` of a unit, the reference's prior precision checked first against the one
+    the run's MAP chose (or ``reused``, from ``--prior-precision-from``)."""
+    rows = unit["rows"]
+    if ref is not None:
+        chosen = rows.get(fid.MAP_ROW, {}).get("extra", {}).get("prior_precision", reused)
+        fid.check_precision(ref, chosen, where)
+    probs = unit.get("probs")
+    test = None if probs is None else {name: p[0] for name, p in probs["probs"].items()}
+    return fid.seed_extras(rows, test, ref, len(budget.prior_precisions))
 
 
 def _run_unit(ukey: dict, methods, budget: Budget, prior_precisions, device, subset, first: bool, tick, out) -> dict:
@@ -293,6 +342,10 @@ def _run_unit(ukey: dict, methods, budget: Budget, prior_precisions, device, sub
     results = run_methods(methods, network, data.to(device), budget, seed, tick=tick, prior_precision=reuse)
     rows = {name: {"scores": rep.evaluate(r["probs"], data.y_test, record["ood"]), "seconds": r["seconds"],
                    "extra": r["extra"]} for name, r in results.items()}
+    members = results.get(fid.ENSEMBLE_ROW, {}).get("probs", [None])[0]
+    if members is not None and members.dim() == 3:  # its size curve, for the deep ensemble equivalent
+        rows[fid.ENSEMBLE_ROW]["extra"] = {**rows[fid.ENSEMBLE_ROW]["extra"],
+                                           "size_curve_nll": fid.size_curve(members, data.y_test)}
     rows = json.loads(json.dumps(rows))  # as a resumed run reads them back
     probs = None
     if first:
@@ -335,7 +388,11 @@ def write_report(out: Path, combos: dict, checks: list, budget: Budget, seeds, p
         n_seeds = len(seeds_of[key]) if seeds_of else len(seeds)
         text += [f"## {key} (train {combo['n']['train']}, validation {combo['n']['val']}, test {combo['n']['test']}; "
                  f"{n_seeds} seed(s))",
-                 "", rep.combo_table(combo), "", rep.norms_line(combo), "", f"![front](front_{key}.png)", ""]
+                 "", rep.combo_table(combo), "", rep.norms_line(combo), "", fid.notes(combo), "",
+                 f"![front](front_{key}.png)", ""]
+        if fid.fidelity_table(combo):
+            text += [f"### {key}: fidelity to HMC (best first)", "", fid.fidelity_table(combo), "",
+                     f"![fidelity](fidelity_{key}.png)", ""]
         if _paper_line(combo):
             text += [_paper_line(combo).strip(), ""]
     text += ["## The bars", "", rep.bar_summary(checks), ""]
@@ -350,10 +407,13 @@ def write_report(out: Path, combos: dict, checks: list, budget: Budget, seeds, p
     torch.save({"probs": probs0, "targets": targets0, "seed": seeds[0]}, buffer)
     atomic_write_bytes(out / "predictions.pt", buffer.getvalue())
     figures = [(f"front_{key}", lambda key=key: rep.front_figure(key, combos[key])) for key in combos]
+    figures += [(f"fidelity_{key}", lambda key=key: fid.fidelity_figure(key, combos[key])) for key in combos]
     figures += [("reliability", lambda: rep.reliability_figure(combos, probs0, targets0)),
                 ("entropy", lambda: rep.entropy_figure(combos, probs0))]
     for name, make in figures:
         fig = make()
+        if fig is None:  # no values to plot (fidelity: no reference)
+            continue
         atomic_savefig(fig, out / f"{name}.png", dpi=100)
         plt.close(fig)
 
@@ -415,6 +475,9 @@ def merge_runs(dirs: Sequence, output_dir, rows_from: Sequence = ()) -> dict:
 def run(args) -> int:
     if args.rows_from and not args.merge:
         raise SystemExit("pyro-fa classify: --rows-from needs --merge (the runs whose rows it replaces).")
+    if args.merge and getattr(args, "hmc_reference", None) is not None:
+        raise SystemExit("pyro-fa classify: --hmc-reference scores a training run's units; --merge keeps the scores "
+                         "its runs made (run each with --hmc-reference).")
     if args.merge:
         with OutputFolder(args.output_dir, "pyro-fa classify"):
             result = merge_runs(args.merge, args.output_dir, rows_from=args.rows_from)
@@ -457,7 +520,8 @@ def _run_locked(args, budget: Budget, combos, methods, n_seeds: int, missing: Li
           + (f"; not installed, skipped: {', '.join(missing)} (`make setup` installs them)" if missing else ""))
     t0 = time.perf_counter()
     result = run_benchmark(combos, methods, budget, [args.seed + s for s in range(n_seeds)], args.output_dir,
-                           progress=not args.no_progress, device=device, prior_precisions=prior)
+                           progress=not args.no_progress, device=device, prior_precisions=prior,
+                           hmc_reference=getattr(args, "hmc_reference", None))
     print()
     if args.quick:  # the bars judge the full run only: a quick run's rows would say nothing
         print(rep.QUICK_BARS_NOTE.format(n=len(result["bar"]), table=Path(args.output_dir) / "table.md"))

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from pyro_fa import metrics
 from pyro_fa.experiments._io import markdown_table, mean_se
+from pyro_fa.experiments.classify import fidelity as fid
 
 LABELS = {
     "map": "MAP (Adam)", "ensemble": "Deep ensemble (5)", "dropout": "MC dropout", "swa": "SWA",
@@ -122,8 +123,9 @@ def _chosen(extra: List[dict]) -> str:
 def combo_table(combo: dict) -> str:
     """One dataset × network: a row per method, mean ± s.e. over seeds; AUROC by entropy / by mutual information."""
     ood = combo["ood"]
+    more = fid.columns(combo)  # fidelity to HMC, deep-ensemble equivalent, cost in MAP trainings
     header = ["method", "accuracy %", "NLL", "ECE", "Brier", *[f"AUROC {o} (H / MI)" for o in ood], "seconds",
-              "chosen on validation"]
+              *[h for h, _, _ in more], "chosen on validation"]
     rows = []
     every = sorted({sd for name in combo["methods"] for sd in row_seeds(combo, name)})
     for name, r in combo["methods"].items():
@@ -133,7 +135,8 @@ def combo_table(combo: dict) -> str:
                   for o in ood]
         fewer = f" (seed(s) {', '.join(map(str, held))} of {len(every)})" if len(held) < len(every) else ""
         rows.append([label(name) + fewer, _fmt(s["accuracy"], 1, 100), _fmt(s["nll"]), _fmt(s["ece"]),
-                     _fmt(s["brier"]), *aurocs, _fmt(r["seconds"], 1), _chosen(r.get("extra", []))])
+                     _fmt(s["brier"]), *aurocs, _fmt(r["seconds"], 1), *fid.cells(combo, name, more),
+                     _chosen(r.get("extra", []))])
     return markdown_table(header, rows)
 
 
