@@ -178,7 +178,7 @@ def run_unit(dataset: str, unit: str, method_names: Sequence[str], budget: Budge
               "seed": seed, "device": str(device), "threads": threads, "wall_seconds": wall, "cpu_seconds": cpu,
               "methods": results}
     if references:
-        fidelity[HMC_NAME] = score_reference(final_data(splits), splits, references, seed)
+        fidelity[HMC_NAME] = score_reference(final_data(splits), splits, references, seed, budget.test_samples)
         record["fidelity"] = fidelity
     atomic_write_json(_unit_path(out_dir, key), record)
     return record

@@ -7,11 +7,15 @@ MAP search's choice (its prior precision). Where DIR holds such a file for a spl
 test predictive on that split — the mixture of :math:`N(f_{\theta_s}(x), \sigma_s^2)` over its posterior draws —
 is scored by the regression distance of the NeurIPS 2021 approximate-inference competition,
 :func:`pyro_fa.metrics.competition_wasserstein`: per test point, the 1-Wasserstein distance between
-:data:`NUM_SAMPLES` predictive samples of the method (each draw's output plus its noise times a standard normal,
-the draws used in turn) and as many of the reference (HMC's outputs plus its noise; drawn once per split, the same
-samples for every method), averaged over the test points, in the reference's units: standardised y (times y_std
-for the original units). The 2-Wasserstein distance of the predictives' moments
-(:func:`pyro_fa.metrics.predictive_wasserstein2`) is recorded beside it.
+:data:`NUM_SAMPLES` predictive samples of the method (its draws' outputs in turn, each plus its noise scale
+times a standard normal) and as many of the reference (HMC's draws' outputs plus its noise), averaged over the
+test points, in the reference's units: standardised y (times y_std for the original units). Both sides use the
+same standard normals (common random numbers, drawn once per split from the run's seed, the same for every
+method): a predictive equal to the reference's scores 0 up to its draws of f, one shifted by c scores c, and the
+distance carries no Monte Carlo error of the noise's draws. The floor the methods' finite draws leave is the
+reference's own row: HMC thinned to as many draws as a method has (the budget's ``test_samples``, 100) against all of
+them. The 2-Wasserstein distance of the predictives' moments (:func:`pyro_fa.metrics.predictive_wasserstein2`)
+is recorded beside it.
 
 Each score records the method's cost: the seconds of its final training per split (the split's share of the
 batch its replicas were trained in; the hyperparameter search, the same kind of search for every method, is left
@@ -143,11 +147,16 @@ class Reference:
         width = d.n_hidden or 50
         return (d.x_train.shape[1] + 2) * width + 1
 
-    def samples(self, seed: int) -> Tensor:
-        """:data:`NUM_SAMPLES` predictive samples per test point, (M, NUM_SAMPLES): HMC's draws in turn plus noise."""
-        gen = torch.Generator().manual_seed(seed)
-        return predictive_samples(self.f_draws, self.f_draws.new_full((self.f_draws.shape[0],), self.noise ** 2),
-                                  gen)
+    def samples(self, seed: int, draws: Optional[int] = None) -> Tensor:
+        """:data:`NUM_SAMPLES` predictive samples per test point, (M, NUM_SAMPLES): HMC's draws in turn (``draws``
+        of them, evenly spaced, when given) plus noise times the normals of ``seed``."""
+        f = self.f_draws if draws is None else self.thinned(draws)
+        return predictive_samples(f, f.new_full((f.shape[0],), self.noise ** 2), seed)
+
+    def thinned(self, draws: int) -> Tensor:
+        """``draws`` of HMC's draws, evenly spaced over the pooled chains (all of them when there are fewer)."""
+        S = self.f_draws.shape[0]
+        return self.f_draws[torch.linspace(0, S - 1, min(draws, S), dtype=torch.float64).round().long()]
 
     def moments(self):
         """The reference predictive's mean and variance per test point, (M,) each."""
@@ -158,7 +167,7 @@ class Reference:
         N(means[s], noise_var[s]) (means (S, M), noise_var (S,)) to this reference, standardised units."""
         means = means.detach().double().cpu()
         noise_var = noise_var.detach().double().cpu().reshape(-1).expand(means.shape[0])
-        ours = predictive_samples(means, noise_var, torch.Generator().manual_seed(seed + 1))
+        ours = predictive_samples(means, noise_var, seed)
         m, v = self.moments()
         mean = means.mean(0)
         var = (means - mean).pow(2).mean(0) + noise_var.mean()
@@ -166,12 +175,14 @@ class Reference:
                 "w2": float(predictive_wasserstein2(mean, var, m, v))}
 
 
-def predictive_samples(means: Tensor, noise_var: Tensor, generator: torch.Generator,
-                       num: int = NUM_SAMPLES) -> Tensor:
-    """Samples of the mixture of N(means[s], noise_var[s]), shape (M, num): draw ``i % S`` for sample ``i``."""
+def predictive_samples(means: Tensor, noise_var: Tensor, seed: int, num: int = NUM_SAMPLES) -> Tensor:
+    """Samples of the mixture of N(means[s], noise_var[s]) (means (S, M), noise_var (S,)), shape (M, num): sample
+    ``i`` is draw ``i % S`` plus its noise scale times the normal ``z[i]``, z of shape (num, M) from ``seed``'s
+    generator (the same normals for every predictive of the same seed and shape)."""
     S = means.shape[0]
     idx = torch.arange(num) % S
-    z = torch.randn(num, means.shape[1], generator=generator, dtype=means.dtype)
+    z = torch.randn(num, means.shape[1], generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    z = z.to(means.dtype)
     return (means[idx] + noise_var[idx].sqrt().unsqueeze(-1) * z).T.contiguous()
 
 
@@ -239,9 +250,11 @@ def score_fit(fit: Fit, data, splits: Sequence, references: Dict[int, Reference]
     return out
 
 
-def score_reference(data, splits: Sequence, references: Dict[int, Reference], seed: int) -> Dict[str, dict]:
+def score_reference(data, splits: Sequence, references: Dict[int, Reference], seed: int,
+                    draws: int) -> Dict[str, dict]:
     """The reference's own records: its test ``ll`` and ``rmse`` (as the methods', its mixture over HMC's draws)
-    and the Monte Carlo floor of the distance: ``w1`` of a fresh sample set of the reference itself."""
+    and the floor of the distances a method of ``draws`` posterior draws can reach: ``w1`` and ``w2`` of the
+    reference thinned to ``draws`` evenly spaced draws."""
     from pyro_fa.experiments.uci.protocol import evaluate
 
     out = {}
@@ -252,10 +265,13 @@ def score_reference(data, splits: Sequence, references: Dict[int, Reference], se
         f = ref.f_draws.to(data.x.dtype)
         nv = f.new_full((f.shape[0], 1, 1), ref.noise ** 2)
         scores = evaluate(f.unsqueeze(1), nv, data.take(torch.tensor([r])))
-        fresh = predictive_samples(ref.f_draws, ref.f_draws.new_full((ref.f_draws.shape[0],), ref.noise ** 2),
-                                   torch.Generator().manual_seed(seed + 7919 * d.split + 2))
-        out[str(d.split)] = {"w1": float(competition_wasserstein(fresh, ref.samples(seed + 7919 * d.split))),
-                             "w2": 0.0, "ll": float(scores["ll"][0]), "rmse": float(scores["rmse"][0]),
+        s = seed + 7919 * d.split
+        thin = ref.thinned(draws)
+        m, v = ref.moments()
+        w2 = predictive_wasserstein2(thin.mean(0), thin.var(0, unbiased=False) + ref.noise ** 2, m, v)
+        out[str(d.split)] = {"w1": float(competition_wasserstein(ref.samples(s, draws), ref.samples(s))),
+                             "w2": float(w2), "draws": int(thin.shape[0]), "ll": float(scores["ll"][0]),
+                             "rmse": float(scores["rmse"][0]),
                              "precision": ref.precision, "noise": ref.noise, "reference": ref.digest}
     return out
 
@@ -285,7 +301,7 @@ def fidelity_tables(fidelity: Dict[str, Dict[str, Dict[str, dict]]], labels: Dic
     """Markdown: per dataset and scored split, every method's distance to HMC beside its test LL, RMSE and cost."""
     from pyro_fa.experiments._io import markdown_table
 
-    names = {HMC_NAME: "HMC reference (its own resampling: the floor)", MAP_NAME: "MAP 1×50", **labels}
+    names = {HMC_NAME: "HMC reference (thinned to the methods' draws: the floor)", MAP_NAME: "MAP 1×50", **labels}
     parts = [("W1 to HMC: the competition's distance (mean over test points of the 1-Wasserstein distance "
               f"between {NUM_SAMPLES} predictive samples each), W2: the 2-Wasserstein distance of the two "
               "predictives' moments, both in standardised y (lower is closer); test LL and RMSE in original units, "
