@@ -77,7 +77,7 @@ def swag_variants(choice, d, ref, args, budget):
     data = final_data([d])
     out = []
     for rank in args.ranks:
-        b = Budget(rank=rank)
+        b = Budget(rank=rank, swag_warmup=max(Budget.swag_warmup, rank))  # online EM needs rank <= warm-up
         gen = torch.Generator().manual_seed(args.seed)
         cpu_gen = torch.Generator().manual_seed(args.seed)
         torch.manual_seed(args.seed)
@@ -113,17 +113,18 @@ def main() -> None:
     d = load_uci(args.dataset, args.split, dtype=torch.float32)
     ref = find_references(args.references, args.dataset, [d])[args.split]
     choices = _choices(Path(args.run), args.dataset)
-    rows = []
-    for name in args.vi:
-        rows += vi_variants(name, choices[name], d, ref, args, budget)
-    rows += swag_variants(choices["swag-em-1x50"], d, ref, args, budget)
     print(f"{args.dataset} split {args.split}: HMC alpha {ref.precision}, noise {ref.noise:.3f}")
     print(f"{'method':<22} {'rank':>4} {'alpha':>6} {'scale':>6} {'W1':>7} {'W2':>7} {'test LL':>8} {'s':>6}")
-    for r in rows:
-        print(f"{r['method']:<22} {r['rank']:>4} {r['precision']:>6g} {r['scale']:>6g} {r['w1']:7.4f} {r['w2']:7.4f} "
-              f"{r['ll']:8.3f} {r['seconds']:6.1f}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+    rows = []
+    jobs = [lambda name=name: vi_variants(name, choices[name], d, ref, args, budget) for name in args.vi]
+    jobs.append(lambda: swag_variants(choices["swag-em-1x50"], d, ref, args, budget))
+    for job in jobs:
+        for r in job():
+            rows.append(r)
+            print(f"{r['method']:<22} {r['rank']:>4} {r['precision']:>6g} {r['scale']:>6g} {r['w1']:7.4f} "
+                  f"{r['w2']:7.4f} {r['ll']:8.3f} {r['seconds']:6.1f}", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
