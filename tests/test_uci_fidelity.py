@@ -146,6 +146,21 @@ def test_references_of_another_test_set_or_kind_are_refused(tmp_path):
         fid.find_references(tmp_path / "a.pt", "toy", [d])
 
 
+def test_a_reference_whose_chains_disagree_is_used_with_a_warning(tmp_path):
+    d = _split(7)
+    _write(tmp_path / "toy-split0.pt", torch.zeros(4, 7))
+    (tmp_path / "toy-split0.json").write_text(json.dumps({"dim": 51, "rhat_max": 1.18}))
+    with pytest.warns(UserWarning, match=r"has R-hat 1\.180 \(not below 1\.05\): its chains disagree"):
+        refs = fid.find_references(tmp_path, "toy", [d])
+    assert refs[0].rhat_max == 1.18 and refs[0].dim == 51
+    (tmp_path / "toy-split0.json").write_text(json.dumps({"dim": 51, "rhat_max": 1.019}))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fid.find_references(tmp_path, "toy", [d])[0].rhat_max == 1.019
+
+
 def test_a_unit_is_keyed_by_its_references_only_when_it_has_some(tmp_path):
     run_key = {"protocol": 1, "budget": {}, "seed": 0, "splits": None}
     plain = _unit_key(run_key, "yacht", "vifa-gaussian-1x50", ["vifa-gaussian-1x50"])

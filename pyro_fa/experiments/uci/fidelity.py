@@ -37,8 +37,10 @@ Demonstrations Track, PMLR 176.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional, Sequence
@@ -46,6 +48,7 @@ from typing import Dict, Optional, Sequence
 import torch
 from torch import Tensor
 
+from pyro_fa.experiments.hmc_reference import RHAT_LIMIT
 from pyro_fa.metrics import competition_wasserstein, predictive_wasserstein2
 
 #: predictive samples per test point on each side (the competition's starter kit asks for 1 000)
@@ -83,6 +86,8 @@ class Reference:
         The training statistics of y the reference was standardised with.
     dim : int or None
         The number of weights of its network (from ``<stem>.json``'s ``dim`` where it is there).
+    rhat_max : float or None
+        The largest split R-hat of its test predictive over chains (``<stem>.json``'s ``rhat_max``).
     digest : str
         The first 16 hex digits of the file's SHA-256 (part of a unit's key).
     """
@@ -96,6 +101,7 @@ class Reference:
     y_std: float
     dim: Optional[int]
     digest: str
+    rhat_max: Optional[float] = None
 
     @classmethod
     def load(cls, path, split: int) -> "Reference":
@@ -104,8 +110,6 @@ class Reference:
         path = Path(path)
         raw = path.read_bytes()
         try:
-            import io
-
             obj = torch.load(io.BytesIO(raw), weights_only=True)
         except Exception as err:  # noqa: BLE001 - any unreadable file is refused with its reason
             raise _refuse(path, f"must be a torch file written by pyro-fa hmc-reference, got an unreadable file "
@@ -123,11 +127,12 @@ class Reference:
         if not isinstance(meta, dict) or not {"y_std", "y_mean"} <= set(meta):
             raise _refuse(path, f"must hold meta with y_mean and y_std, got {meta!r}.")
         diag = path.with_suffix(".json")
-        dim = json.loads(diag.read_text()).get("dim") if diag.is_file() else None
+        diagnostics = json.loads(diag.read_text()) if diag.is_file() else {}
         choice = meta.get("map") or {}
         return cls(str(path), int(split), f.double(), float(obj["noise"]),
                    float(choice["precision"]) if "precision" in choice else None, float(meta["y_mean"]),
-                   float(meta["y_std"]), dim, hashlib.sha256(raw).hexdigest()[:16])
+                   float(meta["y_std"]), diagnostics.get("dim"), hashlib.sha256(raw).hexdigest()[:16],
+                   diagnostics.get("rhat_max"))
 
     def check(self, d) -> None:
         """Refuse (ValueError) a reference made on another test set than the split ``d``'s (a UCISplit)."""
@@ -188,7 +193,9 @@ def predictive_samples(means: Tensor, noise_var: Tensor, seed: int, num: int = N
 
 def find_references(directory, dataset: str, splits: Sequence) -> Dict[int, Reference]:
     """The references in ``directory`` for the splits run (``<dataset>-split<s>.pt``), each checked against its
-    split's test set; ValueError when ``directory`` is not a folder or a reference does not match."""
+    split's test set; ValueError when ``directory`` is not a folder or a reference does not match. A reference
+    whose diagnostics show an R-hat of ``RHAT_LIMIT`` (1.05) or more is used with a warning (its chains
+    disagree)."""
     folder = Path(directory)
     if not folder.is_dir():
         raise ValueError(f"pyro-fa uci: --hmc-reference must be a folder, got {str(directory)!r}.")
@@ -198,6 +205,10 @@ def find_references(directory, dataset: str, splits: Sequence) -> Dict[int, Refe
         if path.is_file():
             ref = Reference.load(path, d.split)
             ref.check(d)
+            if ref.rhat_max is not None and not ref.rhat_max < RHAT_LIMIT:
+                warnings.warn(f"pyro-fa uci: the HMC reference {path} has R-hat {ref.rhat_max:.3f} (not below "
+                              f"{RHAT_LIMIT}): its chains disagree, and distances to it are not a posterior's.",
+                              stacklevel=2)
             out[d.split] = ref
     return out
 
@@ -271,7 +282,7 @@ def score_reference(data, splits: Sequence, references: Dict[int, Reference], se
         w2 = predictive_wasserstein2(thin.mean(0), thin.var(0, unbiased=False) + ref.noise ** 2, m, v)
         out[str(d.split)] = {"w1": float(competition_wasserstein(ref.samples(s, draws), ref.samples(s))),
                              "w2": float(w2), "draws": int(thin.shape[0]), "ll": float(scores["ll"][0]),
-                             "rmse": float(scores["rmse"][0]),
+                             "rmse": float(scores["rmse"][0]), "rhat_max": ref.rhat_max,
                              "precision": ref.precision, "noise": ref.noise, "reference": ref.digest}
     return out
 
@@ -315,7 +326,8 @@ def fidelity_tables(fidelity: Dict[str, Dict[str, Dict[str, dict]]], labels: Dic
                 if "skipped" in r:
                     rows.append([names.get(name, name), f"not scored: {r['skipped']}"] + [""] * 7)
                     continue
-                rows.append([names.get(name, name), _cell(r.get("w1")), _cell(r.get("w2")), _cell(r.get("ll")),
+                label = names.get(name, name) + (f", R-hat {r['rhat_max']:.3f}" if r.get("rhat_max") else "")
+                rows.append([label, _cell(r.get("w1")), _cell(r.get("w2")), _cell(r.get("ll")),
                              _cell(r.get("rmse")), _cell(r.get("seconds"), 1), _cell(r.get("map_trainings"), 1),
                              _cell(r.get("precision"), 2), _cell(r.get("noise"))])
             parts.append(f"**{ds}, split {split}**\n\n" + markdown_table(
