@@ -73,6 +73,8 @@ from pyro_fa.experiments._io import OutputFolder, atomic_write_json, check_devic
 from pyro_fa.experiments.uci.protocol import (DEFAULT_METHODS, METHODS, QUICK_METHODS, SWAG_METHODS, Budget,
                                                Method, SplitData, evaluate, final_data, heldout_ll, n_tune_splits,
                                                run_vi, train, tuning_data)
+from pyro_fa.experiments.uci.fidelity import (HMC_NAME, fidelity_tables, find_references, reference_key,
+                                               score_reference)
 from pyro_fa.experiments.uci.swag_family import run_swag
 from pyro_fa.experiments.uci.results import _legacy_path, _run_key, _same_run, _unit_key, _unit_path, _units, read_unit
 
@@ -106,6 +108,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
     parser.add_argument("--report-only", action="store_true",
                         help="only rebuild the table and figures from the result files of earlier runs")
+    parser.add_argument("--hmc-reference", default=None, metavar="DIR",
+                        help="score every 1x50 method's test predictive against the HMC references in DIR "
+                             "(<dataset>-split<s>.pt of pyro-fa hmc-reference) on the splits that have one")
     parser.add_argument("--fresh", action="store_true",
                         help="recompute units whose result file exists (default: reuse those of the same budget, "
                              "seed, splits and, for the SWAG family, methods; unreadable ones are trained again)")
@@ -136,9 +141,11 @@ def _load_splits(name: str, n: Optional[int], data_dir, device) -> list:
 
 
 def run_unit(dataset: str, unit: str, method_names: Sequence[str], budget: Budget, splits_n: Optional[int], data_dir,
-             device: str, seed: int, threads: int, out_dir: str, progress: bool = True) -> dict:
+             device: str, seed: int, threads: int, out_dir: str, progress: bool = True,
+             hmc_reference: Optional[str] = None) -> dict:
     """One VI method, or the SWAG family, on one dataset; writes ``<out_dir>/units/<dataset>__<unit>__<key>.json``
-    (see :func:`_unit_path`)."""
+    (see :func:`_unit_path`). With ``hmc_reference`` (a folder), the splits that have a reference there are
+    scored against it (:mod:`pyro_fa.experiments.uci.fidelity`) into the record's ``fidelity``."""
     from dataclasses import asdict
 
     from tqdm.auto import tqdm
@@ -149,13 +156,15 @@ def run_unit(dataset: str, unit: str, method_names: Sequence[str], budget: Budge
     if budget.tune_splits is not None and budget.tune_splits > len(splits):
         raise SystemExit(f"pyro-fa uci: --tune-splits must be at most the {len(splits)} splits run, "
                          f"got {budget.tune_splits}.")
+    references = _references(hmc_reference, dataset, splits)
+    fidelity: dict = {}
     bar = progress_bar(desc=f"{dataset}: {unit}", unit="step", enabled=progress, leave=False)
     t0, c0 = time.perf_counter(), time.process_time()
     if unit == "swag-family":
         results = run_swag([METHODS[m] for m in method_names if METHODS[m].swag is not None], splits, budget, seed,
-                           bar.update)
+                           bar.update, references, fidelity)
     else:
-        results = {unit: run_vi(METHODS[unit], splits, budget, seed, bar.update)}
+        results = {unit: run_vi(METHODS[unit], splits, budget, seed, bar.update, references, fidelity)}
     bar.close()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     for r in results.values():
@@ -164,12 +173,25 @@ def run_unit(dataset: str, unit: str, method_names: Sequence[str], budget: Budge
     ll, rmse = mean_se(first["ll"]), mean_se(first["rmse"])
     tqdm.write(f"{dataset:>9} {unit:<22} test LL {ll[0]:7.3f} ± {ll[1]:.3f}   RMSE {rmse[0]:7.3f} ± {rmse[1]:.3f}"
                f"   {wall:6.0f} s")
-    key = _unit_key(_run_key(budget, splits_n, seed), dataset, unit, method_names)
+    key = _unit_key(_run_key(budget, splits_n, seed), dataset, unit, method_names, reference_key(references))
     record = {"dataset": dataset, "unit": unit, "key": key, "n_splits": len(splits), "budget": asdict(budget),
               "seed": seed, "device": str(device), "threads": threads, "wall_seconds": wall, "cpu_seconds": cpu,
               "methods": results}
+    if references:
+        fidelity[HMC_NAME] = score_reference(final_data(splits), splits, references, seed, budget.test_samples)
+        record["fidelity"] = fidelity
     atomic_write_json(_unit_path(out_dir, key), record)
     return record
+
+
+def _references(directory, dataset: str, splits) -> dict:
+    """The HMC references of ``directory`` for these splits (none without a folder); SystemExit on a mismatch."""
+    if directory is None:
+        return {}
+    try:
+        return find_references(directory, dataset, splits)
+    except ValueError as err:
+        raise SystemExit(str(err)) from err
 
 
 def keep_freed_memory() -> bool:
@@ -222,11 +244,13 @@ def _amount(seconds: float, prefix: str = "") -> str:
 
 
 def report(out_dir: str, budget: Budget, names: Sequence[str], methods: Optional[Sequence[str]] = None,
-           splits_n: Optional[int] = None, seed: int = 0, data_dir=None) -> dict:
+           splits_n: Optional[int] = None, seed: int = 0, data_dir=None, hmc_keys: Optional[dict] = None) -> dict:
     """Aggregate the unit files of this budget, seed and splits: results.json, table.md, ll.png, rmse.png.
 
     Unreadable or stray ``*.json`` files in ``units/`` are ignored with a warning. Where several SWAG-family
-    files of the run match (runs with other ``--methods``), the one of ``methods`` wins.
+    files of the run match (runs with other ``--methods``), the one of ``methods`` wins, and the one scored
+    against ``hmc_keys`` (dataset -> :func:`~pyro_fa.experiments.uci.fidelity.reference_key`) wins over one
+    that was not. Scores against HMC references go to the tables' fidelity column and section.
     """
     from dataclasses import asdict
 
@@ -235,7 +259,8 @@ def report(out_dir: str, budget: Budget, names: Sequence[str], methods: Optional
 
     out = Path(out_dir)
     run_key = _run_key(budget, splits_n, seed)
-    wanted = [_unit_key(run_key, d, u, methods) for d, u in _units(names, methods or [])]
+    hmc_keys = hmc_keys or {}
+    wanted = [_unit_key(run_key, d, u, methods, hmc_keys.get(d)) for d, u in _units(names, methods or [])]
     records = []
     for path in sorted((out / "units").glob("*.json")):
         record = read_unit(path, data_dir)
@@ -244,13 +269,17 @@ def report(out_dir: str, budget: Budget, names: Sequence[str], methods: Optional
         if {k: record["key"].get(k) for k in run_key} != run_key:
             continue
         records.append((record["key"] in wanted, path.name, record))
-    results, meta = {}, {}
+    results, meta, fidelity = {}, {}, {}
     for is_wanted, _, record in sorted(records, key=lambda r: (not r[0], r[1])):
         got = results.setdefault(record["dataset"], {})
         new = {k: v for k, v in record["methods"].items() if is_wanted or k not in got}
         if not new:
             continue
         got.update(new)
+        scored = fidelity.setdefault(record["dataset"], {})
+        for name, per_split in record.get("fidelity", {}).items():  # the columns taken, and MAP's, HMC's rows
+            if name in new or name not in record["methods"]:
+                scored.setdefault(name, per_split)
         m = meta.setdefault(record["dataset"], {"n_splits": record["n_splits"], "cpu_seconds": 0.0,
                                                 "cuda_wall_seconds": 0.0, "devices": []})
         # a cell trained on a GPU spends its process time mostly waiting for kernels: count its wall time apart
@@ -272,7 +301,10 @@ def report(out_dir: str, budget: Budget, names: Sequence[str], methods: Optional
             rep.summary_table(results, "ll"), "",
             "## Test RMSE (original units; lower is better)", "", rep.summary_table(results, "rmse"), "",
             "## Every method, with Jiang (2023)'s number for the same method and the time per split", "",
-            rep.results_table(results, labels), "", "## Published anchors (1×50)", "", rep.published_table(), ""]
+            rep.results_table(results, labels, fidelity), "", "## Published anchors (1×50)", "",
+            rep.published_table(), ""]
+    if any(fidelity.values()):
+        text += ["## Fidelity to HMC (`--hmc-reference`)", "", fidelity_tables(fidelity, labels), ""]
     summary = rep.bar_summary(checks)
     if summary and budget != Budget():
         summary += ("\n\n(The bar is set for the full run, `pyro-fa uci`; this run's budget is smaller, so these "
@@ -281,6 +313,7 @@ def report(out_dir: str, budget: Budget, names: Sequence[str], methods: Optional
         text += ["## The bar", "", summary, ""]
     atomic_write_text(out / "table.md", "\n".join(text))
     atomic_write_json(out / "results.json", {"budget": asdict(budget), "datasets": meta, "results": results,
+                                             "fidelity": fidelity,
                                              "bar": checks, "published": rep.PUBLISHED, "paper": rep.PAPER})
     import matplotlib.pyplot as plt
 
@@ -289,7 +322,10 @@ def report(out_dir: str, budget: Budget, names: Sequence[str], methods: Optional
         atomic_savefig(fig, out / f"{metric}.png", dpi=110)
         plt.close(fig)
     print()
-    print(rep.results_table(results, labels))
+    print(rep.results_table(results, labels, fidelity))
+    if any(fidelity.values()):
+        print()
+        print(fidelity_tables(fidelity, labels))
     print()
     print(rep.summary_table(results, "ll"))
     if summary:
@@ -325,11 +361,15 @@ def _run_locked(args, budget: Budget, names: List[str], methods: List[str], spli
           f"budget: up to {budget.steps} steps, search on {where}, "
           f"precision {list(budget.precisions)}, lr {list(budget.lrs)} (2x50: {list(budget.deep_lrs)}; VIPPCA: sigma "
           f"{['learned' if v is None else v for v in budget.ppca_scales]} at lr {budget.ppca_lr})")
+    hmc = getattr(args, "hmc_reference", None)
+    # every reference checked against its split's test set before any training
+    hmc_keys = {d: reference_key(_references(hmc, d, _load_splits(d, splits, args.data_dir, "cpu")))
+                for d in dict.fromkeys(names)} if hmc is not None else {}
     if not args.report_only:
         todo = []
         run_key = _run_key(budget, splits, args.seed)
         for dataset, unit in _units(names, methods):
-            key = _unit_key(run_key, dataset, unit, methods)
+            key = _unit_key(run_key, dataset, unit, methods, hmc_keys.get(dataset))
             done = [p for p in (_unit_path(args.output_dir, key), _legacy_path(args.output_dir, dataset, unit))
                     if not args.fresh and p.is_file() and _same_run(read_unit(p, args.data_dir), key)]
             if done:
@@ -337,7 +377,8 @@ def _run_locked(args, budget: Budget, names: List[str], methods: List[str], spli
                 continue
             todo.append(dict(dataset=dataset, unit=unit, method_names=methods, budget=budget, splits_n=splits,
                              data_dir=args.data_dir, device=args.device, seed=args.seed, threads=args.threads,
-                             out_dir=args.output_dir, progress=not args.no_progress and args.jobs == 1))
+                             out_dir=args.output_dir, progress=not args.no_progress and args.jobs == 1,
+                             hmc_reference=hmc))
         if args.jobs == 1:
             for kw in todo:
                 run_unit(**kw)
@@ -353,7 +394,7 @@ def _run_locked(args, budget: Budget, names: List[str], methods: List[str], spli
                     f.result()
                     bar.update()
                 bar.close()
-    report(args.output_dir, budget, names, methods, splits, args.seed, args.data_dir)
+    report(args.output_dir, budget, names, methods, splits, args.seed, args.data_dir, hmc_keys)
     return 0
 
 

@@ -8,6 +8,7 @@ splits, the final fits on every split), for the methods trained by the public ba
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -270,8 +271,14 @@ def _vi_model(method: Method, spec: BatchedMLP, configs, budget: Budget, generat
                      generator=generator, dtype=like.dtype, device=like.device)
 
 
-def run_vi(method: Method, splits, budget: Budget, seed: int, progress=None) -> dict:
-    """Search on the tuning splits, then train and test every split: one VI method on one dataset."""
+def run_vi(method: Method, splits, budget: Budget, seed: int, progress=None, references=None,
+           fidelity: Optional[dict] = None) -> dict:
+    """Search on the tuning splits, then train and test every split: one VI method on one dataset.
+
+    With ``references`` (split -> :class:`~pyro_fa.experiments.uci.fidelity.Reference`), the test predictive of
+    each split that has one is scored against it into ``fidelity[method.name]``
+    (:func:`~pyro_fa.experiments.uci.fidelity.score_fit`); the other results are unchanged.
+    """
     device = splits[0].x_train.device
     gen = torch.Generator(device=device).manual_seed(seed)
     cpu_gen = torch.Generator().manual_seed(seed)
@@ -286,10 +293,17 @@ def run_vi(method: Method, splits, budget: Budget, seed: int, progress=None) -> 
                    patience=True, n_configs=len(configs))
     choice, val_ll, table = _choose(curves, configs, n_tune)
     final = final_data(splits)
+    start = time.perf_counter()
     model = _vi_model(method, spec, [choice], budget, cpu_gen, final.x, final.y.shape[0])
     train(model, final, choice["steps"], budget, gen, None, progress)
+    seconds = (time.perf_counter() - start) / final.y.shape[0]
     means, nv = model.predict(final.x_eval, budget.test_samples)
     scores = evaluate(means, nv, final)
+    if references:
+        from pyro_fa.experiments.uci.fidelity import Fit, score_fit
+
+        fit = Fit(means, nv, spec.dim, choice["precision"], model.likelihood_scale().detach(), seconds)
+        fidelity[method.name] = score_fit(fit, final, splits, references, seed)
     return {"choice": choice, "val_ll": val_ll, "tune_splits": n_tune, "search": table, "dim": spec.dim,
             **{k: v.tolist() for k, v in scores.items()},
             "noise_scale": (model.likelihood_scale() * final.y_std).tolist()}

@@ -74,20 +74,31 @@ def summarise(result: dict) -> Dict[str, Tuple[float, float]]:
     return {k: mean_se(result[k]) for k in ("ll", "rmse", "calibration_error")}
 
 
-def results_table(results: Dict[str, Dict[str, dict]], labels: Dict[str, str]) -> str:
-    """One row per dataset and method: ours, the paper's same method where there is one, time per split."""
+def _w1_cell(scored: Dict[str, dict]) -> str:
+    """The mean distance to HMC over the splits scored (their number in brackets); empty where none was."""
+    w1 = [r["w1"] for r in scored.values() if "w1" in r]
+    return f"{sum(w1) / len(w1):.3f} ({len(w1)})" if w1 else ""
+
+
+def results_table(results: Dict[str, Dict[str, dict]], labels: Dict[str, str],
+                  fidelity: Optional[Dict[str, Dict[str, dict]]] = None) -> str:
+    """One row per dataset and method: ours, the paper's same method where there is one, the distance to HMC
+    where a split was scored (:mod:`pyro_fa.experiments.uci.fidelity`), time per split."""
     rows = []
+    fidelity = fidelity or {}
     for ds in DATASET_LABELS:
         for name, res in results.get(ds, {}).items():
             s = summarise(res)
             paper = PAPER.get(name, {}).get(ds)
             rows.append([
                 DATASET_LABELS[ds], labels.get(name, name), _fmt(*s["ll"]),
+                _w1_cell(fidelity.get(ds, {}).get(name, {})),
                 _fmt(*paper[1]) if paper else "", _fmt(*s["rmse"], digits=3 if s["rmse"][0] < 1 else 2),
                 _fmt(*paper[0]) if paper else "", f"{s['calibration_error'][0]:.3f}", len(res["ll"]),
                 f"{res['seconds'] / len(res['ll']):.1f}",
             ])
-    return markdown_table(["dataset", "method", "test LL (ours)", "test LL (paper)", "RMSE (ours)", "RMSE (paper)",
+    return markdown_table(["dataset", "method", "test LL (ours)", "W1 to HMC (splits)", "test LL (paper)",
+                           "RMSE (ours)", "RMSE (paper)",
                            "calib. error", "splits", "s / split"], rows)
 
 

@@ -35,6 +35,8 @@ SWAG_SCALE_SELECTION = "gated (paired), the mean a candidate; MultiSWAG on its o
 #: written since units are keyed also hold ``key`` (see :func:`_unit_key`)
 _UNIT_FIELDS = {"dataset": str, "unit": str, "n_splits": int, "budget": dict, "seed": int, "device": str,
                 "wall_seconds": (int, float), "cpu_seconds": (int, float), "methods": dict}
+#: what a unit file may hold: ``key`` (since units are keyed), ``fidelity`` (scored against HMC references)
+_OPTIONAL_FIELDS = {"key": dict, "fidelity": dict}
 
 
 def _run_key(budget: Budget, splits_n: Optional[int], seed: int) -> dict:
@@ -46,12 +48,17 @@ def _run_key(budget: Budget, splits_n: Optional[int], seed: int) -> dict:
                                   "splits": splits_n}))
 
 
-def _unit_key(run_key: dict, dataset: str, unit: str, method_names: Sequence[str]) -> dict:
+def _unit_key(run_key: dict, dataset: str, unit: str, method_names: Sequence[str],
+              hmc_reference: Optional[dict] = None) -> dict:
     """Everything a unit's results depend on: the run's key, the dataset and the unit's methods (the SWAG
     family's columns share their fits, so its set of methods is part of its key; its scales are chosen on
-    validation by :data:`SWAG_SCALE_SELECTION`, so SWAG units from before that choice are not reused)."""
+    validation by :data:`SWAG_SCALE_SELECTION`, so SWAG units from before that choice are not reused), and the
+    HMC references it is scored against where there are any (split -> file digest,
+    :func:`pyro_fa.experiments.uci.fidelity.reference_key`; a unit without them keeps its key)."""
     methods = sorted(m for m in method_names if METHODS[m].swag is not None) if unit == "swag-family" else [unit]
     key = {**run_key, "dataset": dataset, "unit": unit, "methods": methods}
+    if hmc_reference:
+        key["hmc_reference"] = dict(hmc_reference)
     return {**key, "scale_selection": SWAG_SCALE_SELECTION} if unit == "swag-family" else key
 
 
@@ -88,7 +95,7 @@ def read_unit(path, data_dir=None) -> Optional[dict]:
     file: empty, truncated, not JSON, not UTF-8, or a JSON file of another kind. A file written before
     units were keyed gets its key from its content (:func:`_legacy_key`)."""
     record = read_record(path, _UNIT_FIELDS, "pyro-fa uci", "unit file",
-                         "its unit, if this run asks for it, is trained again.", optional={"key": dict})
+                         "its unit, if this run asks for it, is trained again.", optional=_OPTIONAL_FIELDS)
     if record is not None and "key" not in record:
         record["key"] = _legacy_key(record, data_dir)
     return record

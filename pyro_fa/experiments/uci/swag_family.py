@@ -16,13 +16,15 @@ means) test log-likelihood as ``mean_ll``.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence, Tuple
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from pyro_fa.experiments.uci.protocol import (Budget, Method, SplitData, _choose, _spec, evaluate, final_data,
                                                train, tuning_data)
 from pyro_fa.nn.batched import BatchedVI, sample_rows, take_rows
+from pyro_fa.experiments.uci.fidelity import MAP_NAME, Fit, score_fit
 from pyro_fa.predictive import DEFAULT_SCALES, log_mean_exp, select_scale
 
 
@@ -35,11 +37,15 @@ def _collect_schedule(data: SplitData, budget: Budget) -> Tuple[int, int]:
 
 
 def _map_then_collect(spec, data: SplitData, precision: float, lr: float, steps: int, swag_lr: float,
-                      budget: Budget, kinds: Sequence[str], members: Sequence[int], cpu_gen, gen, progress=None):
+                      budget: Budget, kinds: Sequence[str], members: Sequence[int], cpu_gen, gen, progress=None,
+                      timings: Optional[dict] = None):
     """MAP fits (AutoDelta) of every replica, then minibatch SGD feeding SWAG posteriors.
 
-    Returns ``{kind: [SWAG per replica]}`` and the MAP model (its learned noise scales).
+    Returns ``{kind: [SWAG per replica]}`` and the MAP model (its learned noise scales). ``timings``, when given,
+    receives the seconds of the MAP fits (``"map"``) and of the collection phase (``"collect"``), and the MAP
+    weights (``"map_loc"``, (R, D)) before SGD moves them.
     """
+    start = time.perf_counter()
     from pyro_fa.swag.swag import SWAG
 
     R = data.y.shape[0]
@@ -49,6 +55,9 @@ def _map_then_collect(spec, data: SplitData, precision: float, lr: float, steps:
     train(model, data, steps, budget, gen, None, progress)
     theta = model.params()["loc"]  # one learning rate: the leaf itself, in replica order
     assert theta.is_leaf
+    if timings is not None:
+        timings.update(map=time.perf_counter() - start, map_loc=theta.detach().clone())
+        start = time.perf_counter()
     n_steps, every = _collect_schedule(data, budget)
     swags = {}
     with torch.no_grad():
@@ -71,6 +80,8 @@ def _map_then_collect(spec, data: SplitData, precision: float, lr: float, steps:
                 sw.step()
         if progress is not None:
             progress(1)
+    if timings is not None:
+        timings["collect"] = time.perf_counter() - start
     return swags, model
 
 
@@ -145,8 +156,15 @@ def _choose_scale(swags: Dict[int, object], model: BatchedVI, data: SplitData, n
                        "val_points": N}
 
 
-def run_swag(methods: Sequence[Method], splits, budget: Budget, seed: int, progress=None) -> Dict[str, dict]:
-    """The SWAG family on one dataset: one shared search, one set of SGD runs, one column per method."""
+def run_swag(methods: Sequence[Method], splits, budget: Budget, seed: int, progress=None, references=None,
+             fidelity: Optional[dict] = None) -> Dict[str, dict]:
+    """The SWAG family on one dataset: one shared search, one set of SGD runs, one column per method.
+
+    With ``references`` (split -> :class:`~pyro_fa.experiments.uci.fidelity.Reference`), every column's test
+    predictive, and the MAP fit's, on each split that has one is scored against it into ``fidelity``
+    (:func:`~pyro_fa.experiments.uci.fidelity.score_fit`; cost: the MAP fit's seconds per replica, plus the
+    collection phase's for a SWAG column, times the members for MultiSWAG); the other results are unchanged.
+    """
     device = splits[0].x_train.device
     gen = torch.Generator(device=device).manual_seed(seed)
     cpu_gen = torch.Generator().manual_seed(seed)
@@ -188,8 +206,13 @@ def run_swag(methods: Sequence[Method], splits, budget: Budget, seed: int, progr
     final = final_data(splits)
     n = final.y.shape[0]
     data = final.take(torch.arange(n, device=device).repeat(M))  # replica = member * n + split
+    timings: dict = {}
     swags, model = _map_then_collect(spec, data, choice["precision"], choice["lr"], choice["steps"],
-                                     choice["swag_lr"], budget, kinds, range(n), cpu_gen, gen, progress)
+                                     choice["swag_lr"], budget, kinds, range(n), cpu_gen, gen, progress, timings)
+    score = _scorer(model, final, splits, references, seed, spec.dim, choice["precision"], timings, fidelity)
+    if score is not None:
+        map_means = model.mlp.forward(timings["map_loc"][:n].unsqueeze(0), final.x_eval)
+        score(MAP_NAME, map_means, model.likelihood_scale().detach()[:n].pow(2).unsqueeze(-1), timings["map"])
     test_gen = torch.Generator(device=device).manual_seed(seed + 2)
     out = {}
     for method in methods:
@@ -205,6 +228,8 @@ def run_swag(methods: Sequence[Method], splits, budget: Budget, seed: int, progr
             sw.scale = scales[key]
         means, nv = _swag_predict(swags[kind], model, data, groups, budget.test_samples, test_gen)
         scores = evaluate(means, nv, final)
+        if score is not None:
+            score(method.name, means, nv, len(groups[0]) * (timings["map"] + timings["collect"]))
         out[method.name] = {
             "choice": choice, "val_ll": map_val_ll, "tune_splits": n_tune,
             "swag_val_ll": dict(zip(map(str, budget.swag_lrs), swag_scores)),
@@ -213,3 +238,20 @@ def run_swag(methods: Sequence[Method], splits, budget: Budget, seed: int, progr
             "noise_scale": (model.likelihood_scale()[:n].detach() * final.y_std).tolist(),
         }
     return out
+
+
+def _scorer(model: BatchedVI, final: SplitData, splits, references, seed: int, dim: int, precision: float,
+            timings: dict, fidelity: Optional[dict]):
+    """None without references; else ``score(name, means, noise_var, seconds)`` writing ``fidelity[name]``, where
+    ``seconds`` is what the fits of a split's posterior took in the batch of every replica (divided by the
+    replicas here: each replica's share)."""
+    if not references:
+        return None
+    replicas = model.likelihood_scale().shape[0]
+    noise = model.likelihood_scale().detach()
+
+    def score(name: str, means, noise_var, seconds: float) -> None:
+        fit = Fit(means, noise_var, dim, precision, noise, seconds / replicas, timings["map"] / replicas)
+        fidelity[name] = score_fit(fit, final, splits, references, seed)
+
+    return score
