@@ -155,7 +155,7 @@ INLINE_COMMAND = re.compile(r"`([^`\n]*\s[^`\n]*\.py(?:\s[^`\n]*)?)`")
 def _commands(page):
     text = page.read_text()
     for block in SHELL_BLOCK.findall(text):
-        for line in block.splitlines():
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():  # a continued line is one command
             line = line.split(" #", 1)[0].strip()
             if line and not line.startswith("#"):
                 yield line
