@@ -74,6 +74,7 @@ import torch
 from torch import Tensor, nn
 
 from pyro_fa.experiments.classify.data import ClassifyData
+from pyro_fa.experiments.classify.factor_ivon_rows import FACTOR_IVON_ROWS, run_factor_ivon
 from pyro_fa.experiments.classify.networks import NETWORKS, CNN1d, make_network
 from pyro_fa.experiments.classify.posthoc import FACTOR_LAPLACE_ROWS, LAPLACE_ROWS, PEERS, TEMPERED, \
     average_log_probs, can_run, peers_available, run_factor_laplace, run_peers, tempered_rows
