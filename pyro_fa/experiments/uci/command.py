@@ -74,6 +74,7 @@ from pyro_fa.experiments.uci.protocol import (DEFAULT_METHODS, METHODS, QUICK_ME
                                                Method, SplitData, evaluate, final_data, heldout_ll, n_tune_splits,
                                                run_vi, train, tuning_data)
 from pyro_fa.experiments.uci.swag_family import run_swag
+from pyro_fa.experiments.uci.factor_ivon import run_factor_ivon
 from pyro_fa.experiments.uci.results import _legacy_path, _run_key, _same_run, _unit_key, _unit_path, _units, read_unit
 
 #: the subcommand's one-line help, which `pyro-fa` reads without importing this module
@@ -83,6 +84,9 @@ HELP = ("The UCI Bayesian-neural-network benchmark: VIFA / VIPPCA vs Pyro's guid
 __all__ = ["Budget", "DEFAULT_METHODS", "METHODS", "Method", "QUICK_METHODS", "SWAG_METHODS", "SplitData",
            "add_arguments", "evaluate", "final_data", "heldout_ll", "keep_freed_memory", "n_tune_splits", "read_unit",
            "report", "run", "run_swag", "run_unit", "run_vi", "train", "tuning_data"]
+
+#: the methods not trained by :func:`run_vi` (BatchedVI): ``Method.family`` -> the unit's runner
+RUNNERS = {"factor-ivon": run_factor_ivon}
 
 # ----------------------------------------------------------------------------- command line
 
@@ -155,7 +159,8 @@ def run_unit(dataset: str, unit: str, method_names: Sequence[str], budget: Budge
         results = run_swag([METHODS[m] for m in method_names if METHODS[m].swag is not None], splits, budget, seed,
                            bar.update)
     else:
-        results = {unit: run_vi(METHODS[unit], splits, budget, seed, bar.update)}
+        runner = RUNNERS.get(METHODS[unit].family, run_vi)
+        results = {unit: runner(METHODS[unit], splits, budget, seed, bar.update)}
     bar.close()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     for r in results.values():
