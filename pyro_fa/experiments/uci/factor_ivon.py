@@ -28,7 +28,7 @@ __all__ = ["IVON_LRS", "IVON_HESS_INITS", "QUICK_GRID", "run_factor_ivon"]
 #: IVON's grid in ``pyro-fa classify`` (``Budget.ivon_lrs`` x ``Budget.ivon_hess_inits`` there)
 IVON_LRS = (0.4, 0.8, 1.6, 3.2, 6.4)
 IVON_HESS_INITS = (0.01, 0.03, 0.1, 0.5, 2.0)
-QUICK_GRID = ((0.4, 0.1),)
+QUICK_GRID = ((0.4, 0.5),)
 UPDATE_EVERY = 10
 WEIGHT_DECAY = 1e-4
 NOISE_LR = 1e-2
@@ -82,10 +82,16 @@ def _fit(x: Tensor, y: Tensor, width: int, setting: dict, steps: int, budget: Bu
         for o, b in zip(rates, base):
             o.param_groups[0]["lr"] = b * frac
         idx = torch.randperm(n, generator=gen)[:batch].to(x.device) if batch < n else slice(None)
-        with opt.sampled_params(train=True):
-            opt.zero_grad()
-            noise_opt.zero_grad()
-            _gaussian_nll(net(x[idx]).squeeze(-1), y[idx], log_scale).backward()
+        try:
+            with opt.sampled_params(train=True):
+                opt.zero_grad()
+                noise_opt.zero_grad()
+                _gaussian_nll(net(x[idx]).squeeze(-1), y[idx], log_scale).backward()
+        except ValueError:  # a non-finite gradient: the fit diverged; its later checkpoints score -inf
+            curve += [(s, -math.inf) for s in range(step, steps + 1) if every and s % every == 0]
+            if progress is not None:
+                progress(steps - step + 1)
+            break
         opt.step()
         noise_opt.step()
         if every and step % every == 0:
