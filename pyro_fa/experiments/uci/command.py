@@ -21,7 +21,10 @@ with the same search budget:
 * ``swag-em``, ``swag-sga``, ``swag``, ``multiswag``: a MAP fit (AutoDelta,
   Gaussian prior), then minibatch SGD whose iterates feed :class:`~pyro_fa.SWAG`
   (online EM, online SGA, classic SWAG; rank 10); MultiSWAG mixes 5 SWAG-EM
-  posteriors trained from different initialisations.
+  posteriors trained from different initialisations;
+* ``factor-ivon``: the 1×50 network trained one split at a time by :class:`~pyro_fa.optim.FactorIVON`
+  (rank 10), the noise scale learned by Adam, IVON's grid of ``pyro-fa classify`` (rate x initial Hessian)
+  searched as the others' (:mod:`pyro_fa.experiments.uci.factor_ivon`).
 
 Hyperparameter search (never on the test split): the training part of each of
 the first few splits is cut at random into 80 % sub-training and 20 % validation
