@@ -30,6 +30,8 @@ IVON_LRS = (0.4, 0.8, 1.6, 3.2, 6.4)
 IVON_HESS_INITS = (0.01, 0.03, 0.1, 0.5, 2.0)
 QUICK_GRID = ((0.4, 0.5),)
 UPDATE_EVERY = 10
+#: IVON's Hessian decay in ``pyro-fa classify`` (ivon-opt's default)
+BETA2 = 0.99999
 WEIGHT_DECAY = 1e-4
 NOISE_LR = 1e-2
 
@@ -68,7 +70,8 @@ def _fit(x: Tensor, y: Tensor, width: int, setting: dict, steps: int, budget: Bu
     net = _net(x.shape[1], width, x.dtype, x.device)
     n = x.shape[0]
     opt = FactorIVON(net.parameters(), lr=setting["lr"], ess=float(n), hess_init=setting["hess_init"],
-                     weight_decay=WEIGHT_DECAY, rank=budget.rank, update_every=UPDATE_EVERY)
+                     beta2=setting.get("beta2", BETA2), weight_decay=WEIGHT_DECAY, rank=budget.rank,
+                     update_every=UPDATE_EVERY)
     log_scale = torch.zeros((), dtype=x.dtype, device=x.device, requires_grad=True)
     noise_opt = torch.optim.Adam([log_scale], lr=NOISE_LR)
     rates = [opt, noise_opt]
