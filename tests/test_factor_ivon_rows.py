@@ -13,6 +13,7 @@ from torch import nn
 from pyro_fa import cli
 from pyro_fa.experiments.classify import baselines as peers
 from pyro_fa.experiments.classify.factor_ivon_rows import FACTOR_IVON_ROWS, factor_ivon_probs
+from pyro_fa.experiments.classify.command import QUICK_METHODS
 from pyro_fa.experiments.classify.methods import METHODS, Budget, epochs_of, run_methods
 
 
@@ -110,6 +111,7 @@ def test_rows_in_run_methods_without_a_map_network():
 
     torch.set_num_threads(1)
     assert set(FACTOR_IVON_ROWS) <= set(METHODS)
+    assert "factor-ivon" in QUICK_METHODS  # --quick runs it
     budget = Budget(epochs=2, rank=2, ensemble=2, samples=3, ivon_lrs=(0.1, 0.4), ivon_hess_inits=(0.5,))
     data = load_classify("digits", seed=0).subset(150, 60)
     ticks = []
