@@ -5,6 +5,7 @@
 :mod:`.data`           train / validation / test splits and out-of-distribution sets
 :mod:`.methods`        the networks and pyro_fa's methods (and Pyro's guides, MAP, ensembles)
 :mod:`.baselines`      the peers run from their own packages: laplace-torch and IVON
+:mod:`.factor_ivon_rows`  FactorIVON's rows (ours): IVON's recipe and grid, and an ensemble of five
 :mod:`.report`         metrics, tables, bar checks and figures
 =====================  ===========================================================================
 """
