@@ -183,7 +183,7 @@ def test_uci_command_scores_the_split_that_has_a_reference(tmp_path, capsys):
     refs, out = tmp_path / "refs", tmp_path / "uci"
     _yacht_reference(refs)
     args = ["uci", "--quick", "--datasets", "yacht", "--methods", "vifa-gaussian-1x50", "vifa-gaussian-2x50",
-            "swag-em-1x50", "--steps", "40", "--output-dir", str(out), "--no-progress"]
+            "swag-em-1x50", "factor-ivon-1x50", "--steps", "40", "--output-dir", str(out), "--no-progress"]
     assert cli.main(args) == 0
     plain = json.loads((out / "results.json").read_text())
     assert plain["fidelity"] == {"yacht": {}}
@@ -193,10 +193,12 @@ def test_uci_command_scores_the_split_that_has_a_reference(tmp_path, capsys):
     assert res["results"]["yacht"]["vifa-gaussian-1x50"]["ll"] == plain["results"]["yacht"]["vifa-gaussian-1x50"]["ll"]
     assert res["results"]["yacht"]["swag-em-1x50"]["ll"] == plain["results"]["yacht"]["swag-em-1x50"]["ll"]
     scored = res["fidelity"]["yacht"]
-    assert set(scored) == {"vifa-gaussian-1x50", "vifa-gaussian-2x50", "swag-em-1x50", fid.MAP_NAME, fid.HMC_NAME}
+    assert set(scored) == {"vifa-gaussian-1x50", "vifa-gaussian-2x50", "swag-em-1x50", "factor-ivon-1x50", fid.MAP_NAME,
+                           fid.HMC_NAME}
+    assert res["results"]["yacht"]["factor-ivon-1x50"]["ll"] == plain["results"]["yacht"]["factor-ivon-1x50"]["ll"]
     assert all(set(per_split) == {"0"} for per_split in scored.values())  # split 1 has no reference
     assert "skipped" in scored["vifa-gaussian-2x50"]["0"]
-    for name in ("vifa-gaussian-1x50", "swag-em-1x50", fid.MAP_NAME):
+    for name in ("vifa-gaussian-1x50", "swag-em-1x50", "factor-ivon-1x50", fid.MAP_NAME):
         rec = scored[name]["0"]
         assert rec["w1"] > 0 and rec["seconds"] > 0
         assert rec["ll"] == pytest.approx(res["results"]["yacht"].get(name, {"ll": [rec["ll"]]})["ll"][0])

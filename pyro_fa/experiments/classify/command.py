@@ -70,7 +70,8 @@ DEFAULT_SEEDS = 5
 #: and every way to a posterior (SWAG-EM, MultiSWAG, VIFA, FactorLaplace) beside MAP, the deep ensemble, MC dropout
 #: and the peers (where installed): one table, a screenful
 QUICK_COMBOS = (("mnist1d", "mlp"),)
-QUICK_METHODS = ("map", "ensemble", "dropout", "swag-em", "multiswag", "vifa", "factor-laplace", "laplace", "ivon")
+QUICK_METHODS = ("map", "ensemble", "dropout", "swag-em", "multiswag", "vifa", "factor-laplace", "laplace", "ivon",
+                 "factor-ivon")
 
 
 def add_arguments(parser) -> None:

@@ -44,6 +44,9 @@ training per grid point):
 ``laplace-full``   laplace-torch, all weights, full (D x D) GGN, GLM probit, marginal likelihood; only for
                    networks of at most ``FULL_MAX_WEIGHTS`` (8 000) weights, skipped with a warning above
 ``ivon``           IVON (Shen et al. 2024), ``ivon_lrs`` x ``ivon_hess_inits``
+``factor-ivon``    :class:`~pyro_fa.optim.FactorIVON` (ours, rank ``rank``), IVON's recipe and grid
+                   (:mod:`~pyro_fa.experiments.classify.factor_ivon_rows`)
+``factor-ivon-ensemble`` 5 FactorIVON networks at the chosen setting, different seeds
 =================  ===========================================================================
 
 Every row of ``TEMPERED`` also appears as ``<row>+T``: the model average's log
@@ -71,6 +74,7 @@ import torch
 from torch import Tensor, nn
 
 from pyro_fa.experiments.classify.data import ClassifyData
+from pyro_fa.experiments.classify.factor_ivon_rows import FACTOR_IVON_ROWS, run_factor_ivon
 from pyro_fa.experiments.classify.networks import NETWORKS, CNN1d, make_network
 from pyro_fa.experiments.classify.posthoc import FACTOR_LAPLACE_ROWS, LAPLACE_ROWS, PEERS, TEMPERED, \
     average_log_probs, can_run, peers_available, run_factor_laplace, run_peers, tempered_rows
@@ -79,13 +83,16 @@ __all__ = ["Budget", "METHODS", "NETWORKS", "PEERS", "TEMPERED", "peers_availabl
 
 METHODS = ("map", "ensemble", "dropout", "swa", "swag", "swag-em", "swag-em-glm", "multiswag", "multiswag-glm",
            "vifa", "autonormal", "lowrank", "factor-laplace", "factor-laplace-grid", "factor-laplace-lin",
-           "laplace", "laplace-grid", "laplace-diag", "laplace-kron", "laplace-full", "ivon")
+           "laplace", "laplace-grid", "laplace-diag", "laplace-kron", "laplace-full", "ivon", *FACTOR_IVON_ROWS)
+#: rows with their own grid, which need neither MAP's network nor its prior precision
+OWN_GRID = frozenset({"ivon", *FACTOR_IVON_ROWS})
 
 
 
 #: budget fields that change only these rows (and their "+T" rows): a ``--rows-from`` run may differ from the
 #: runs it merges into in these fields (see :func:`pyro_fa.experiments.classify.command.merge_runs`)
-ROW_ONLY_FIELDS = {"ivon_lrs": ("ivon",), "ivon_hess_inits": ("ivon",), "dropouts": ("dropout",),
+ROW_ONLY_FIELDS = {"ivon_lrs": ("ivon", *FACTOR_IVON_ROWS), "ivon_hess_inits": ("ivon", *FACTOR_IVON_ROWS),
+                   "dropouts": ("dropout",),
                    "vi_lrs": ("vifa", "autonormal", "lowrank"),
                    "laplace_rank": tuple(FACTOR_LAPLACE_ROWS)}
 
@@ -405,7 +412,7 @@ def run_methods(methods: Sequence[str], network: str, data: ClassifyData, budget
             t0 = clock()
             map_net = _map_net(make, data, budget, seed, pp, tick)
             t_map = (clock() - t0) * len(budget.prior_precisions)  # as if the grid ran: the rows' share below
-    elif set(want) - {"ivon"}:
+    elif set(want) - OWN_GRID:
         t0 = clock()
 
         def fit_map(value):
@@ -453,6 +460,7 @@ def run_methods(methods: Sequence[str], network: str, data: ClassifyData, budget
             out[kind] = {"probs": probs, "seconds": clock() - t0, "extra": {"lr": lr, "val_nll": scores}}
     run_factor_laplace(want, map_net, data, budget, seed, inputs, out, t_map / len(budget.prior_precisions))
     run_peers(want, make, map_net, data, budget, seed, inputs, tick, out, t_map / len(budget.prior_precisions))
+    run_factor_ivon(want, make, data, budget, seed, inputs, tick, out)
     for v in out.values():  # the results on the CPU, whatever device the methods ran on
         for k in ("probs", "probs_T"):
             if k in v:
@@ -526,7 +534,7 @@ def epochs_of(methods: Sequence[str], budget: Budget, reuse_prior: bool = False)
     if reuse_prior:
         total = e * bool(want & set(NEED_MAP_NET))
     else:
-        total = e * len(budget.prior_precisions) if want - {"ivon"} else 0
+        total = e * len(budget.prior_precisions) if want - OWN_GRID else 0
     total += e * (budget.ensemble - 1) * ("ensemble" in want)
     total += e * len(budget.dropouts) * ("dropout" in want)
     if want & {"swa", "swag", "swag-em", "swag-em-glm", "multiswag", "multiswag-glm"}:
@@ -534,4 +542,6 @@ def epochs_of(methods: Sequence[str], budget: Budget, reuse_prior: bool = False)
     total += e * (budget.ensemble - 1) * bool(want & {"multiswag", "multiswag-glm"})
     total += e * (len(budget.vi_lrs) * ("vifa" in want) + len(want & {"autonormal", "lowrank"}))
     total += e * len(budget.ivon_lrs) * len(budget.ivon_hess_inits) * ("ivon" in want)
+    total += e * len(budget.ivon_lrs) * len(budget.ivon_hess_inits) * bool(want & set(FACTOR_IVON_ROWS))
+    total += e * (budget.ensemble - 1) * (FACTOR_IVON_ROWS[1] in want)
     return total

@@ -22,7 +22,7 @@ __all__ = ["TEMPERED", "PEERS", "FULL_MAX_WEIGHTS", "ResidentPeak", "peers_avail
 #: rows that also get a "+T" row: the same predictive with a temperature fitted on validation (Guo et al. 2017)
 TEMPERED = ("map", "ensemble", "dropout", "swa", "swag-em", "swag-em-glm", "multiswag", "multiswag-glm", "vifa",
             "factor-laplace", "factor-laplace-grid", "factor-laplace-lin", "laplace", "laplace-grid", "laplace-diag",
-            "laplace-kron", "laplace-full", "ivon")
+            "laplace-kron", "laplace-full", "ivon", "factor-ivon", "factor-ivon-ensemble")
 #: peer methods run from their own packages, and the package each needs
 PEERS = {"laplace": "laplace", "laplace-grid": "laplace", "laplace-diag": "laplace", "laplace-kron": "laplace",
          "laplace-full": "laplace", "ivon": "ivon"}

@@ -20,9 +20,10 @@ LABELS = {
     "ivon": "IVON", "swag-em-glm": "SWAG-EM, GLM probit", "multiswag-glm": "MultiSWAG-EM (5), GLM probit",
     "factor-laplace": "FactorLaplace (ours, marglik)", "factor-laplace-grid": "FactorLaplace (ours, val. grid)",
     "factor-laplace-lin": "FactorLaplace (ours, lin. marglik)",
+    "factor-ivon": "FactorIVON (ours)", "factor-ivon-ensemble": "FactorIVON ensemble (ours, 5)",
 }
 #: our factor-analysis posteriors (rows added for other predictives keep these prefixes)
-OURS = ("swag-em", "multiswag", "vifa", "factor-laplace")
+OURS = ("swag-em", "multiswag", "vifa", "factor-laplace", "factor-ivon")
 #: the tuned peers "ours" is held against
 PEER_ROWS = ("ensemble", "dropout", "laplace", "laplace-grid", "laplace-diag", "laplace-kron", "laplace-full", "ivon")
 #: test accuracy reported by Greydanus (2020) for MNIST-1D

@@ -21,7 +21,10 @@ with the same search budget:
 * ``swag-em``, ``swag-sga``, ``swag``, ``multiswag``: a MAP fit (AutoDelta,
   Gaussian prior), then minibatch SGD whose iterates feed :class:`~pyro_fa.SWAG`
   (online EM, online SGA, classic SWAG; rank 10); MultiSWAG mixes 5 SWAG-EM
-  posteriors trained from different initialisations.
+  posteriors trained from different initialisations;
+* ``factor-ivon``: the 1×50 network trained one split at a time by :class:`~pyro_fa.optim.FactorIVON`
+  (rank 10), the noise scale learned by Adam, IVON's grid of ``pyro-fa classify`` (rate x initial Hessian)
+  searched as the others' (:mod:`pyro_fa.experiments.uci.factor_ivon`).
 
 Hyperparameter search (never on the test split): the training part of each of
 the first few splits is cut at random into 80 % sub-training and 20 % validation
@@ -76,6 +79,7 @@ from pyro_fa.experiments.uci.protocol import (DEFAULT_METHODS, METHODS, QUICK_ME
 from pyro_fa.experiments.uci.fidelity import (HMC_NAME, fidelity_tables, find_references, reference_key,
                                                score_reference)
 from pyro_fa.experiments.uci.swag_family import run_swag
+from pyro_fa.experiments.uci.factor_ivon import run_factor_ivon
 from pyro_fa.experiments.uci.results import _legacy_path, _run_key, _same_run, _unit_key, _unit_path, _units, read_unit
 
 #: the subcommand's one-line help, which `pyro-fa` reads without importing this module
@@ -85,6 +89,9 @@ HELP = ("The UCI Bayesian-neural-network benchmark: VIFA / VIPPCA vs Pyro's guid
 __all__ = ["Budget", "DEFAULT_METHODS", "METHODS", "Method", "QUICK_METHODS", "SWAG_METHODS", "SplitData",
            "add_arguments", "evaluate", "final_data", "heldout_ll", "keep_freed_memory", "n_tune_splits", "read_unit",
            "report", "run", "run_swag", "run_unit", "run_vi", "train", "tuning_data"]
+
+#: the methods not trained by :func:`run_vi` (BatchedVI): ``Method.family`` -> the unit's runner
+RUNNERS = {"factor-ivon": run_factor_ivon}
 
 # ----------------------------------------------------------------------------- command line
 
@@ -164,7 +171,8 @@ def run_unit(dataset: str, unit: str, method_names: Sequence[str], budget: Budge
         results = run_swag([METHODS[m] for m in method_names if METHODS[m].swag is not None], splits, budget, seed,
                            bar.update, references, fidelity)
     else:
-        results = {unit: run_vi(METHODS[unit], splits, budget, seed, bar.update, references, fidelity)}
+        runner = RUNNERS.get(METHODS[unit].family, run_vi)
+        results = {unit: runner(METHODS[unit], splits, budget, seed, bar.update, references, fidelity)}
     bar.close()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     for r in results.values():

@@ -45,13 +45,16 @@ def _methods() -> Dict[str, Method]:
                         ("multiswag", "MultiSWAG (5 × online EM)")):
         name = f"{'multiswag' if swag == 'multiswag' else 'swag-' + swag if swag != 'swag' else 'swag'}-1x50"
         out[name] = Method(name, f"{label} 1×50", 1, "delta", "gaussian", swag)
+    # trained by its own runner (pyro_fa.experiments.uci.factor_ivon), not by BatchedVI
+    out["factor-ivon-1x50"] = Method("factor-ivon-1x50", "FactorIVON (ours) 1×50", 1, "factor-ivon")
     return out
 
 
 METHODS: Dict[str, Method] = _methods()
 #: what ``pyro-fa uci`` runs by default: all but Pyro's guides on 2×50 (``--methods`` adds them)
 DEFAULT_METHODS = tuple(n for n in METHODS if n not in ("autonormal-2x50", "lowrank-2x50"))
-QUICK_METHODS = ("vifa-gaussian-1x50", "vippca-gaussian-2x50", "autonormal-1x50", "lowrank-1x50", "swag-em-1x50")
+QUICK_METHODS = ("vifa-gaussian-1x50", "vippca-gaussian-2x50", "autonormal-1x50", "lowrank-1x50", "swag-em-1x50",
+                 "factor-ivon-1x50")
 SWAG_METHODS = tuple(n for n, m in METHODS.items() if m.swag is not None)
 
 # ----------------------------------------------------------------------------- search

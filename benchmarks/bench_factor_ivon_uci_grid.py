@@ -1,0 +1,31 @@
+"""``pyro-fa uci`` with FactorIVON's column searched over another grid than IVON's classification grid.
+
+IVON's grid of ``pyro-fa classify`` (rates 0.4-6.4, initial Hessians 0.01-2) put the UCI search's best at its
+edge (the lowest rate, the highest initial Hessian): with beta2 = 0.99999 the Hessian hardly moves from its
+initial value in 10 000 steps, so the initial Hessian sets the posterior's width. This runs the command with the
+grid ``--lrs`` x ``--hess-inits`` instead (the other methods' units are the command's own); pass the command's
+arguments after ``--``::
+
+    PYTHONPATH=. python benchmarks/bench_factor_ivon_uci_grid.py --lrs 0.05 0.1 0.2 0.4 --hess-inits 2 10 50 250 \\
+        -- --datasets yacht --splits 3 --steps 2000 --tune-splits 1 --methods factor-ivon-1x50 --output-dir runs/x
+"""
+import argparse
+import sys
+
+from pyro_fa import cli
+from pyro_fa.experiments.uci import factor_ivon
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lrs", type=float, nargs="+", required=True)
+    parser.add_argument("--hess-inits", type=float, nargs="+", required=True)
+    args = parser.parse_args(argv[:split])
+    factor_ivon.IVON_LRS, factor_ivon.IVON_HESS_INITS = tuple(args.lrs), tuple(args.hess_inits)
+    return cli.main(["uci", *argv[split + 1:]])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
