@@ -19,19 +19,21 @@ SLANG's eigen-truncation, Mishkin et al. 2018, §3.2, made deterministic).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["sketch_update", "row_squares", "Woodbury"]
+__all__ = ["sketch_update", "row_squares", "abs_row_dots", "factorise", "Woodbury"]
 
 #: columns per chunk of the Gram matrix (a chunk of the (K, D) factor stays in cache)
 _CHUNK = 1 << 16
+#: a second Gram-Schmidt pass when a vector keeps less than this fraction of its norm after the first
+_REORTHOGONALISE = 2.0 / 3.0
 
 
-def sketch_update(basis: Tensor, eigvals: Tensor, pairs: Sequence[Tuple[Tensor, Tensor]], beta: float
-                  ) -> Tuple[Tensor, Tensor]:
+def sketch_update(basis: Tensor, eigvals: Tensor, pairs: Sequence[Tuple[Tensor, Tensor]], beta: float, *,
+                  out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     r"""One update of the exponential-moving rank-:math:`r` sketch (module docstring).
 
     Parameters
@@ -44,6 +46,9 @@ def sketch_update(basis: Tensor, eigvals: Tensor, pairs: Sequence[Tuple[Tensor, 
         The :math:`M` pairs :math:`(g_j, a_j)`.
     beta : float
         :math:`\beta`, the decay.
+    out : Tensor of shape (r, D), optional
+        Where to write :math:`Q'^\top`; may be ``basis`` itself (the rotation goes by chunks of columns, each
+        chunk read before it is written). A new tensor when None.
 
     Returns
     -------
@@ -52,16 +57,20 @@ def sketch_update(basis: Tensor, eigvals: Tensor, pairs: Sequence[Tuple[Tensor, 
 
     Notes
     -----
-    :math:`O(D(r + 2M)r)` time (the rotation :math:`[Q, Q_2]E` dominates), :math:`O(D(r+2M))` memory.
+    :math:`O(D(r + 2M)r)` time (the rotation :math:`[Q, Q_2]E` dominates), :math:`O(D(r+2M))` memory. The new
+    vectors are orthogonalised against :math:`Q` once, and a second time only where the first pass cancelled more
+    than a third of a vector's norm (Daniel, Gragg, Kaufman & Stewart 1976; "twice is enough"), the only case in
+    which one pass leaves more than rounding error along :math:`Q`.
     """
     r = basis.shape[0]
     M = len(pairs)
     V = torch.stack([g for g, _ in pairs] + [a for _, a in pairs])  # (2M, D)
     coef = V @ basis.T  # (2M, r)
-    R = V - coef @ basis
-    again = R @ basis.T  # a second Gram-Schmidt pass ("twice is enough")
-    R -= again @ basis
-    coef += again
+    R = torch.addmm(V, coef, basis, alpha=-1.0)
+    if bool((R.norm(dim=1) < _REORTHOGONALISE * V.norm(dim=1)).any()):  # a second pass where the first cancelled
+        again = R @ basis.T
+        R.addmm_(again, basis, alpha=-1.0)
+        coef += again
     Q2, R2 = torch.linalg.qr(R.T)  # (D, 2M), (2M, 2M)
     wide = torch.float64
     scale = V.abs().amax().to(wide).clamp_min(torch.finfo(wide).tiny)
@@ -77,8 +86,28 @@ def sketch_update(basis: Tensor, eigvals: Tensor, pairs: Sequence[Tuple[Tensor, 
     core += 0.5 * (cross + cross.T)
     lam, E = torch.linalg.eigh(core)  # ascending
     lam, E = lam[-r:].flip(0), E[:, -r:].flip(1).to(V.dtype)
-    new_basis = torch.addmm(E[r:].T @ Q2.T, E[:r].T, basis)
-    return new_basis, lam.to(eigvals.dtype)
+    return _rotate(basis, Q2.T, E[:r].T.contiguous(), E[r:].T.contiguous(), out), lam.to(eigvals.dtype)
+
+
+def _rotate(basis: Tensor, extra_t: Tensor, E1: Tensor, E2: Tensor, out: Optional[Tensor]) -> Tensor:
+    r""":math:`E_1 Q^\top + E_2 Q_2^\top` by chunks of columns into ``out`` (a chunk of the product depends only on the
+    same chunk of :math:`Q^\top` and :math:`Q_2^\top`, so ``out`` may be ``basis``); a skinny product by chunks
+    runs in cache, several times faster than one product over all of :math:`D`."""
+    out = torch.empty_like(basis) if out is None else out
+    D = basis.shape[1]
+    for lo in range(0, D, _CHUNK):
+        chunk = torch.addmm(E2 @ extra_t[:, lo:lo + _CHUNK], E1, basis[:, lo:lo + _CHUNK])
+        out[:, lo:lo + _CHUNK] = chunk
+    return out
+
+
+def abs_row_dots(rows: Tensor, v: Tensor) -> Tensor:
+    r""":math:`\sum_d |R_{kd}|\,v_d` per row :math:`k` of ``rows`` (K, D), by chunks of columns (no (K, D)
+    temporary)."""
+    out = rows.new_zeros(rows.shape[0])
+    for lo in range(0, rows.shape[1], _CHUNK):
+        out.addmv_(rows[:, lo:lo + _CHUNK].abs(), v[lo:lo + _CHUNK])
+    return out
 
 
 def row_squares(factor_t: Tensor) -> Tensor:
@@ -97,6 +126,34 @@ def _gram(factor_t: Tensor, weights: Tensor) -> Tensor:
         block = factor_t[:, lo:lo + _CHUNK]
         out += ((block * weights[lo:lo + _CHUNK]) @ block.T).to(torch.float64)
     return out
+
+
+def factorise(basis: Tensor, eigvals: Tensor, total: Tensor, floor: float, ess: float, out: Tensor) -> "Woodbury":
+    r"""The :class:`Woodbury` factorisation of :math:`\Psi + UU^\top` for FactorIVON's state, in one pass by chunks.
+
+    :math:`U^\top = \mathrm{diag}(\lambda_+^{1/2})\,Q^\top` (``eigvals``, ``basis``), each column :math:`d` then
+    shrunk so that its squared norm is at most :math:`(1 - \rho)\max(t_d, 0)` (``floor`` :math:`\rho`, ``total``
+    :math:`t = h + \delta`), and :math:`\psi = t - \mathrm{rowsq}(U)`. :math:`U^\top` is written into ``out``
+    (K, D); the row norms, the shrinking, :math:`\psi` and the Gram matrix are computed chunk by chunk while the
+    chunk is in cache, with no (K, D) temporary.
+    """
+    K, D = basis.shape
+    scale = eigvals.clamp_min(0).sqrt().unsqueeze(-1)
+    psi, inv_psi = torch.empty_like(total), torch.empty_like(total)
+    gram = torch.zeros(K, K, dtype=torch.float64, device=basis.device)
+    tiny = torch.finfo(basis.dtype).tiny
+    for lo in range(0, D, _CHUNK):
+        cols = slice(lo, lo + _CHUNK)
+        block = torch.mul(basis[:, cols], scale, out=out[:, cols])
+        room = total[cols].clamp_min(0).mul_(1.0 - floor)
+        rows = block.square().sum(0)
+        shrink = rows > room
+        if bool(shrink.any()):
+            block.mul_(torch.where(shrink, (room / rows.clamp_min(tiny)).sqrt(), 1.0))
+        torch.sub(total[cols], torch.minimum(rows, room), out=psi[cols])
+        torch.reciprocal(psi[cols], out=inv_psi[cols])
+        gram += ((block * inv_psi[cols]) @ block.T).to(torch.float64)
+    return Woodbury.of(psi, out, ess, inv_psi=inv_psi, gram=gram)
 
 
 class Woodbury(NamedTuple):
@@ -126,11 +183,13 @@ class Woodbury(NamedTuple):
     eigvals: Tensor  # s, (K,), float64
 
     @classmethod
-    def of(cls, psi: Tensor, factor_t: Tensor, ess: float = 1.0) -> "Woodbury":
+    def of(cls, psi: Tensor, factor_t: Tensor, ess: float = 1.0, *, inv_psi: Optional[Tensor] = None,
+           gram: Optional[Tensor] = None) -> "Woodbury":
         """Factorise for ``psi`` (D,) positive, ``factor_t`` :math:`U^\\top` (K, D) and ``ess`` :math:`\\lambda`:
-        :math:`O(DK^2)`."""
-        inv_psi = psi.reciprocal()
-        gram = _gram(factor_t, inv_psi)
+        :math:`O(DK^2)` (``inv_psi`` and the float64 ``gram`` :math:`A^\\top A`, when already computed, are
+        taken as given)."""
+        inv_psi = psi.reciprocal() if inv_psi is None else inv_psi
+        gram = _gram(factor_t, inv_psi) if gram is None else gram
         s, W = torch.linalg.eigh(gram)
         root = (ess * psi).sqrt()
         return cls(psi, factor_t, float(ess), inv_psi, root, root.reciprocal(), gram, W, s.clamp_min(0.0))
@@ -161,8 +220,10 @@ class Woodbury(NamedTuple):
         x = eps * self.inv_root
         e = (self.factor_t @ x).to(s.dtype)
         c1 = self._small(e, weights)
-        both = torch.stack([c1, self.ess * (e - self.gram @ c1 - c1)]).to(eps.dtype) @ self.factor_t  # (2, D)
-        return torch.addcmul(x, both[0], self.inv_psi, value=-1.0), torch.addcmul(both[1], self.root, eps)
+        back = c1.to(eps.dtype) @ self.factor_t  # two vector-matrix products: faster than one (2, K) x (K, D)
+        noise = torch.addcmul(x, back, self.inv_psi, value=-1.0)
+        back = (self.ess * (e - self.gram @ c1 - c1)).to(eps.dtype) @ self.factor_t
+        return noise, back.addcmul_(self.root, eps)
 
     def matvec(self, v: Tensor) -> Tensor:
         r""":math:`(\Psi + UU^\top)v` for ``v`` of shape (D,)."""

@@ -11,7 +11,7 @@ from torch import Tensor
 from pyro_fa.distributions import LowRankPrecisionNormal
 from pyro_fa.optim._checks import (NAME, check_count, check_dimension, check_hyperparameters, check_params,
                                    check_shared)
-from pyro_fa.optim._lowrank import Woodbury, row_squares, sketch_update
+from pyro_fa.optim._lowrank import Woodbury, abs_row_dots, factorise, sketch_update
 
 __all__ = ["FactorIVON"]
 
@@ -179,6 +179,7 @@ class FactorIVON(torch.optim.Optimizer):
         self.state["basis"] = torch.zeros(self.rank, D, dtype=dtype, device=device)  # Q^T, rows orthonormal or 0
         self.state["eigvals"] = torch.zeros(self.rank, dtype=dtype, device=device)
         self._factors: Optional[Woodbury] = None
+        self._factor_buffer: Optional[Tensor] = None  # U^T's storage, reused at every refactorisation
         self._mean: Optional[Tensor] = None  # the mean while a draw is loaded into the parameters
         self._previous_momentum: Optional[Tensor] = None
         self._reset_samples()
@@ -202,15 +203,13 @@ class FactorIVON(torch.optim.Optimizer):
     def _woodbury(self) -> Woodbury:
         r"""The factorisation of :math:`\mathrm{diag}(\psi) + UU^\top` at the current state (cached until a step)."""
         if self._factors is None:
-            group = self.param_groups[0]
-            total = self.state["hess"] + group["weight_decay"]
-            factor_t = self.state["basis"] * self.state["eigvals"].clamp_min(0).sqrt().unsqueeze(-1)  # U^T (K, D)
-            room = (1.0 - self.diag_floor) * total.clamp_min(0)
-            rows = row_squares(factor_t)
-            shrink = rows > room  # rows of U shrunk to 1 - rho of h + delta
-            if bool(shrink.any()):
-                factor_t.mul_(torch.where(shrink, (room / rows.clamp_min(torch.finfo(rows.dtype).tiny)).sqrt(), 1.0))
-            self._factors = Woodbury.of(total - torch.minimum(rows, room), factor_t, group["ess"])
+            group, basis = self.param_groups[0], self.state["basis"]
+            buffer = self._factor_buffer
+            if buffer is None or buffer.shape != basis.shape or buffer.dtype != basis.dtype or \
+                    buffer.device != basis.device:  # a fresh (K, D) tensor costs its page faults at every refresh
+                buffer = self._factor_buffer = torch.empty_like(basis)
+            self._factors = factorise(basis, self.state["eigvals"], self.state["hess"] + group["weight_decay"],
+                                      self.diag_floor, group["ess"], buffer)
         return self._factors
 
     def _precision_diag(self) -> Tensor:
@@ -356,7 +355,8 @@ class FactorIVON(torch.optim.Optimizer):
             baseline = self._baseline(t)  # E[baseline a^T] = 0: a control variate, not a bias
             centred = [(grad - baseline, a) for grad, a in self._pairs]
             basis, eigvals = sketch_update(self.state["basis"], self.state["eigvals"], centred,
-                                           self.param_groups[0]["beta2"] ** self.update_every)
+                                           self.param_groups[0]["beta2"] ** self.update_every,
+                                           out=self.state["basis"])  # rotated in place, as torch optimizers do
             self.state["basis"], self.state["eigvals"] = basis, torch.minimum(eigvals, self._cap(basis))
         if not self.rank or self._pairs:
             self._factors = None
@@ -378,7 +378,7 @@ class FactorIVON(torch.optim.Optimizer):
         allows, per row :math:`q` of ``basis`` (:math:`Q^\top`): :math:`(\sum_d |q_d|\sqrt{h_d + \delta})^2` (Cauchy-Schwarz,
         :math:`|H_{de}| \le \sqrt{H_{dd}H_{ee}}`)."""
         total = (self.state["hess"] + self.param_groups[0]["weight_decay"]).clamp_min(0).sqrt()
-        return torch.stack([row.abs() @ total for row in basis]).square()
+        return abs_row_dots(basis, total).square()
 
     def _new_mean(self, mean: Tensor, t: float) -> Tensor:
         hess, momentum = self.state["hess"], self.state["momentum"]
@@ -402,5 +402,6 @@ class FactorIVON(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:
         """As :meth:`torch.optim.Optimizer.load_state_dict`; the cached factorisation is recomputed."""
         super().load_state_dict(state_dict)
+        self.state["basis"] = self.state["basis"].clone()  # updated in place: never shared with the source
         self._factors = None
         self._reset_samples()
