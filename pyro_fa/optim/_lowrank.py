@@ -28,6 +28,8 @@ __all__ = ["sketch_update", "row_squares", "abs_row_dots", "factorise", "Woodbur
 
 #: columns per chunk of the Gram matrix (a chunk of the (K, D) factor stays in cache)
 _CHUNK = 1 << 16
+#: columns per chunk of the rotation (a chunk of the input and of the output both stay in cache)
+_SMALL_CHUNK = 1 << 14
 #: a second Gram-Schmidt pass when a vector keeps less than this fraction of its norm after the first
 _REORTHOGONALISE = 2.0 / 3.0
 
@@ -65,11 +67,11 @@ def sketch_update(basis: Tensor, eigvals: Tensor, pairs: Sequence[Tuple[Tensor, 
     r = basis.shape[0]
     M = len(pairs)
     V = torch.stack([g for g, _ in pairs] + [a for _, a in pairs])  # (2M, D)
-    coef = V @ basis.T  # (2M, r)
-    R = torch.addmm(V, coef, basis, alpha=-1.0)
+    coef = _project(basis, V)  # (2M, r)
+    R = _deflate(V.clone(), coef, basis)
     if bool((R.norm(dim=1) < _REORTHOGONALISE * V.norm(dim=1)).any()):  # a second pass where the first cancelled
-        again = R @ basis.T
-        R.addmm_(again, basis, alpha=-1.0)
+        again = _project(basis, R)
+        _deflate(R, again, basis)
         coef += again
     Q2, R2 = torch.linalg.qr(R.T)  # (D, 2M), (2M, 2M)
     wide = torch.float64
@@ -86,7 +88,20 @@ def sketch_update(basis: Tensor, eigvals: Tensor, pairs: Sequence[Tuple[Tensor, 
     core += 0.5 * (cross + cross.T)
     lam, E = torch.linalg.eigh(core)  # ascending
     lam, E = lam[-r:].flip(0), E[:, -r:].flip(1).to(V.dtype)
-    return _rotate(basis, Q2.T, E[:r].T.contiguous(), E[r:].T.contiguous(), out), lam.to(eigvals.dtype)
+    return _rotate(basis, Q2.T.contiguous(), E[:r].T.contiguous(), E[r:].T.contiguous(), out), lam.to(eigvals.dtype)
+
+
+def _project(basis: Tensor, V: Tensor) -> Tensor:
+    r""":math:`VQ` (rows of ``V`` (n, D) against the rows of ``basis`` :math:`Q^\top` (r, D)): a matrix-vector
+    product per row, faster on a CPU than the (n, D) x (D, r) product."""
+    return torch.stack([basis @ v for v in V])
+
+
+def _deflate(R: Tensor, coef: Tensor, basis: Tensor) -> Tensor:
+    r"""``R -= coef @ basis`` in place, a vector-matrix product per row of ``R``."""
+    for row, c in zip(R, coef):
+        row.sub_(c @ basis)
+    return R
 
 
 def _rotate(basis: Tensor, extra_t: Tensor, E1: Tensor, E2: Tensor, out: Optional[Tensor]) -> Tensor:
@@ -94,10 +109,13 @@ def _rotate(basis: Tensor, extra_t: Tensor, E1: Tensor, E2: Tensor, out: Optiona
     same chunk of :math:`Q^\top` and :math:`Q_2^\top`, so ``out`` may be ``basis``); a skinny product by chunks
     runs in cache, several times faster than one product over all of :math:`D`."""
     out = torch.empty_like(basis) if out is None else out
-    D = basis.shape[1]
-    for lo in range(0, D, _CHUNK):
-        chunk = torch.addmm(E2 @ extra_t[:, lo:lo + _CHUNK], E1, basis[:, lo:lo + _CHUNK])
-        out[:, lo:lo + _CHUNK] = chunk
+    K, D = basis.shape
+    work = basis.new_empty(K, min(D, _SMALL_CHUNK))
+    for lo in range(0, D, _SMALL_CHUNK):
+        cols = slice(lo, lo + _SMALL_CHUNK)
+        tmp = work[:, :basis[:, cols].shape[1]]
+        torch.mm(E1, basis[:, cols], out=tmp).addmm_(E2, extra_t[:, cols])
+        out[:, cols].copy_(tmp)
     return out
 
 
@@ -199,15 +217,17 @@ class Woodbury(NamedTuple):
         W = self.eigvecs
         return W @ (weights * (W.T @ x.to(W.dtype)))
 
-    def solve(self, v: Tensor) -> Tensor:
-        r""":math:`(\Psi + UU^\top)^{-1}v` for ``v`` of shape (D,): two passes over :math:`U^\top`."""
+    def solve(self, v: Tensor, overwrite: bool = False) -> Tensor:
+        r""":math:`(\Psi + UU^\top)^{-1}v` for ``v`` of shape (D,): two passes over :math:`U^\top`; with
+        ``overwrite``, ``v``'s storage is used as scratch (one D-vector fewer to allocate)."""
         w = v * self.inv_psi
         c = self._small(self.factor_t @ w, (1.0 + self.eigvals).reciprocal())
-        return torch.addcmul(w, c.to(v.dtype) @ self.factor_t, self.inv_psi, value=-1.0)
+        back = torch.mv(self.factor_t.T, c.to(v.dtype), out=v) if overwrite else c.to(v.dtype) @ self.factor_t
+        return w.addcmul_(back, self.inv_psi, value=-1.0)
 
     def draw(self, eps: Tensor) -> Tuple[Tensor, Tensor]:
-        r"""A draw :math:`z \sim N(0, P^{-1})` and :math:`Pz` from standard normal ``eps`` (D,): two passes over
-        :math:`U^\top`.
+        r"""A draw :math:`z \sim N(0, P^{-1})` and :math:`Pz` from standard normal ``eps`` (D,): three passes over
+        :math:`U^\top` (one product :math:`U^\top x`, two vector-matrix products back).
 
         With :math:`x = (\lambda\psi)^{-1/2}\odot\varepsilon`, :math:`e = U^\top x` and :math:`c_1 =
         W\mathrm{diag}(\frac{1 - (1+s)^{-1/2}}{s})W^\top e`: :math:`z = x - \Psi^{-1}Uc_1` and, as
@@ -221,8 +241,8 @@ class Woodbury(NamedTuple):
         e = (self.factor_t @ x).to(s.dtype)
         c1 = self._small(e, weights)
         back = c1.to(eps.dtype) @ self.factor_t  # two vector-matrix products: faster than one (2, K) x (K, D)
-        noise = torch.addcmul(x, back, self.inv_psi, value=-1.0)
-        back = (self.ess * (e - self.gram @ c1 - c1)).to(eps.dtype) @ self.factor_t
+        noise = x.addcmul_(back, self.inv_psi, value=-1.0)  # in place: every new D-vector costs page faults
+        torch.mv(self.factor_t.T, (self.ess * (e - self.gram @ c1 - c1)).to(eps.dtype), out=back)
         return noise, back.addcmul_(self.root, eps)
 
     def matvec(self, v: Tensor) -> Tensor:

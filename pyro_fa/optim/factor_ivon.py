@@ -346,10 +346,12 @@ class FactorIVON(torch.optim.Optimizer):
         self._previous_momentum = self.state["momentum"]
         for g, s in self._groups():
             b1, b2, wd = g["beta1"], g["beta2"], g["weight_decay"]
-            momentum.append(b1 * self.state["momentum"][s] + (1.0 - b1) * avg_grad[s])
+            # ivon-opt's arithmetic, operation for operation, with fewer new D-vectors (each costs page faults)
+            momentum.append(torch.mul(self.state["momentum"][s], b1).add_(torch.mul(avg_grad[s], 1.0 - b1)))
             h = hess[s]
             f = self.state["avg_nxg"][s] if self.rank else self.state["avg_nxg"][s] * (h + wd) * g["ess"]
-            new_hess.append(b2 * h + (1.0 - b2) * f + (0.5 * (1 - b2) ** 2) * (h - f).square() / (h + wd))
+            new = torch.mul(h, b2).add_(torch.mul(f, 1.0 - b2))  # b2 h + (1 - b2) f + c (h - f)^2 / (h + wd)
+            new_hess.append(new.add_(torch.sub(h, f).square_().mul_(0.5 * (1 - b2) ** 2).div_(torch.add(h, wd))))
         self.state["momentum"], self.state["hess"] = _join(momentum), _join(new_hess)
         if self.rank and self._pairs:  # every update_every steps: the low-rank part, and P refactorised
             baseline = self._baseline(t)  # E[baseline a^T] = 0: a control variate, not a bias
@@ -386,17 +388,18 @@ class FactorIVON(torch.optim.Optimizer):
         if self.rank:  # the natural-gradient direction couples the groups: one Woodbury solve
             g0 = self.param_groups[0]
             rhs = _join([momentum[s] / (1.0 - math.pow(g["beta1"], t) if self.debias else 1.0)
-                         for g, s in self._groups()]).add(mean, alpha=g0["weight_decay"])
-            direction = self._woodbury().solve(rhs)
-        for g, s in self._groups():
+                         for g, s in self._groups()]).add_(mean, alpha=g0["weight_decay"])
+            direction = self._woodbury().solve(rhs, overwrite=True)
+        for g, s in self._groups():  # the step below is a new tensor of ours: updated in place, same arithmetic
             lr = g["lr"] * (g["hess_init"] + g["weight_decay"]) if self.rescale_lr else g["lr"]
             if self.rank:
                 step = direction[s]
-            else:  # ivon-opt's expression
+            else:  # ivon-opt's expression, (momentum / debias + wd mean) / (h + wd)
                 debias = 1.0 - math.pow(g["beta1"], t) if self.debias else 1.0
                 wd = g["weight_decay"]
-                step = (momentum[s] / debias + wd * mean[s]) / (hess[s] + wd)
-            parts.append(mean[s] - lr * torch.clip(step, min=-g["clip_radius"], max=g["clip_radius"]))
+                step = torch.div(momentum[s], debias).add_(torch.mul(mean[s], wd)).div_(torch.add(hess[s], wd))
+            step = step.clamp_(min=-g["clip_radius"], max=g["clip_radius"]).mul_(lr)
+            parts.append(torch.sub(mean[s], step))
         return _join(parts)
 
     def load_state_dict(self, state_dict) -> None:
