@@ -217,31 +217,34 @@ class Woodbury(NamedTuple):
         W = self.eigvecs
         return W @ (weights * (W.T @ x.to(W.dtype)))
 
-    def solve(self, v: Tensor, overwrite: bool = False) -> Tensor:
+    def solve(self, v: Tensor, overwrite: bool = False, out: Optional[Tensor] = None) -> Tensor:
         r""":math:`(\Psi + UU^\top)^{-1}v` for ``v`` of shape (D,): two passes over :math:`U^\top`; with
-        ``overwrite``, ``v``'s storage is used as scratch (one D-vector fewer to allocate)."""
-        w = v * self.inv_psi
+        ``overwrite``, ``v``'s storage is used as scratch; the result goes to ``out`` (a new tensor if None)."""
+        w = torch.mul(v, self.inv_psi, out=out) if out is not None else v * self.inv_psi
         c = self._small(self.factor_t @ w, (1.0 + self.eigvals).reciprocal())
         back = torch.mv(self.factor_t.T, c.to(v.dtype), out=v) if overwrite else c.to(v.dtype) @ self.factor_t
         return w.addcmul_(back, self.inv_psi, value=-1.0)
 
-    def draw(self, eps: Tensor) -> Tuple[Tensor, Tensor]:
+    def draw(self, eps: Tensor, out: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None)
+             ) -> Tuple[Tensor, Tensor]:
         r"""A draw :math:`z \sim N(0, P^{-1})` and :math:`Pz` from standard normal ``eps`` (D,): three passes over
         :math:`U^\top` (one product :math:`U^\top x`, two vector-matrix products back).
 
         With :math:`x = (\lambda\psi)^{-1/2}\odot\varepsilon`, :math:`e = U^\top x` and :math:`c_1 =
         W\mathrm{diag}(\frac{1 - (1+s)^{-1/2}}{s})W^\top e`: :math:`z = x - \Psi^{-1}Uc_1` and, as
         :math:`U^\top z = e - A^\top A c_1`, :math:`Pz = (\lambda\psi)^{1/2}\odot\varepsilon + \lambda U(e - A^\top Ac_1
-        - c_1)`.
+        - c_1)`. ``out``: D-vectors to write :math:`z` and :math:`Pz` into (None: new ones).
         """
         s = self.eigvals
         tiny = s <= torch.finfo(s.dtype).eps
         weights = torch.where(tiny, torch.full_like(s, 0.5), (1.0 - (1.0 + s).rsqrt()) / torch.where(tiny, 1.0, s))
-        x = eps * self.inv_root
+        x = torch.mul(eps, self.inv_root, out=out[0]) if out[0] is not None else eps * self.inv_root
         e = (self.factor_t @ x).to(s.dtype)
         c1 = self._small(e, weights)
-        back = c1.to(eps.dtype) @ self.factor_t  # two vector-matrix products: faster than one (2, K) x (K, D)
-        noise = x.addcmul_(back, self.inv_psi, value=-1.0)  # in place: every new D-vector costs page faults
+        # two vector-matrix products (faster than one (2, K) x (K, D)), in place: a new D-vector costs page faults
+        back = torch.mv(self.factor_t.T, c1.to(eps.dtype), out=out[1]) if out[1] is not None else \
+            c1.to(eps.dtype) @ self.factor_t
+        noise = x.addcmul_(back, self.inv_psi, value=-1.0)
         torch.mv(self.factor_t.T, (self.ess * (e - self.gram @ c1 - c1)).to(eps.dtype), out=back)
         return noise, back.addcmul_(self.root, eps)
 

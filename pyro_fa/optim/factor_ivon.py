@@ -180,6 +180,7 @@ class FactorIVON(torch.optim.Optimizer):
         self.state["eigvals"] = torch.zeros(self.rank, dtype=dtype, device=device)
         self._factors: Optional[Woodbury] = None
         self._factor_buffer: Optional[Tensor] = None  # U^T's storage, reused at every refactorisation
+        self._scratch_buffers = {}  # name -> a D-vector reused at every step (rank > 0)
         self._mean: Optional[Tensor] = None  # the mean while a draw is loaded into the parameters
         self._previous_momentum: Optional[Tensor] = None
         self._reset_samples()
@@ -196,6 +197,15 @@ class FactorIVON(torch.optim.Optimizer):
         for group, n in zip(self.param_groups, self._sizes):
             yield group, slice(start, start + n)
             start += n
+
+    def _scratch(self, name: str) -> Tensor:
+        """A D-vector of the state's dtype and device, kept between steps: a new 4 MB tensor costs about as much
+        in page faults as the arithmetic on it. Its content is dead outside the one computation that uses it."""
+        hess = self.state["hess"]
+        buffer = self._scratch_buffers.get(name)
+        if buffer is None or buffer.shape != hess.shape or buffer.dtype != hess.dtype or buffer.device != hess.device:
+            buffer = self._scratch_buffers[name] = torch.empty_like(hess)
+        return buffer
 
     def _flat(self) -> Tensor:
         return _join([p.detach().flatten() for p in self._params])
@@ -274,9 +284,14 @@ class FactorIVON(torch.optim.Optimizer):
 
     def _sample_params(self):
         hess = self.state["hess"]
-        eps = [torch.randn(s.stop - s.start, device=hess.device, dtype=hess.dtype) for _, s in self._groups()]
-        if self.rank:
-            noise, precision_noise = self._woodbury().draw(_join(eps))  # z ~ N(0, P^-1), P z
+        if self.rank and len(self.param_groups) == 1:  # the same numbers as torch.randn(D), into a kept vector
+            eps = [torch.randn(self.dim, device=hess.device, dtype=hess.dtype, out=self._scratch("eps"))]
+        else:
+            eps = [torch.randn(s.stop - s.start, device=hess.device, dtype=hess.dtype) for _, s in self._groups()]
+        if self.rank:  # z ~ N(0, P^-1) into a kept vector (only mean + z is kept), and P z (kept on refresh steps)
+            refresh = (self.state["step"] + 1) % self.update_every == 0
+            out = (self._scratch("noise"), None if refresh else self._scratch("precision_noise"))
+            noise, precision_noise = self._woodbury().draw(_join(eps), out)
         else:  # ivon-opt's expression
             precision_noise = None
             noise = torch.cat([e / (g["ess"] * (hess[s] + g["weight_decay"])).sqrt()
@@ -389,7 +404,7 @@ class FactorIVON(torch.optim.Optimizer):
             g0 = self.param_groups[0]
             rhs = _join([momentum[s] / (1.0 - math.pow(g["beta1"], t) if self.debias else 1.0)
                          for g, s in self._groups()]).add_(mean, alpha=g0["weight_decay"])
-            direction = self._woodbury().solve(rhs, overwrite=True)
+            direction = self._woodbury().solve(rhs, overwrite=True, out=self._scratch("noise"))
         for g, s in self._groups():  # the step below is a new tensor of ours: updated in place, same arithmetic
             lr = g["lr"] * (g["hess_init"] + g["weight_decay"]) if self.rescale_lr else g["lr"]
             if self.rank:
