@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["sketch_update", "row_squares", "abs_row_dots", "factorise", "Woodbury"]
+__all__ = ["sketch_update", "sketch_update_stacked", "row_squares", "factorise", "Woodbury"]
 
 #: columns per chunk of the Gram matrix (a chunk of the (K, D) factor stays in cache)
 _CHUNK = 1 << 16
@@ -64,31 +64,43 @@ def sketch_update(basis: Tensor, eigvals: Tensor, pairs: Sequence[Tuple[Tensor, 
     than a third of a vector's norm (Daniel, Gragg, Kaufman & Stewart 1976; "twice is enough"), the only case in
     which one pass leaves more than rounding error along :math:`Q`.
     """
-    r = basis.shape[0]
-    M = len(pairs)
     V = torch.stack([g for g, _ in pairs] + [a for _, a in pairs])  # (2M, D)
+    new_basis, lam, _ = sketch_update_stacked(basis, eigvals, V, beta, out=out)
+    return new_basis, lam
+
+
+def sketch_update_stacked(basis: Tensor, eigvals: Tensor, V: Tensor, beta: float, *, out: Optional[Tensor] = None,
+                          cap_weights: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    r""":func:`sketch_update` with the pairs stacked, ``V`` = :math:`[g_1, ..., g_M, a_1, ..., a_M]` (2M, D),
+    used as scratch (overwritten). With ``cap_weights`` :math:`w` (D,), also :math:`\sum_d |Q'_{dk}|\,w_d` per new
+    row :math:`k`, computed while the rotation's chunk is in cache (else None)."""
+    r = basis.shape[0]
+    M = V.shape[0] // 2
+    wide = torch.float64
+    scale = torch.linalg.vector_norm(V, float("inf")).to(wide).clamp_min(torch.finfo(wide).tiny)  # max |V|
+    norms = V.norm(dim=1)
     coef = _project(basis, V)  # (2M, r)
-    R = _deflate(V.clone(), coef, basis)
-    if bool((R.norm(dim=1) < _REORTHOGONALISE * V.norm(dim=1)).any()):  # a second pass where the first cancelled
+    R = _deflate(V, coef, basis)  # V's storage
+    if bool((R.norm(dim=1) < _REORTHOGONALISE * norms).any()):  # a second pass where the first cancelled
         again = _project(basis, R)
         _deflate(R, again, basis)
         coef += again
     Q2, R2 = torch.linalg.qr(R.T)  # (D, 2M), (2M, 2M)
-    wide = torch.float64
-    scale = V.abs().amax().to(wide).clamp_min(torch.finfo(wide).tiny)
     keep = R2.diagonal().abs().to(wide) > 64 * torch.finfo(V.dtype).eps * scale * V.shape[1] ** 0.5
     if not bool(keep.all()):  # a new vector within the span of the others: its direction is left empty
         Q2 = Q2 * keep.to(Q2.dtype)
         R2 = R2 * keep.to(R2.dtype).unsqueeze(-1)
     C = torch.cat([coef.T, R2], 0).to(wide)  # V^T = [Q, Q2] C, (r + 2M, 2M)
     G, A = C[:, :M], C[:, M:]
-    core = torch.zeros(r + 2 * M, r + 2 * M, dtype=wide, device=V.device)
+    core = torch.zeros(r + 2 * M, r + 2 * M, dtype=wide, device=basis.device)
     core[:r, :r] = torch.diag(beta * eigvals.to(wide))
     cross = (G @ A.T) * ((1.0 - beta) / M)
     core += 0.5 * (cross + cross.T)
     lam, E = torch.linalg.eigh(core)  # ascending
-    lam, E = lam[-r:].flip(0), E[:, -r:].flip(1).to(V.dtype)
-    return _rotate(basis, Q2.T.contiguous(), E[:r].T.contiguous(), E[r:].T.contiguous(), out), lam.to(eigvals.dtype)
+    lam, E = lam[-r:].flip(0), E[:, -r:].flip(1).to(basis.dtype)
+    sums = None if cap_weights is None else basis.new_zeros(r)
+    new_basis = _rotate(basis, Q2.T.contiguous(), E[:r].T.contiguous(), E[r:].T.contiguous(), out, cap_weights, sums)
+    return new_basis, lam.to(eigvals.dtype), sums
 
 
 def _project(basis: Tensor, V: Tensor) -> Tensor:
@@ -104,10 +116,12 @@ def _deflate(R: Tensor, coef: Tensor, basis: Tensor) -> Tensor:
     return R
 
 
-def _rotate(basis: Tensor, extra_t: Tensor, E1: Tensor, E2: Tensor, out: Optional[Tensor]) -> Tensor:
+def _rotate(basis: Tensor, extra_t: Tensor, E1: Tensor, E2: Tensor, out: Optional[Tensor],
+            weights: Optional[Tensor] = None, sums: Optional[Tensor] = None) -> Tensor:
     r""":math:`E_1 Q^\top + E_2 Q_2^\top` by chunks of columns into ``out`` (a chunk of the product depends only on the
     same chunk of :math:`Q^\top` and :math:`Q_2^\top`, so ``out`` may be ``basis``); a skinny product by chunks
-    runs in cache, several times faster than one product over all of :math:`D`."""
+    runs in cache, several times faster than one product over all of :math:`D`. With ``weights``, adds
+    :math:`|\text{chunk}|\,w` to ``sums`` (K,) chunk by chunk."""
     out = torch.empty_like(basis) if out is None else out
     K, D = basis.shape
     work = basis.new_empty(K, min(D, _SMALL_CHUNK))
@@ -116,15 +130,8 @@ def _rotate(basis: Tensor, extra_t: Tensor, E1: Tensor, E2: Tensor, out: Optiona
         tmp = work[:, :basis[:, cols].shape[1]]
         torch.mm(E1, basis[:, cols], out=tmp).addmm_(E2, extra_t[:, cols])
         out[:, cols].copy_(tmp)
-    return out
-
-
-def abs_row_dots(rows: Tensor, v: Tensor) -> Tensor:
-    r""":math:`\sum_d |R_{kd}|\,v_d` per row :math:`k` of ``rows`` (K, D), by chunks of columns (no (K, D)
-    temporary)."""
-    out = rows.new_zeros(rows.shape[0])
-    for lo in range(0, rows.shape[1], _CHUNK):
-        out.addmv_(rows[:, lo:lo + _CHUNK].abs(), v[lo:lo + _CHUNK])
+        if weights is not None:
+            sums.addmv_(tmp.abs(), weights[cols])
     return out
 
 

@@ -11,7 +11,7 @@ from torch import Tensor
 from pyro_fa.distributions import LowRankPrecisionNormal
 from pyro_fa.optim._checks import (NAME, check_count, check_dimension, check_hyperparameters, check_params,
                                    check_shared)
-from pyro_fa.optim._lowrank import Woodbury, abs_row_dots, factorise, sketch_update
+from pyro_fa.optim._lowrank import Woodbury, factorise, sketch_update_stacked
 
 __all__ = ["FactorIVON"]
 
@@ -198,13 +198,14 @@ class FactorIVON(torch.optim.Optimizer):
             yield group, slice(start, start + n)
             start += n
 
-    def _scratch(self, name: str) -> Tensor:
+    def _scratch(self, name: str, rows: Optional[int] = None) -> Tensor:
         """A D-vector of the state's dtype and device, kept between steps: a new 4 MB tensor costs about as much
         in page faults as the arithmetic on it. Its content is dead outside the one computation that uses it."""
         hess = self.state["hess"]
+        shape = hess.shape if rows is None else (rows,) + hess.shape
         buffer = self._scratch_buffers.get(name)
-        if buffer is None or buffer.shape != hess.shape or buffer.dtype != hess.dtype or buffer.device != hess.device:
-            buffer = self._scratch_buffers[name] = torch.empty_like(hess)
+        if buffer is None or buffer.shape != shape or buffer.dtype != hess.dtype or buffer.device != hess.device:
+            buffer = self._scratch_buffers[name] = hess.new_empty(shape)
         return buffer
 
     def _flat(self) -> Tensor:
@@ -370,11 +371,18 @@ class FactorIVON(torch.optim.Optimizer):
         self.state["momentum"], self.state["hess"] = _join(momentum), _join(new_hess)
         if self.rank and self._pairs:  # every update_every steps: the low-rank part, and P refactorised
             baseline = self._baseline(t)  # E[baseline a^T] = 0: a control variate, not a bias
-            centred = [(grad - baseline, a) for grad, a in self._pairs]
-            basis, eigvals = sketch_update(self.state["basis"], self.state["eigvals"], centred,
-                                           self.param_groups[0]["beta2"] ** self.update_every,
-                                           out=self.state["basis"])  # rotated in place, as torch optimizers do
-            self.state["basis"], self.state["eigvals"] = basis, torch.minimum(eigvals, self._cap(basis))
+            M = len(self._pairs)
+            V = self._scratch("pairs", 2 * M)  # [g_1 - b, ..., g_M - b, a_1, ..., a_M]
+            for j, (grad, a) in enumerate(self._pairs):
+                torch.sub(grad, baseline, out=V[j])
+                V[M + j].copy_(a)
+            total = (self.state["hess"] + self.param_groups[0]["weight_decay"]).clamp_min_(0).sqrt_()
+            basis, eigvals, sums = sketch_update_stacked(  # rotated in place, as torch optimizers update state
+                self.state["basis"], self.state["eigvals"], V, self.param_groups[0]["beta2"] ** self.update_every,
+                out=self.state["basis"], cap_weights=total)
+            # each eigenvalue capped at (sum_d |q_d| sqrt(h_d + delta))^2, the most q^T H q any positive semi-definite
+            # H with diagonal h + delta allows (Cauchy-Schwarz, |H_de| <= sqrt(H_dd H_ee))
+            self.state["basis"], self.state["eigvals"] = basis, torch.minimum(eigvals, sums.square())
         if not self.rank or self._pairs:
             self._factors = None
         self._load(self._new_mean(mean, t))
@@ -389,13 +397,6 @@ class FactorIVON(torch.optim.Optimizer):
             return torch.zeros_like(previous if previous is not None else self.state["momentum"])
         b1 = self.param_groups[0]["beta1"]
         return previous / (1.0 - math.pow(b1, t - 1.0)) if self.debias else previous
-
-    def _cap(self, basis: Tensor) -> Tensor:
-        r"""The largest :math:`q^\top Hq` any positive semi-definite :math:`H` with diagonal :math:`h + \delta`
-        allows, per row :math:`q` of ``basis`` (:math:`Q^\top`): :math:`(\sum_d |q_d|\sqrt{h_d + \delta})^2` (Cauchy-Schwarz,
-        :math:`|H_{de}| \le \sqrt{H_{dd}H_{ee}}`)."""
-        total = (self.state["hess"] + self.param_groups[0]["weight_decay"]).clamp_min(0).sqrt()
-        return abs_row_dots(basis, total).square()
 
     def _new_mean(self, mean: Tensor, t: float) -> Tensor:
         hess, momentum = self.state["hess"], self.state["momentum"]
