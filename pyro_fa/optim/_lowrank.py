@@ -29,7 +29,7 @@ __all__ = ["sketch_update", "sketch_update_stacked", "row_squares", "factorise",
 #: columns per chunk of the Gram matrix (a chunk of the (K, D) factor stays in cache)
 _CHUNK = 1 << 16
 #: columns per chunk of the rotation (a chunk of the input and of the output both stay in cache)
-_SMALL_CHUNK = 1 << 14
+_SMALL_CHUNK = 1 << 15
 #: a second Gram-Schmidt pass when a vector keeps less than this fraction of its norm after the first
 _REORTHOGONALISE = 2.0 / 3.0
 
@@ -77,7 +77,7 @@ def sketch_update_stacked(basis: Tensor, eigvals: Tensor, V: Tensor, beta: float
     r = basis.shape[0]
     M = V.shape[0] // 2
     wide = torch.float64
-    scale = torch.linalg.vector_norm(V, float("inf")).to(wide).clamp_min(torch.finfo(wide).tiny)  # max |V|
+    scale = torch.stack(torch.aminmax(V)).abs().amax().to(wide).clamp_min(torch.finfo(wide).tiny)  # max |V|
     norms = V.norm(dim=1)
     coef = _project(basis, V)  # (2M, r)
     R = _deflate(V, coef, basis)  # V's storage
@@ -85,7 +85,8 @@ def sketch_update_stacked(basis: Tensor, eigvals: Tensor, V: Tensor, beta: float
         again = _project(basis, R)
         _deflate(R, again, basis)
         coef += again
-    Q2, R2 = torch.linalg.qr(R.T)  # (D, 2M), (2M, 2M)
+    R2 = _orthonormalise_rows(R)  # R now holds Q2^T (2M, D); R2 (2M, 2M)
+    Q2 = R.T
     keep = R2.diagonal().abs().to(wide) > 64 * torch.finfo(V.dtype).eps * scale * V.shape[1] ** 0.5
     if not bool(keep.all()):  # a new vector within the span of the others: its direction is left empty
         Q2 = Q2 * keep.to(Q2.dtype)
@@ -112,8 +113,28 @@ def _project(basis: Tensor, V: Tensor) -> Tensor:
 def _deflate(R: Tensor, coef: Tensor, basis: Tensor) -> Tensor:
     r"""``R -= coef @ basis`` in place, a vector-matrix product per row of ``R``."""
     for row, c in zip(R, coef):
-        row.sub_(c @ basis)
+        row.addmv_(basis.T, c, alpha=-1.0)
     return R
+
+
+def _orthonormalise_rows(R: Tensor) -> Tensor:
+    r"""Gram-Schmidt on the rows of ``R`` (n, D), in place, each row orthogonalised twice ("twice is enough"):
+    afterwards ``R`` holds :math:`Q_2^\top` and the returned (n, n) upper-triangular :math:`R_2` has
+    :math:`R_{\text{before}}^\top = Q_2R_2` (the thin QR factorisation, with :math:`\mathrm{diag}(R_2) \ge 0`,
+    in the rows' dtype; a row of zero norm stays zero)."""
+    n = R.shape[0]
+    R2 = R.new_zeros(n, n)
+    for j in range(n):
+        row = R[j]
+        for _ in range(2 if j else 0):
+            c = R[:j] @ row
+            row.addmv_(R[:j].T, c, alpha=-1.0)
+            R2[:j, j] += c
+        norm = row.norm()
+        R2[j, j] = norm
+        if bool(norm > 0):
+            row.div_(norm)
+    return R2
 
 
 def _rotate(basis: Tensor, extra_t: Tensor, E1: Tensor, E2: Tensor, out: Optional[Tensor],
@@ -153,18 +174,29 @@ def _gram(factor_t: Tensor, weights: Tensor) -> Tensor:
     return out
 
 
-def factorise(basis: Tensor, eigvals: Tensor, total: Tensor, floor: float, ess: float, out: Tensor) -> "Woodbury":
+def _buffer(buffers: dict, name: str, like: Tensor) -> Tensor:
+    """``buffers[name]`` if it has ``like``'s shape, dtype and device, else a new one stored there."""
+    b = buffers.get(name)
+    if b is None or b.shape != like.shape or b.dtype != like.dtype or b.device != like.device:
+        b = buffers[name] = torch.empty_like(like)
+    return b
+
+
+def factorise(basis: Tensor, eigvals: Tensor, total: Tensor, floor: float, ess: float, buffers: dict) -> "Woodbury":
     r"""The :class:`Woodbury` factorisation of :math:`\Psi + UU^\top` for FactorIVON's state, in one pass by chunks.
 
     :math:`U^\top = \mathrm{diag}(\lambda_+^{1/2})\,Q^\top` (``eigvals``, ``basis``), each column :math:`d` then
     shrunk so that its squared norm is at most :math:`(1 - \rho)\max(t_d, 0)` (``floor`` :math:`\rho`, ``total``
-    :math:`t = h + \delta`), and :math:`\psi = t - \mathrm{rowsq}(U)`. :math:`U^\top` is written into ``out``
-    (K, D); the row norms, the shrinking, :math:`\psi` and the Gram matrix are computed chunk by chunk while the
-    chunk is in cache, with no (K, D) temporary.
+    :math:`t = h + \delta`), and :math:`\psi = t - \mathrm{rowsq}(U)`. The row norms, the shrinking,
+    :math:`\psi` and the Gram matrix are computed chunk by chunk while the chunk is in cache, with no (K, D)
+    temporary. The result's tensors are written into ``buffers`` (name -> tensor, filled on first use; a new
+    tensor of 4 MB or more costs about as much in page faults as the arithmetic on it): the previous
+    factorisation from the same ``buffers`` is overwritten.
     """
     K, D = basis.shape
     scale = eigvals.clamp_min(0).sqrt().unsqueeze(-1)
-    psi, inv_psi = torch.empty_like(total), torch.empty_like(total)
+    out = _buffer(buffers, "factor_t", basis)
+    psi, inv_psi, root, inv_root = (_buffer(buffers, name, total) for name in ("psi", "inv_psi", "root", "inv_root"))
     gram = torch.zeros(K, K, dtype=torch.float64, device=basis.device)
     tiny = torch.finfo(basis.dtype).tiny
     for lo in range(0, D, _CHUNK):
@@ -177,8 +209,11 @@ def factorise(basis: Tensor, eigvals: Tensor, total: Tensor, floor: float, ess: 
             block.mul_(torch.where(shrink, (room / rows.clamp_min(tiny)).sqrt(), 1.0))
         torch.sub(total[cols], torch.minimum(rows, room), out=psi[cols])
         torch.reciprocal(psi[cols], out=inv_psi[cols])
+        torch.mul(psi[cols], ess, out=root[cols]).sqrt_()
+        torch.reciprocal(root[cols], out=inv_root[cols])
         gram += ((block * inv_psi[cols]) @ block.T).to(torch.float64)
-    return Woodbury.of(psi, out, ess, inv_psi=inv_psi, gram=gram)
+    s, W = torch.linalg.eigh(gram)
+    return Woodbury(psi, out, float(ess), inv_psi, root, inv_root, gram, W, s.clamp_min(0.0))
 
 
 class Woodbury(NamedTuple):
@@ -208,13 +243,11 @@ class Woodbury(NamedTuple):
     eigvals: Tensor  # s, (K,), float64
 
     @classmethod
-    def of(cls, psi: Tensor, factor_t: Tensor, ess: float = 1.0, *, inv_psi: Optional[Tensor] = None,
-           gram: Optional[Tensor] = None) -> "Woodbury":
+    def of(cls, psi: Tensor, factor_t: Tensor, ess: float = 1.0) -> "Woodbury":
         """Factorise for ``psi`` (D,) positive, ``factor_t`` :math:`U^\\top` (K, D) and ``ess`` :math:`\\lambda`:
-        :math:`O(DK^2)` (``inv_psi`` and the float64 ``gram`` :math:`A^\\top A`, when already computed, are
-        taken as given)."""
-        inv_psi = psi.reciprocal() if inv_psi is None else inv_psi
-        gram = _gram(factor_t, inv_psi) if gram is None else gram
+        :math:`O(DK^2)`."""
+        inv_psi = psi.reciprocal()
+        gram = _gram(factor_t, inv_psi)
         s, W = torch.linalg.eigh(gram)
         root = (ess * psi).sqrt()
         return cls(psi, factor_t, float(ess), inv_psi, root, root.reciprocal(), gram, W, s.clamp_min(0.0))

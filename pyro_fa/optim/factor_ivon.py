@@ -179,7 +179,7 @@ class FactorIVON(torch.optim.Optimizer):
         self.state["basis"] = torch.zeros(self.rank, D, dtype=dtype, device=device)  # Q^T, rows orthonormal or 0
         self.state["eigvals"] = torch.zeros(self.rank, dtype=dtype, device=device)
         self._factors: Optional[Woodbury] = None
-        self._factor_buffer: Optional[Tensor] = None  # U^T's storage, reused at every refactorisation
+        self._factor_buffers = {}  # the factorisation's storage (U^T, psi, ...), reused at every refactorisation
         self._scratch_buffers = {}  # name -> a D-vector reused at every step (rank > 0)
         self._mean: Optional[Tensor] = None  # the mean while a draw is loaded into the parameters
         self._previous_momentum: Optional[Tensor] = None
@@ -214,13 +214,10 @@ class FactorIVON(torch.optim.Optimizer):
     def _woodbury(self) -> Woodbury:
         r"""The factorisation of :math:`\mathrm{diag}(\psi) + UU^\top` at the current state (cached until a step)."""
         if self._factors is None:
-            group, basis = self.param_groups[0], self.state["basis"]
-            buffer = self._factor_buffer
-            if buffer is None or buffer.shape != basis.shape or buffer.dtype != basis.dtype or \
-                    buffer.device != basis.device:  # a fresh (K, D) tensor costs its page faults at every refresh
-                buffer = self._factor_buffer = torch.empty_like(basis)
-            self._factors = factorise(basis, self.state["eigvals"], self.state["hess"] + group["weight_decay"],
-                                      self.diag_floor, group["ess"], buffer)
+            group = self.param_groups[0]
+            self._factors = factorise(self.state["basis"], self.state["eigvals"],
+                                      self.state["hess"] + group["weight_decay"], self.diag_floor, group["ess"],
+                                      self._factor_buffers)
         return self._factors
 
     def _precision_diag(self) -> Tensor:
