@@ -85,9 +85,10 @@ def sketch_update_stacked(basis: Tensor, eigvals: Tensor, V: Tensor, beta: float
         again = _project(basis, R)
         _deflate(R, again, basis)
         coef += again
-    R2 = _orthonormalise_rows(R)  # R now holds Q2^T (2M, D); R2 (2M, 2M)
+    tol = 64 * torch.finfo(V.dtype).eps * scale * V.shape[1] ** 0.5
+    R2 = _orthonormalise_rows(R, float(tol))  # R now holds Q2^T (2M, D), zero rows where dependent; R2 (2M, 2M)
     Q2 = R.T
-    keep = R2.diagonal().abs().to(wide) > 64 * torch.finfo(V.dtype).eps * scale * V.shape[1] ** 0.5
+    keep = R2.diagonal().abs().to(wide) > tol
     if not bool(keep.all()):  # a new vector within the span of the others: its direction is left empty
         Q2 = Q2 * keep.to(Q2.dtype)
         R2 = R2 * keep.to(R2.dtype).unsqueeze(-1)
@@ -117,11 +118,12 @@ def _deflate(R: Tensor, coef: Tensor, basis: Tensor) -> Tensor:
     return R
 
 
-def _orthonormalise_rows(R: Tensor) -> Tensor:
+def _orthonormalise_rows(R: Tensor, tol: float = 0.0) -> Tensor:
     r"""Gram-Schmidt on the rows of ``R`` (n, D), in place, each row orthogonalised twice ("twice is enough"):
     afterwards ``R`` holds :math:`Q_2^\top` and the returned (n, n) upper-triangular :math:`R_2` has
     :math:`R_{\text{before}}^\top = Q_2R_2` (the thin QR factorisation, with :math:`\mathrm{diag}(R_2) \ge 0`,
-    in the rows' dtype; a row of zero norm stays zero)."""
+    in the rows' dtype). A row whose remaining norm is at most ``tol`` (within the span of the rows before it) is
+    set to zero, not normalised, so that the rows after it are not projected on rounding noise."""
     n = R.shape[0]
     R2 = R.new_zeros(n, n)
     for j in range(n):
@@ -132,8 +134,10 @@ def _orthonormalise_rows(R: Tensor) -> Tensor:
             R2[:j, j] += c
         norm = row.norm()
         R2[j, j] = norm
-        if bool(norm > 0):
+        if bool(norm > tol):
             row.div_(norm)
+        else:
+            row.zero_()
     return R2
 
 
