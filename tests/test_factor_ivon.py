@@ -285,18 +285,20 @@ def test_a_state_dict_round_trip_continues_the_same_run():
     assert torch.equal(_flat(a), _flat(b))
 
 
-def test_a_loaded_state_is_not_shared_with_its_source():
-    # the basis is rotated in place: a copy loaded from another optimizer must not move with it
+def test_a_saved_or_loaded_state_is_not_shared_with_its_source():
+    # the basis is rotated in place: a state_dict, or a copy loaded from another optimizer, must not move with it
     X, y = _data()
     a, b = _mlp(), _mlp()
     opt_a = FactorIVON(a.parameters(), lr=0.05, ess=40.0, beta2=0.99, rank=2)
     _draw_and_step(opt_a, a, X, y)
     opt_b = FactorIVON(b.parameters(), lr=0.05, ess=40.0, beta2=0.99, rank=2)
-    opt_b.load_state_dict(opt_a.state_dict())
+    saved = opt_a.state_dict()
+    opt_b.load_state_dict(saved)
     loaded = opt_b.state["basis"].clone()
     for _ in range(3):
         _draw_and_step(opt_a, a, X, y)
     assert torch.equal(opt_b.state["basis"], loaded) and not torch.equal(opt_a.state["basis"], loaded)
+    assert torch.equal(saved["state"]["basis"], loaded)  # a state_dict is a snapshot
 
 
 def test_nan_gradients_are_refused_and_the_state_is_unchanged():

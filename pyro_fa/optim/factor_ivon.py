@@ -118,9 +118,11 @@ class FactorIVON(torch.optim.Optimizer):
     Notes
     -----
     Memory: IVON's :math:`3D` (mean, momentum, :math:`h`) plus :math:`DK` for :math:`Q^\top` (stored (K, D), rows
-    contiguous) and :math:`2MD` for the step's curvature vectors. Time per step beyond IVON's: two passes over
-    :math:`U` per draw and two for the step (:math:`O(DK)`), and every ``update_every`` steps :math:`O(DK^2)` for
-    the sketch's rotation and the :math:`K\times K` Gram matrix. Gradients that are not finite are refused
+    contiguous, rotated in place), :math:`DK + 4D` for the factorisation of :math:`P` and :math:`3D` for the draw's
+    vectors, kept between steps (a new tensor of megabytes costs about as much in page faults as the arithmetic on
+    it), and :math:`2MD` for the step's curvature vectors. Time per step beyond IVON's: three passes over :math:`U` per draw and
+    two for the step (:math:`O(DK)`), and every ``update_every`` steps :math:`O(DK^2)` for the sketch's rotation
+    and the :math:`K\times K` Gram matrix, both by chunks of columns that stay in cache. Gradients that are not finite are refused
     (``ValueError`` on leaving :meth:`sampled_params`) before they reach the state.
 
     References
@@ -198,14 +200,13 @@ class FactorIVON(torch.optim.Optimizer):
             yield group, slice(start, start + n)
             start += n
 
-    def _scratch(self, name: str, rows: Optional[int] = None) -> Tensor:
+    def _scratch(self, name: str) -> Tensor:
         """A D-vector of the state's dtype and device, kept between steps: a new 4 MB tensor costs about as much
         in page faults as the arithmetic on it. Its content is dead outside the one computation that uses it."""
         hess = self.state["hess"]
-        shape = hess.shape if rows is None else (rows,) + hess.shape
         buffer = self._scratch_buffers.get(name)
-        if buffer is None or buffer.shape != shape or buffer.dtype != hess.dtype or buffer.device != hess.device:
-            buffer = self._scratch_buffers[name] = hess.new_empty(shape)
+        if buffer is None or buffer.shape != hess.shape or buffer.dtype != hess.dtype or buffer.device != hess.device:
+            buffer = self._scratch_buffers[name] = torch.empty_like(hess)
         return buffer
 
     def _flat(self) -> Tensor:
@@ -369,7 +370,7 @@ class FactorIVON(torch.optim.Optimizer):
         if self.rank and self._pairs:  # every update_every steps: the low-rank part, and P refactorised
             baseline = self._baseline(t)  # E[baseline a^T] = 0: a control variate, not a bias
             M = len(self._pairs)
-            V = self._scratch("pairs", 2 * M)  # [g_1 - b, ..., g_M - b, a_1, ..., a_M]
+            V = self.state["hess"].new_empty(2 * M, self.dim)  # [g_1 - b, ..., g_M - b, a_1, ..., a_M]
             for j, (grad, a) in enumerate(self._pairs):
                 torch.sub(grad, baseline, out=V[j])
                 V[M + j].copy_(a)
@@ -414,6 +415,13 @@ class FactorIVON(torch.optim.Optimizer):
             step = step.clamp_(min=-g["clip_radius"], max=g["clip_radius"]).mul_(lr)
             parts.append(torch.sub(mean[s], step))
         return _join(parts)
+
+    def state_dict(self):
+        """As :meth:`torch.optim.Optimizer.state_dict`, with a copy of the basis :math:`Q^\\top` (it is rotated in
+        place at a refresh): the returned state does not change with later steps."""
+        state_dict = super().state_dict()
+        state_dict["state"]["basis"] = state_dict["state"]["basis"].clone()
+        return state_dict
 
     def load_state_dict(self, state_dict) -> None:
         """As :meth:`torch.optim.Optimizer.load_state_dict`; the cached factorisation is recomputed."""
