@@ -86,7 +86,7 @@ def sketch_update_stacked(basis: Tensor, eigvals: Tensor, V: Tensor, beta: float
         _deflate(R, again, basis)
         coef += again
     tol = 64 * torch.finfo(V.dtype).eps * scale * V.shape[1] ** 0.5
-    R2 = _orthonormalise_rows(R, float(tol))  # R now holds Q2^T (2M, D), zero rows where dependent; R2 (2M, 2M)
+    R2 = _orthonormalise_rows(R)  # R now holds Q2^T (2M, D); R2 (2M, 2M)
     Q2 = R.T
     keep = R2.diagonal().abs().to(wide) > tol
     if not bool(keep.all()):  # a new vector within the span of the others: its direction is left empty
@@ -118,12 +118,12 @@ def _deflate(R: Tensor, coef: Tensor, basis: Tensor) -> Tensor:
     return R
 
 
-def _orthonormalise_rows(R: Tensor, tol: float = 0.0) -> Tensor:
+def _orthonormalise_rows(R: Tensor) -> Tensor:
     r"""Gram-Schmidt on the rows of ``R`` (n, D), in place, each row orthogonalised twice ("twice is enough"):
     afterwards ``R`` holds :math:`Q_2^\top` and the returned (n, n) upper-triangular :math:`R_2` has
     :math:`R_{\text{before}}^\top = Q_2R_2` (the thin QR factorisation, with :math:`\mathrm{diag}(R_2) \ge 0`,
-    in the rows' dtype). A row whose remaining norm is at most ``tol`` (within the span of the rows before it) is
-    set to zero, not normalised, so that the rows after it are not projected on rounding noise."""
+    in the rows' dtype; a row of zero norm stays zero). As Householder's QR, a row within the span of the rows
+    before it leaves a unit row along its rounding noise (its diagonal entry tiny)."""
     n = R.shape[0]
     R2 = R.new_zeros(n, n)
     for j in range(n):
@@ -134,10 +134,8 @@ def _orthonormalise_rows(R: Tensor, tol: float = 0.0) -> Tensor:
             R2[:j, j] += c
         norm = row.norm()
         R2[j, j] = norm
-        if bool(norm > tol):
+        if bool(norm > 0):
             row.div_(norm)
-        else:
-            row.zero_()
     return R2
 
 
