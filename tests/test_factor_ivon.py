@@ -301,6 +301,23 @@ def test_a_saved_or_loaded_state_is_not_shared_with_its_source():
     assert torch.equal(saved["state"]["basis"], loaded)  # a state_dict is a snapshot
 
 
+def test_the_mean_follows_weights_changed_outside_the_optimizer():
+    # the mean is read from the parameters without a copy while they are views of the optimizer's vector
+    X, y = _data()
+    net = _mlp()
+    opt = FactorIVON(net.parameters(), lr=0.05, ess=40.0, beta2=0.99, rank=2)
+    _draw_and_step(opt, net, X, y)
+    first, last = list(net.parameters())[0], list(net.parameters())[-1]
+    with torch.no_grad():
+        first.add_(1.0)  # in place: still a view
+    last.data = last.data.clone() - 1.0  # replaced: no longer a view
+    torch.testing.assert_close(opt.get_posterior().mean, _flat(net), rtol=0, atol=0)
+    want = _flat(net)
+    with opt.sampled_params():
+        pass
+    torch.testing.assert_close(_flat(net), want, rtol=0, atol=0)  # restored to the changed weights
+
+
 def test_nan_gradients_are_refused_and_the_state_is_unchanged():
     net = _mlp()
     X, y = _data()

@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["sketch_update", "sketch_update_stacked", "row_squares", "factorise", "Woodbury"]
+__all__ = ["sketch_update", "sketch_update_stacked", "row_squares", "factorise", "kept_buffer", "Woodbury"]
 
 #: columns per chunk of the Gram matrix (a chunk of the (K, D) factor stays in cache)
 _CHUNK = 1 << 16
@@ -176,8 +176,9 @@ def _gram(factor_t: Tensor, weights: Tensor) -> Tensor:
     return out
 
 
-def _buffer(buffers: dict, name: str, like: Tensor) -> Tensor:
-    """``buffers[name]`` if it has ``like``'s shape, dtype and device, else a new one stored there."""
+def kept_buffer(buffers: dict, name: str, like: Tensor) -> Tensor:
+    """``buffers[name]`` if it has ``like``'s shape, dtype and device, else a new one stored there (a new tensor of
+    megabytes costs about as much in page faults as the arithmetic on it)."""
     b = buffers.get(name)
     if b is None or b.shape != like.shape or b.dtype != like.dtype or b.device != like.device:
         b = buffers[name] = torch.empty_like(like)
@@ -197,8 +198,8 @@ def factorise(basis: Tensor, eigvals: Tensor, total: Tensor, floor: float, ess: 
     """
     K, D = basis.shape
     scale = eigvals.clamp_min(0).sqrt().unsqueeze(-1)
-    out = _buffer(buffers, "factor_t", basis)
-    psi, inv_psi, root, inv_root = (_buffer(buffers, name, total) for name in ("psi", "inv_psi", "root", "inv_root"))
+    out = kept_buffer(buffers, "factor_t", basis)
+    psi, inv_psi, root, inv_root = (kept_buffer(buffers, n, total) for n in ("psi", "inv_psi", "root", "inv_root"))
     gram = torch.zeros(K, K, dtype=torch.float64, device=basis.device)
     tiny = torch.finfo(basis.dtype).tiny
     for lo in range(0, D, _CHUNK):

@@ -11,7 +11,7 @@ from torch import Tensor
 from pyro_fa.distributions import LowRankPrecisionNormal
 from pyro_fa.optim._checks import (NAME, check_count, check_dimension, check_hyperparameters, check_params,
                                    check_shared)
-from pyro_fa.optim._lowrank import Woodbury, factorise, sketch_update_stacked
+from pyro_fa.optim._lowrank import Woodbury, factorise, kept_buffer, sketch_update_stacked
 
 __all__ = ["FactorIVON"]
 
@@ -120,10 +120,11 @@ class FactorIVON(torch.optim.Optimizer):
     Memory: IVON's :math:`3D` (mean, momentum, :math:`h`) plus :math:`DK` for :math:`Q^\top` (stored (K, D), rows
     contiguous, rotated in place), :math:`DK + 4D` for the factorisation of :math:`P` and :math:`3D` for the draw's
     vectors, kept between steps (a new tensor of megabytes costs about as much in page faults as the arithmetic on
-    it), and :math:`2MD` for the step's curvature vectors. Time per step beyond IVON's: three passes over :math:`U` per draw and
-    two for the step (:math:`O(DK)`), and every ``update_every`` steps :math:`O(DK^2)` for the sketch's rotation
-    and the :math:`K\times K` Gram matrix, both by chunks of columns that stay in cache. Gradients that are not finite are refused
-    (``ValueError`` on leaving :meth:`sampled_params`) before they reach the state.
+    it), and :math:`2MD` for the step's curvature vectors. Time per step beyond IVON's: three passes over :math:`U`
+    per draw and two for the step (:math:`O(DK)`), and every ``update_every`` steps :math:`O(DK^2)` for the
+    sketch's rotation and the :math:`K\times K` Gram matrix, both by chunks of columns that stay in cache.
+    Gradients that are not finite are refused (``ValueError`` on leaving :meth:`sampled_params`) before they reach
+    the state.
 
     References
     ----------
@@ -182,8 +183,9 @@ class FactorIVON(torch.optim.Optimizer):
         self.state["eigvals"] = torch.zeros(self.rank, dtype=dtype, device=device)
         self._factors: Optional[Woodbury] = None
         self._factor_buffers = {}  # the factorisation's storage (U^T, psi, ...), reused at every refactorisation
-        self._scratch_buffers = {}  # name -> a D-vector reused at every step (rank > 0)
+        self._scratch_buffers = {}  # name -> a D-vector reused at every step (rank > 0), see kept_buffer
         self._mean: Optional[Tensor] = None  # the mean while a draw is loaded into the parameters
+        self._loaded: Optional[Tensor] = None  # the vector whose views the parameters were made by _load
         self._previous_momentum: Optional[Tensor] = None
         self._reset_samples()
 
@@ -200,16 +202,17 @@ class FactorIVON(torch.optim.Optimizer):
             yield group, slice(start, start + n)
             start += n
 
-    def _scratch(self, name: str) -> Tensor:
-        """A D-vector of the state's dtype and device, kept between steps: a new 4 MB tensor costs about as much
-        in page faults as the arithmetic on it. Its content is dead outside the one computation that uses it."""
-        hess = self.state["hess"]
-        buffer = self._scratch_buffers.get(name)
-        if buffer is None or buffer.shape != hess.shape or buffer.dtype != hess.dtype or buffer.device != hess.device:
-            buffer = self._scratch_buffers[name] = torch.empty_like(hess)
-        return buffer
-
     def _flat(self) -> Tensor:
+        """The weights as one vector: the vector last loaded when every parameter is still its view (no copy)."""
+        loaded = self._loaded
+        if loaded is not None and loaded.dtype == self._params[0].dtype and loaded.device == self._params[0].device:
+            start, size = loaded.data_ptr(), loaded.element_size()
+            for p in self._params:
+                if p.data_ptr() != start or not p.is_contiguous():
+                    break
+                start += p.numel() * size
+            else:
+                return loaded
         return _join([p.detach().flatten() for p in self._params])
 
     def _woodbury(self) -> Woodbury:
@@ -282,14 +285,14 @@ class FactorIVON(torch.optim.Optimizer):
             self._collect(noise, precision_noise)
 
     def _sample_params(self):
-        hess = self.state["hess"]
+        hess, kept = self.state["hess"], self._scratch_buffers
         if self.rank and len(self.param_groups) == 1:  # the same numbers as torch.randn(D), into a kept vector
-            eps = [torch.randn(self.dim, device=hess.device, dtype=hess.dtype, out=self._scratch("eps"))]
+            eps = [torch.randn(self.dim, device=hess.device, dtype=hess.dtype, out=kept_buffer(kept, "eps", hess))]
         else:
             eps = [torch.randn(s.stop - s.start, device=hess.device, dtype=hess.dtype) for _, s in self._groups()]
         if self.rank:  # z ~ N(0, P^-1) into a kept vector (only mean + z is kept), and P z (kept on refresh steps)
             refresh = (self.state["step"] + 1) % self.update_every == 0
-            out = (self._scratch("noise"), None if refresh else self._scratch("precision_noise"))
+            out = (kept_buffer(kept, "noise", hess), None if refresh else kept_buffer(kept, "precision_noise", hess))
             noise, precision_noise = self._woodbury().draw(_join(eps), out)
         else:  # ivon-opt's expression
             precision_noise = None
@@ -300,6 +303,7 @@ class FactorIVON(torch.optim.Optimizer):
         return mean, noise, precision_noise
 
     def _load(self, flat: Tensor) -> None:
+        self._loaded = flat
         start = 0
         for p in self._params:
             p.data = flat[start:start + p.numel()].view(p.shape)
@@ -403,7 +407,7 @@ class FactorIVON(torch.optim.Optimizer):
             g0 = self.param_groups[0]
             rhs = _join([momentum[s] / (1.0 - math.pow(g["beta1"], t) if self.debias else 1.0)
                          for g, s in self._groups()]).add_(mean, alpha=g0["weight_decay"])
-            direction = self._woodbury().solve(rhs, overwrite=True, out=self._scratch("noise"))
+            direction = self._woodbury().solve(rhs, True, kept_buffer(self._scratch_buffers, "noise", hess))
         for g, s in self._groups():  # the step below is a new tensor of ours: updated in place, same arithmetic
             lr = g["lr"] * (g["hess_init"] + g["weight_decay"]) if self.rescale_lr else g["lr"]
             if self.rank:
