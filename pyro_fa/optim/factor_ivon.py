@@ -26,6 +26,19 @@ def _welford_mean(avg: Optional[Tensor], new: Tensor, count: int) -> Tensor:
     return new if avg is None else avg + (new - avg) / count
 
 
+def _flatten(params: List[Tensor], loaded: Optional[Tensor]) -> Tensor:
+    """The weights as one vector: ``loaded`` itself (no copy) while every parameter is still its view, in order."""
+    if loaded is not None and loaded.dtype == params[0].dtype and loaded.device == params[0].device:
+        start, size = loaded.data_ptr(), loaded.element_size()
+        for p in params:
+            if p.data_ptr() != start or not p.is_contiguous():
+                break
+            start += p.numel() * size
+        else:
+            return loaded
+    return _join([p.detach().flatten() for p in params])
+
+
 class FactorIVON(torch.optim.Optimizer):
     r"""IVON (Shen et al. 2024) whose Gaussian posterior has a low-rank-plus-diagonal precision.
 
@@ -203,17 +216,7 @@ class FactorIVON(torch.optim.Optimizer):
             start += n
 
     def _flat(self) -> Tensor:
-        """The weights as one vector: the vector last loaded when every parameter is still its view (no copy)."""
-        loaded = self._loaded
-        if loaded is not None and loaded.dtype == self._params[0].dtype and loaded.device == self._params[0].device:
-            start, size = loaded.data_ptr(), loaded.element_size()
-            for p in self._params:
-                if p.data_ptr() != start or not p.is_contiguous():
-                    break
-                start += p.numel() * size
-            else:
-                return loaded
-        return _join([p.detach().flatten() for p in self._params])
+        return _flatten(self._params, self._loaded)
 
     def _woodbury(self) -> Woodbury:
         r"""The factorisation of :math:`\mathrm{diag}(\psi) + UU^\top` at the current state (cached until a step)."""
