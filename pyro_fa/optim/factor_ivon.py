@@ -375,13 +375,16 @@ class FactorIVON(torch.optim.Optimizer):
             new_hess.append(new.add_(torch.sub(h, f).square_().mul_(0.5 * (1 - b2) ** 2).div_(torch.add(h, wd))))
         self.state["momentum"], self.state["hess"] = _join(momentum), _join(new_hess)
         if self.rank and self._pairs:  # every update_every steps: the low-rank part, and P refactorised
-            baseline = self._baseline(t)  # E[baseline a^T] = 0: a control variate, not a bias
+            self._factors = None  # refactorised below: its buffers are free until then
+            spare = [kept_buffer(self._factor_buffers, name, mean) for name in ("root", "inv_root")]
+            baseline = self._baseline(t, spare[0])  # E[baseline a^T] = 0: a control variate, not a bias
             M = len(self._pairs)
             V = self.state["hess"].new_empty(2 * M, self.dim)  # [g_1 - b, ..., g_M - b, a_1, ..., a_M]
             for j, (grad, a) in enumerate(self._pairs):
                 torch.sub(grad, baseline, out=V[j])
                 V[M + j].copy_(a)
-            total = (self.state["hess"] + self.param_groups[0]["weight_decay"]).clamp_min_(0).sqrt_()
+            total = torch.add(self.state["hess"], self.param_groups[0]["weight_decay"], out=spare[1])
+            total.clamp_min_(0).sqrt_()
             basis, eigvals, sums = sketch_update_stacked(  # rotated in place, as torch optimizers update state
                 self.state["basis"], self.state["eigvals"], V, self.param_groups[0]["beta2"] ** self.update_every,
                 out=self.state["basis"], cap_weights=total)
@@ -392,16 +395,16 @@ class FactorIVON(torch.optim.Optimizer):
             self._factors = None
         self._load(self._new_mean(mean, t))
 
-    def _baseline(self, t: float) -> Tensor:
+    def _baseline(self, t: float, out: Tensor) -> Tensor:
         r"""The previous step's debiased momentum (zero at the first step): subtracted from the gradients before
         they enter the low-rank part. It does not depend on this step's draws, so
         :math:`\mathbb E[(g - b)a^\top] = \mathbb E[ga^\top]`; it removes the gradient at the mean, whose product
-        with :math:`a` is pure noise."""
+        with :math:`a` is pure noise. Written into ``out`` where it is not the previous momentum itself."""
         previous = self._previous_momentum
         if t <= 1.0 or previous is None:
-            return torch.zeros_like(previous if previous is not None else self.state["momentum"])
+            return out.zero_()
         b1 = self.param_groups[0]["beta1"]
-        return previous / (1.0 - math.pow(b1, t - 1.0)) if self.debias else previous
+        return torch.div(previous, 1.0 - math.pow(b1, t - 1.0), out=out) if self.debias else previous
 
     def _new_mean(self, mean: Tensor, t: float) -> Tensor:
         hess, momentum = self.state["hess"], self.state["momentum"]
