@@ -9,7 +9,8 @@ from torch import nn
 
 from pyro_fa.distributions import LowRankPrecisionNormal
 from pyro_fa.optim import FactorIVON, WeightPosterior
-from pyro_fa.optim._lowrank import Woodbury, row_squares, sketch_update
+from pyro_fa.optim._lowrank import (Woodbury, _orthonormalise_rows, factorise, row_squares, sketch_update,
+                                    sketch_update_stacked)
 
 
 def _mlp(seed=0, dtype=torch.float64):
@@ -91,6 +92,63 @@ def test_woodbury_solve_and_inverse_root_against_dense():
     torch.testing.assert_close(R @ R.T, torch.linalg.inv(P), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(torch.stack([pz for _, pz in draws], 1), P @ R, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(row_squares(U.T.contiguous()), U.square().sum(-1), rtol=1e-14, atol=0)
+    for e in (torch.eye(D, dtype=torch.float64)[3], v):  # into given storage: the same numbers
+        z, pz = wb.draw(e, (torch.empty(D, dtype=torch.float64), torch.empty(D, dtype=torch.float64)))
+        assert all(torch.equal(x, y) for x, y in zip((z, pz), wb.draw(e)))
+    assert torch.equal(wb.solve(v.clone(), overwrite=True, out=torch.empty(D, dtype=torch.float64)), wb.solve(v))
+
+
+def test_gram_schmidt_on_rows_is_the_thin_qr():
+    g = torch.Generator().manual_seed(2)
+    R = torch.randn(4, 50, generator=g, dtype=torch.float64)
+    Q = R.clone()
+    R2 = _orthonormalise_rows(Q)
+    torch.testing.assert_close(R2.T @ Q, R, rtol=0, atol=1e-12)  # R = R2^T Q2^T
+    torch.testing.assert_close(R2.diagonal(), torch.linalg.qr(R.T)[1].diagonal().abs(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(Q @ Q.T, torch.eye(4, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert torch.equal(R2, R2.triu())
+    R[2] = R[0] - 2 * R[1]  # dependent: a tiny diagonal entry, still a QR factorisation
+    Q = R.clone()
+    R2 = _orthonormalise_rows(Q)
+    torch.testing.assert_close(R2.T @ Q, R, rtol=0, atol=1e-12)
+    assert float(R2[2, 2]) < 1e-12
+    torch.testing.assert_close(Q @ Q.T, torch.eye(4, dtype=torch.float64), rtol=0, atol=1e-10)
+    torch.testing.assert_close(R2.diagonal()[:2], torch.linalg.qr(R.T)[1].diagonal()[:2].abs(), rtol=0, atol=1e-12)
+
+
+def test_the_refresh_by_chunks_of_columns_against_a_dense_computation_in_the_span():
+    # D over the chunk sizes: the rotation in place, the cap's sums and the fused factorisation cross chunks
+    g = torch.Generator().manual_seed(3)
+    D, r, M = 3 * 2 ** 15 + 5, 3, 2
+    Q = torch.linalg.qr(torch.randn(D, r, generator=g, dtype=torch.float64))[0].T.contiguous()
+    lam = torch.tensor([3.0, 2.0, 0.5], dtype=torch.float64)
+    V = torch.randn(2 * M, D, generator=g, dtype=torch.float64)
+    w = torch.rand(D, generator=g, dtype=torch.float64)
+    basis = Q.clone()
+    new, lam2, sums = sketch_update_stacked(basis, lam, V.clone(), 0.9, out=basis, cap_weights=w)
+    assert new is basis
+    B = torch.linalg.qr(torch.cat([Q, V]).T)[0]  # (D, r + 2M), independent of Gram-Schmidt and of the chunks
+    S = 0.9 * (B.T @ Q.T) @ torch.diag(lam) @ (Q @ B)
+    for u, a in zip(V[:M], V[M:]):
+        S = S + 0.1 / M * 0.5 * (torch.outer(B.T @ u, B.T @ a) + torch.outer(B.T @ a, B.T @ u))
+    ev, vec = torch.linalg.eigh(S)
+    torch.testing.assert_close(lam2, ev.flip(0)[:r], rtol=1e-10, atol=1e-12)
+    top = vec[:, -r:] @ torch.diag(ev[-r:]) @ vec[:, -r:].T
+    torch.testing.assert_close((new @ B).T @ torch.diag(lam2) @ (new @ B), top, rtol=0, atol=1e-10)
+    torch.testing.assert_close(new @ new.T, torch.eye(r, dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(sums, new.abs() @ w, rtol=1e-12, atol=0)
+    # the factorisation against its definition, dense; then the same buffers again, other inputs
+    buffers = {}
+    for eig, floor in ((lam2, 0.25), (torch.tensor([1e4, 1.0, 0.0], dtype=torch.float64), 0.5)):
+        total = w + 0.1
+        U_t = new * eig.sqrt().unsqueeze(-1)
+        rows, room = U_t.square().sum(0), (1 - floor) * total
+        U_t = U_t * torch.where(rows > room, (room / rows).sqrt(), torch.ones_like(rows))
+        want = Woodbury.of(total - torch.minimum(rows, room), U_t, 7.0)
+        got = factorise(new, eig, total, floor, 7.0, buffers)
+        for name in ("psi", "factor_t", "inv_psi", "root", "inv_root", "gram", "eigvals"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-12, atol=1e-12)
+        assert got.factor_t is buffers["factor_t"]
 
 
 def test_sketch_update_is_the_top_eigenpairs_of_the_dense_update():
@@ -225,6 +283,39 @@ def test_a_state_dict_round_trip_continues_the_same_run():
         torch.manual_seed(9)
         _draw_and_step(opt, net, X, y)
     assert torch.equal(_flat(a), _flat(b))
+
+
+def test_a_saved_or_loaded_state_is_not_shared_with_its_source():
+    # the basis is rotated in place: a state_dict, or a copy loaded from another optimizer, must not move with it
+    X, y = _data()
+    a, b = _mlp(), _mlp()
+    opt_a = FactorIVON(a.parameters(), lr=0.05, ess=40.0, beta2=0.99, rank=2)
+    _draw_and_step(opt_a, a, X, y)
+    opt_b = FactorIVON(b.parameters(), lr=0.05, ess=40.0, beta2=0.99, rank=2)
+    saved = opt_a.state_dict()
+    opt_b.load_state_dict(saved)
+    loaded = opt_b.state["basis"].clone()
+    for _ in range(3):
+        _draw_and_step(opt_a, a, X, y)
+    assert torch.equal(opt_b.state["basis"], loaded) and not torch.equal(opt_a.state["basis"], loaded)
+    assert torch.equal(saved["state"]["basis"], loaded)  # a state_dict is a snapshot
+
+
+def test_the_mean_follows_weights_changed_outside_the_optimizer():
+    # the mean is read from the parameters without a copy while they are views of the optimizer's vector
+    X, y = _data()
+    net = _mlp()
+    opt = FactorIVON(net.parameters(), lr=0.05, ess=40.0, beta2=0.99, rank=2)
+    _draw_and_step(opt, net, X, y)
+    first, last = list(net.parameters())[0], list(net.parameters())[-1]
+    with torch.no_grad():
+        first.add_(1.0)  # in place: still a view
+    last.data = last.data.clone() - 1.0  # replaced: no longer a view
+    torch.testing.assert_close(opt.get_posterior().mean, _flat(net), rtol=0, atol=0)
+    want = _flat(net)
+    with opt.sampled_params():
+        pass
+    torch.testing.assert_close(_flat(net), want, rtol=0, atol=0)  # restored to the changed weights
 
 
 def test_nan_gradients_are_refused_and_the_state_is_unchanged():

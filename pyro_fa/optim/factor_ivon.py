@@ -11,7 +11,7 @@ from torch import Tensor
 from pyro_fa.distributions import LowRankPrecisionNormal
 from pyro_fa.optim._checks import (NAME, check_count, check_dimension, check_hyperparameters, check_params,
                                    check_shared)
-from pyro_fa.optim._lowrank import Woodbury, row_squares, sketch_update
+from pyro_fa.optim._lowrank import Woodbury, factorise, kept_buffer, sketch_update_stacked
 
 __all__ = ["FactorIVON"]
 
@@ -24,6 +24,19 @@ def _join(parts: List[Tensor]) -> Tensor:
 def _welford_mean(avg: Optional[Tensor], new: Tensor, count: int) -> Tensor:
     """The running mean of ``count`` values, as ivon-opt keeps it (bit for bit)."""
     return new if avg is None else avg + (new - avg) / count
+
+
+def _flatten(params: List[Tensor], loaded: Optional[Tensor]) -> Tensor:
+    """The weights as one vector: ``loaded`` itself (no copy) while every parameter is still its view, in order."""
+    if loaded is not None and loaded.dtype == params[0].dtype and loaded.device == params[0].device:
+        start, size = loaded.data_ptr(), loaded.element_size()
+        for p in params:
+            if p.data_ptr() != start or not p.is_contiguous():
+                break
+            start += p.numel() * size
+        else:
+            return loaded
+    return _join([p.detach().flatten() for p in params])
 
 
 class FactorIVON(torch.optim.Optimizer):
@@ -118,10 +131,13 @@ class FactorIVON(torch.optim.Optimizer):
     Notes
     -----
     Memory: IVON's :math:`3D` (mean, momentum, :math:`h`) plus :math:`DK` for :math:`Q^\top` (stored (K, D), rows
-    contiguous) and :math:`2MD` for the step's curvature vectors. Time per step beyond IVON's: two passes over
-    :math:`U` per draw and two for the step (:math:`O(DK)`), and every ``update_every`` steps :math:`O(DK^2)` for
-    the sketch's rotation and the :math:`K\times K` Gram matrix. Gradients that are not finite are refused
-    (``ValueError`` on leaving :meth:`sampled_params`) before they reach the state.
+    contiguous, rotated in place), :math:`DK + 4D` for the factorisation of :math:`P` and :math:`3D` for the draw's
+    vectors, kept between steps (a new tensor of megabytes costs about as much in page faults as the arithmetic on
+    it), and :math:`2MD` for the step's curvature vectors. Time per step beyond IVON's: three passes over :math:`U`
+    per draw and two for the step (:math:`O(DK)`), and every ``update_every`` steps :math:`O(DK^2)` for the
+    sketch's rotation and the :math:`K\times K` Gram matrix, both by chunks of columns that stay in cache.
+    Gradients that are not finite are refused (``ValueError`` on leaving :meth:`sampled_params`) before they reach
+    the state.
 
     References
     ----------
@@ -179,7 +195,10 @@ class FactorIVON(torch.optim.Optimizer):
         self.state["basis"] = torch.zeros(self.rank, D, dtype=dtype, device=device)  # Q^T, rows orthonormal or 0
         self.state["eigvals"] = torch.zeros(self.rank, dtype=dtype, device=device)
         self._factors: Optional[Woodbury] = None
+        self._factor_buffers = {}  # the factorisation's storage (U^T, psi, ...), reused at every refactorisation
+        self._scratch_buffers = {}  # name -> a D-vector reused at every step (rank > 0), see kept_buffer
         self._mean: Optional[Tensor] = None  # the mean while a draw is loaded into the parameters
+        self._loaded: Optional[Tensor] = None  # the vector whose views the parameters were made by _load
         self._previous_momentum: Optional[Tensor] = None
         self._reset_samples()
 
@@ -197,20 +216,15 @@ class FactorIVON(torch.optim.Optimizer):
             start += n
 
     def _flat(self) -> Tensor:
-        return _join([p.detach().flatten() for p in self._params])
+        return _flatten(self._params, self._loaded)
 
     def _woodbury(self) -> Woodbury:
         r"""The factorisation of :math:`\mathrm{diag}(\psi) + UU^\top` at the current state (cached until a step)."""
         if self._factors is None:
             group = self.param_groups[0]
-            total = self.state["hess"] + group["weight_decay"]
-            factor_t = self.state["basis"] * self.state["eigvals"].clamp_min(0).sqrt().unsqueeze(-1)  # U^T (K, D)
-            room = (1.0 - self.diag_floor) * total.clamp_min(0)
-            rows = row_squares(factor_t)
-            shrink = rows > room  # rows of U shrunk to 1 - rho of h + delta
-            if bool(shrink.any()):
-                factor_t.mul_(torch.where(shrink, (room / rows.clamp_min(torch.finfo(rows.dtype).tiny)).sqrt(), 1.0))
-            self._factors = Woodbury.of(total - torch.minimum(rows, room), factor_t, group["ess"])
+            self._factors = factorise(self.state["basis"], self.state["eigvals"],
+                                      self.state["hess"] + group["weight_decay"], self.diag_floor, group["ess"],
+                                      self._factor_buffers)
         return self._factors
 
     def _precision_diag(self) -> Tensor:
@@ -274,10 +288,15 @@ class FactorIVON(torch.optim.Optimizer):
             self._collect(noise, precision_noise)
 
     def _sample_params(self):
-        hess = self.state["hess"]
-        eps = [torch.randn(s.stop - s.start, device=hess.device, dtype=hess.dtype) for _, s in self._groups()]
-        if self.rank:
-            noise, precision_noise = self._woodbury().draw(_join(eps))  # z ~ N(0, P^-1), P z
+        hess, kept = self.state["hess"], self._scratch_buffers
+        if self.rank and len(self.param_groups) == 1:  # the same numbers as torch.randn(D), into a kept vector
+            eps = [torch.randn(self.dim, device=hess.device, dtype=hess.dtype, out=kept_buffer(kept, "eps", hess))]
+        else:
+            eps = [torch.randn(s.stop - s.start, device=hess.device, dtype=hess.dtype) for _, s in self._groups()]
+        if self.rank:  # z ~ N(0, P^-1) into a kept vector (only mean + z is kept), and P z (kept on refresh steps)
+            refresh = (self.state["step"] + 1) % self.update_every == 0
+            out = (kept_buffer(kept, "noise", hess), None if refresh else kept_buffer(kept, "precision_noise", hess))
+            noise, precision_noise = self._woodbury().draw(_join(eps), out)
         else:  # ivon-opt's expression
             precision_noise = None
             noise = torch.cat([e / (g["ess"] * (hess[s] + g["weight_decay"])).sqrt()
@@ -287,6 +306,7 @@ class FactorIVON(torch.optim.Optimizer):
         return mean, noise, precision_noise
 
     def _load(self, flat: Tensor) -> None:
+        self._loaded = flat
         start = 0
         for p in self._params:
             p.data = flat[start:start + p.numel()].view(p.shape)
@@ -347,38 +367,44 @@ class FactorIVON(torch.optim.Optimizer):
         self._previous_momentum = self.state["momentum"]
         for g, s in self._groups():
             b1, b2, wd = g["beta1"], g["beta2"], g["weight_decay"]
-            momentum.append(b1 * self.state["momentum"][s] + (1.0 - b1) * avg_grad[s])
+            # ivon-opt's arithmetic, operation for operation, with fewer new D-vectors (each costs page faults)
+            momentum.append(torch.mul(self.state["momentum"][s], b1).add_(torch.mul(avg_grad[s], 1.0 - b1)))
             h = hess[s]
             f = self.state["avg_nxg"][s] if self.rank else self.state["avg_nxg"][s] * (h + wd) * g["ess"]
-            new_hess.append(b2 * h + (1.0 - b2) * f + (0.5 * (1 - b2) ** 2) * (h - f).square() / (h + wd))
+            new = torch.mul(h, b2).add_(torch.mul(f, 1.0 - b2))  # b2 h + (1 - b2) f + c (h - f)^2 / (h + wd)
+            new_hess.append(new.add_(torch.sub(h, f).square_().mul_(0.5 * (1 - b2) ** 2).div_(torch.add(h, wd))))
         self.state["momentum"], self.state["hess"] = _join(momentum), _join(new_hess)
         if self.rank and self._pairs:  # every update_every steps: the low-rank part, and P refactorised
-            baseline = self._baseline(t)  # E[baseline a^T] = 0: a control variate, not a bias
-            centred = [(grad - baseline, a) for grad, a in self._pairs]
-            basis, eigvals = sketch_update(self.state["basis"], self.state["eigvals"], centred,
-                                           self.param_groups[0]["beta2"] ** self.update_every)
-            self.state["basis"], self.state["eigvals"] = basis, torch.minimum(eigvals, self._cap(basis))
+            self._factors = None  # refactorised below: its buffers are free until then
+            spare = [kept_buffer(self._factor_buffers, name, mean) for name in ("root", "inv_root")]
+            baseline = self._baseline(t, spare[0])  # E[baseline a^T] = 0: a control variate, not a bias
+            M = len(self._pairs)
+            V = self.state["hess"].new_empty(2 * M, self.dim)  # [g_1 - b, ..., g_M - b, a_1, ..., a_M]
+            for j, (grad, a) in enumerate(self._pairs):
+                torch.sub(grad, baseline, out=V[j])
+                V[M + j].copy_(a)
+            total = torch.add(self.state["hess"], self.param_groups[0]["weight_decay"], out=spare[1])
+            total.clamp_min_(0).sqrt_()
+            basis, eigvals, sums = sketch_update_stacked(  # rotated in place, as torch optimizers update state
+                self.state["basis"], self.state["eigvals"], V, self.param_groups[0]["beta2"] ** self.update_every,
+                out=self.state["basis"], cap_weights=total)
+            # each eigenvalue capped at (sum_d |q_d| sqrt(h_d + delta))^2, the most q^T H q any positive semi-definite
+            # H with diagonal h + delta allows (Cauchy-Schwarz, |H_de| <= sqrt(H_dd H_ee))
+            self.state["basis"], self.state["eigvals"] = basis, torch.minimum(eigvals, sums.square())
         if not self.rank or self._pairs:
             self._factors = None
         self._load(self._new_mean(mean, t))
 
-    def _baseline(self, t: float) -> Tensor:
+    def _baseline(self, t: float, out: Tensor) -> Tensor:
         r"""The previous step's debiased momentum (zero at the first step): subtracted from the gradients before
         they enter the low-rank part. It does not depend on this step's draws, so
         :math:`\mathbb E[(g - b)a^\top] = \mathbb E[ga^\top]`; it removes the gradient at the mean, whose product
-        with :math:`a` is pure noise."""
+        with :math:`a` is pure noise. Written into ``out`` where it is not the previous momentum itself."""
         previous = self._previous_momentum
         if t <= 1.0 or previous is None:
-            return torch.zeros_like(previous if previous is not None else self.state["momentum"])
+            return out.zero_()
         b1 = self.param_groups[0]["beta1"]
-        return previous / (1.0 - math.pow(b1, t - 1.0)) if self.debias else previous
-
-    def _cap(self, basis: Tensor) -> Tensor:
-        r"""The largest :math:`q^\top Hq` any positive semi-definite :math:`H` with diagonal :math:`h + \delta`
-        allows, per row :math:`q` of ``basis`` (:math:`Q^\top`): :math:`(\sum_d |q_d|\sqrt{h_d + \delta})^2` (Cauchy-Schwarz,
-        :math:`|H_{de}| \le \sqrt{H_{dd}H_{ee}}`)."""
-        total = (self.state["hess"] + self.param_groups[0]["weight_decay"]).clamp_min(0).sqrt()
-        return torch.stack([row.abs() @ total for row in basis]).square()
+        return torch.div(previous, 1.0 - math.pow(b1, t - 1.0), out=out) if self.debias else previous
 
     def _new_mean(self, mean: Tensor, t: float) -> Tensor:
         hess, momentum = self.state["hess"], self.state["momentum"]
@@ -386,21 +412,30 @@ class FactorIVON(torch.optim.Optimizer):
         if self.rank:  # the natural-gradient direction couples the groups: one Woodbury solve
             g0 = self.param_groups[0]
             rhs = _join([momentum[s] / (1.0 - math.pow(g["beta1"], t) if self.debias else 1.0)
-                         for g, s in self._groups()]).add(mean, alpha=g0["weight_decay"])
-            direction = self._woodbury().solve(rhs)
-        for g, s in self._groups():
+                         for g, s in self._groups()]).add_(mean, alpha=g0["weight_decay"])
+            direction = self._woodbury().solve(rhs, True, kept_buffer(self._scratch_buffers, "noise", hess))
+        for g, s in self._groups():  # the step below is a new tensor of ours: updated in place, same arithmetic
             lr = g["lr"] * (g["hess_init"] + g["weight_decay"]) if self.rescale_lr else g["lr"]
             if self.rank:
                 step = direction[s]
-            else:  # ivon-opt's expression
+            else:  # ivon-opt's expression, (momentum / debias + wd mean) / (h + wd)
                 debias = 1.0 - math.pow(g["beta1"], t) if self.debias else 1.0
                 wd = g["weight_decay"]
-                step = (momentum[s] / debias + wd * mean[s]) / (hess[s] + wd)
-            parts.append(mean[s] - lr * torch.clip(step, min=-g["clip_radius"], max=g["clip_radius"]))
+                step = torch.div(momentum[s], debias).add_(torch.mul(mean[s], wd)).div_(torch.add(hess[s], wd))
+            step = step.clamp_(min=-g["clip_radius"], max=g["clip_radius"]).mul_(lr)
+            parts.append(torch.sub(mean[s], step))
         return _join(parts)
+
+    def state_dict(self):
+        """As :meth:`torch.optim.Optimizer.state_dict`, with a copy of the basis :math:`Q^\\top` (it is rotated in
+        place at a refresh): the returned state does not change with later steps."""
+        state_dict = super().state_dict()
+        state_dict["state"]["basis"] = state_dict["state"]["basis"].clone()
+        return state_dict
 
     def load_state_dict(self, state_dict) -> None:
         """As :meth:`torch.optim.Optimizer.load_state_dict`; the cached factorisation is recomputed."""
         super().load_state_dict(state_dict)
+        self.state["basis"] = self.state["basis"].clone()  # updated in place: never shared with the source
         self._factors = None
         self._reset_samples()
