@@ -48,12 +48,11 @@ import torch
 from torch import Tensor, nn
 
 from pyro_fa.experiments._io import OutputFolder, atomic_write_json, nonnegative_int, positive_int, unit_path
-from pyro_fa.infer.hmc import MASS_MATRICES
+from pyro_fa.infer.hmc import MASS_MATRICES, RHAT_LIMIT
 
 HELP = "Full-batch HMC reference predictives (UCI 1x50 regression, digits MLP) with R-hat and chain agreement."
 
 UCI_TASKS = ("yacht", "boston", "concrete", "energy")
-RHAT_LIMIT = 1.05
 
 
 # ----------------------------------------------------------------------------- settings

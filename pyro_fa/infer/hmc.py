@@ -41,7 +41,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["HMCResult", "MASS_MATRICES", "hmc", "chain_diagnostics", "warmup_windows"]
+__all__ = ["HMCResult", "MASS_MATRICES", "RHAT_LIMIT", "hmc", "chain_diagnostics", "warmup_windows"]
+
+#: the split R-hat a reference's test predictive must stay below to count as converged (Vehtari et al. 2021
+#: recommend 1.01 for draws; the predictive references of Izmailov et al. 2021 are judged at 1.05)
+RHAT_LIMIT = 1.05
 
 LogProb = Callable[[Tensor], Tensor]
 

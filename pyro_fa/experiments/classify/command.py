@@ -51,6 +51,7 @@ import torch
 
 from pyro_fa.experiments.classify.data import DATASETS, load_classify, median_norms
 from pyro_fa.experiments.classify import fidelity as fid
+from pyro_fa.experiments.classify import fidelity_report
 from pyro_fa.experiments.classify.methods import GRIDS, MAP_SCORES, METHODS, NETWORKS, PEERS, \
     Budget, epochs_of, make_network, peers_available, run_methods
 from pyro_fa.experiments.classify.merge import merge_results, prior_precisions_from
@@ -391,8 +392,8 @@ def write_report(out: Path, combos: dict, checks: list, budget: Budget, seeds, p
                  f"{n_seeds} seed(s))",
                  "", rep.combo_table(combo), "", rep.norms_line(combo), "", fid.notes(combo), "",
                  f"![front](front_{key}.png)", ""]
-        if fid.fidelity_table(combo):
-            text += [f"### {key}: fidelity to HMC (best first)", "", fid.fidelity_table(combo), "",
+        if fidelity_report.fidelity_table(combo):
+            text += [f"### {key}: fidelity to HMC (best first)", "", fidelity_report.fidelity_table(combo), "",
                      f"![fidelity](fidelity_{key}.png)", ""]
         if _paper_line(combo):
             text += [_paper_line(combo).strip(), ""]
@@ -408,7 +409,7 @@ def write_report(out: Path, combos: dict, checks: list, budget: Budget, seeds, p
     torch.save({"probs": probs0, "targets": targets0, "seed": seeds[0]}, buffer)
     atomic_write_bytes(out / "predictions.pt", buffer.getvalue())
     figures = [(f"front_{key}", lambda key=key: rep.front_figure(key, combos[key])) for key in combos]
-    figures += [(f"fidelity_{key}", lambda key=key: fid.fidelity_figure(key, combos[key])) for key in combos]
+    figures += [(f"fidelity_{key}", lambda key=key: fidelity_report.fidelity_figure(key, combos[key])) for key in combos]
     figures += [("reliability", lambda: rep.reliability_figure(combos, probs0, targets0)),
                 ("entropy", lambda: rep.entropy_figure(combos, probs0))]
     for name, make in figures:

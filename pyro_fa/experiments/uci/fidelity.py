@@ -48,7 +48,7 @@ from typing import Dict, Optional, Sequence
 import torch
 from torch import Tensor
 
-from pyro_fa.experiments.hmc_reference import RHAT_LIMIT
+from pyro_fa.infer.hmc import RHAT_LIMIT
 from pyro_fa.metrics import competition_wasserstein, predictive_wasserstein2
 
 #: predictive samples per test point on each side (the competition's starter kit asks for 1 000)
@@ -237,7 +237,7 @@ def score_fit(fit: Fit, data, splits: Sequence, references: Dict[int, Reference]
     """One method's records, split (str) -> record: ``w1``, ``w2``, the split's test ``ll`` and ``rmse`` (original
     units), ``seconds`` and (where known) ``map_trainings``, its ``precision`` and ``noise`` beside the reference's;
     ``skipped`` with the reason for a network that is not the reference's."""
-    from pyro_fa.experiments.uci.protocol import evaluate
+    from pyro_fa.experiments.uci.scores import evaluate
 
     out = {}
     nv = fit.noise_var if fit.noise_var.dim() == 3 else fit.noise_var.unsqueeze(0)
@@ -266,7 +266,7 @@ def score_reference(data, splits: Sequence, references: Dict[int, Reference], se
     """The reference's own records: its test ``ll`` and ``rmse`` (as the methods', its mixture over HMC's draws)
     and the floor of the distances a method of ``draws`` posterior draws can reach: ``w1`` and ``w2`` of the
     reference thinned to ``draws`` evenly spaced draws."""
-    from pyro_fa.experiments.uci.protocol import evaluate
+    from pyro_fa.experiments.uci.scores import evaluate
 
     out = {}
     for r, d in enumerate(splits):
