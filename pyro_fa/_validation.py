@@ -85,6 +85,23 @@ def _positive(cls: str, arg: str, value, type_words: str, value_words: str) -> f
     return value
 
 
+def check_scale(cls: str, value, arg: str = "scale") -> float:
+    """``value`` as a posterior's covariance scale: a finite real number >= 0 (0 is the mean), as a float.
+
+    Examples
+    --------
+    >>> check_scale("SWAG", 0)
+    0.0
+    >>> check_scale("SWAG", -1)
+    Traceback (most recent call last):
+    ...
+    ValueError: SWAG: scale must be a finite number >= 0, got -1.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{cls}: {arg} must be a finite number >= 0, got {value!r}.")
+    return float(value)
+
+
 def check_device(cls: str, device, arg: str = "device") -> torch.device:
     """``device`` (None: the CPU) as a :class:`torch.device` that holds data and is available here.
 

@@ -45,6 +45,7 @@ from pyro_fa.predictive.registry import build_predictive
 from pyro_fa.predictive.likelihood import LIKELIHOODS, normalize_likelihood
 from pyro_fa.predictive.posterior import Posterior
 from pyro_fa.predictive.sampled import SampledPredictive
+from pyro_fa._validation import check_scale
 
 __all__ = ["FactorLaplace", "LIKELIHOODS"]
 
@@ -355,9 +356,8 @@ class FactorLaplace(Posterior, nn.Module):
 
     @scale.setter
     def scale(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{type(self).__name__}: scale must be a finite number >= 0, got {value!r}.")
-        self.__dict__["_scale"] = float(value)
+        value = check_scale(type(self).__name__, value)
+        self.__dict__["_scale"] = value
 
     def _check_sampling_mode(self) -> None:
         """Refuse, before any forward pass, a model whose dropout or batch norm is in train mode: sampled networks

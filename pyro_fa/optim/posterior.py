@@ -14,6 +14,7 @@ from pyro_fa.distributions import FactorNormal, PointMassNormal, draw
 from pyro_fa.predictive import Posterior, build_predictive, check_pred_type, linearized_moments
 from pyro_fa.predictive.glm import check_eval_mode
 from pyro_fa.predictive.registry import PredictiveSource
+from pyro_fa._validation import check_scale
 
 __all__ = ["WeightPosterior"]
 
@@ -96,9 +97,8 @@ class WeightPosterior(Posterior):
 
     @scale.setter
     def scale(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{type(self).__name__}: scale must be a finite number >= 0, got {value!r}.")
-        self._scale = float(value)
+        value = check_scale(type(self).__name__, value)
+        self._scale = value
 
     def get_posterior(self) -> FactorNormal:
         """The distribution at :attr:`scale`: the one given at scale 1, a

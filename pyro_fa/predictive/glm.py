@@ -40,6 +40,7 @@ from torch.func import functional_call, jacrev, jvp, vmap
 
 from pyro_fa.predictive.registry import DEFAULT_LINK_APPROX, PREDICTIVES, register_predictive
 from pyro_fa.predictive.sampled import SampledPredictive
+from pyro_fa._validation import check_scale
 
 __all__ = ["linearized_moments", "linearized_network", "probit_proba", "PRED_TYPES", "LINK_APPROXES",
            "DEFAULT_LINK_APPROX", "check_pred_type", "resolve_link_approx", "check_eval_mode"]
@@ -296,8 +297,7 @@ def linearized_moments(module: nn.Module, loc: Tensor, inputs: Union[Tensor, Tup
     if factor_sign not in (1, -1) or isinstance(factor_sign, bool):
         raise ValueError(f"{fn}: factor_sign must be 1.0 (covariance F F^T + Psi) or -1.0 (Woodbury inverse of a "
                          f"low-rank-plus-diagonal precision), got {factor_sign!r}.")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale >= 0):
-        raise ValueError(f"{fn}: scale must be a finite number >= 0, got {scale!r}.")
+    check_scale(fn, scale)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"{fn}: chunk_size must be an integer >= 1 or None, got {chunk_size!r}.")
     inputs = _inputs(fn, inputs)

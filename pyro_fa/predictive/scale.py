@@ -36,6 +36,7 @@ from pyro_fa.predictive.likelihood import check_targets, normalize_likelihood, p
 from pyro_fa.predictive.registry import DEFAULT_PRED_TYPE
 from pyro_fa.predictive.sampled import SampledPredictive, log_mean_exp
 from pyro_fa.predictive.scale_rules import RULES, SCALE_RULES, Curve
+from pyro_fa._validation import check_scale
 
 __all__ = ["ScaleSearch", "ScaleSelectionWarning", "tune_scale", "select_scale", "bma_log_likelihood",
            "DEFAULT_SCALES", "RULES"]
@@ -315,8 +316,7 @@ def bma_log_likelihood(posterior, inputs, targets, likelihood="classification", 
             raise ValueError(f"{fn}: the members' scales differ, got {own!r}; set one (posterior.scale = value) or "
                              "pass scale=.")
         scale = own[0]
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale >= 0):
-        raise ValueError(f"{fn}: scale must be a finite number >= 0, got {scale!r}.")
+    check_scale(fn, scale)
     likelihood = normalize_likelihood(fn, likelihood, allow_callable=True)
     scorer = _Scorer(posterior, inputs, targets, likelihood, num_samples, noise_std, seed, pred_type, fn)
     return float(scorer(float(scale)).mean())

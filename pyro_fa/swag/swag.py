@@ -37,6 +37,7 @@ from pyro_fa.swag._fits import IterateFit, OnlineFit
 from pyro_fa.swag._params import (ParamSource as _ParamSource, check_followed, check_params, loaded_weights,
                                   positive_int as _positive_int, split)
 from pyro_fa.swag.guide import FactorPosteriorGuide
+from pyro_fa._validation import check_scale
 
 __all__ = ["SWAG"]
 
@@ -323,9 +324,8 @@ class SWAG(Posterior, nn.Module):
 
     @scale.setter
     def scale(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{type(self).__name__}: scale must be a finite number >= 0, got {value!r}.")
-        self._scale = float(value)
+        value = check_scale(type(self).__name__, value)
+        self._scale = value
 
     @torch.no_grad()
     def _deviations(self, num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
