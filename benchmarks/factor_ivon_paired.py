@@ -1,5 +1,7 @@
 """Tables of FactorIVON's rows against IVON's and the deep ensemble's from ``pyro-fa classify`` results:
-mean ± s.e. over seeds of NLL, accuracy, ECE and seconds, and paired differences over seeds.
+mean ± s.e. over seeds of NLL, accuracy, ECE and seconds, and paired differences over seeds; then the same
+paired differences for every OOD AUROC the rows share (``auroc_<set>``: by the predictive entropy,
+``auroc_mi_<set>``: by the mutual information, sampled rows only).
 
     PYTHONPATH=. python benchmarks/factor_ivon_paired.py RESULTS.json [RESULTS.json ...]
 
@@ -35,7 +37,16 @@ def pooled(paths):
                 for m in METRICS:
                     target[m] += r["per_seed"][m]
                 target["seconds"] += r["seconds"]
+                for m, values in r["per_seed"].items():
+                    if m.startswith("auroc"):
+                        target.setdefault(m, []).extend(values)
     return out
+
+
+def _paired(a, b):
+    d = [x - y for x, y in zip(a, b)]
+    mu, se = mean_se(d)
+    return f"{mu:+.4f} ± {se:.4f}{' *' if abs(mu) > 2 * se else ''}"
 
 
 def main(paths):
@@ -52,12 +63,17 @@ def main(paths):
         print("| A | B | Δ NLL | Δ accuracy | Δ ECE | Δ seconds |\n| --- | --- | --- | --- | --- | --- |")
         for a, b in PAIRS:
             if a in rows and b in rows:
-                cells = []
-                for m in (*METRICS, "seconds"):
-                    d = [x - y for x, y in zip(rows[a][m], rows[b][m])]
-                    mu, se = mean_se(d)
-                    cells.append(f"{mu:+.4f} ± {se:.4f}{' *' if abs(mu) > 2 * se else ''}")
+                cells = [_paired(rows[a][m], rows[b][m]) for m in (*METRICS, "seconds")]
                 print(f"| {a} | {b} | " + " | ".join(cells) + " |")
+        ood = sorted({m for r in rows.values() for m in r if m.startswith("auroc")})
+        if ood:
+            print("\nOOD AUROC: A's mean, B's mean and the paired difference A − B (positive favours A; * beyond 2 s.e.):\n")
+            print("| A | B | AUROC | A | B | Δ |\n| --- | --- | --- | --- | --- | --- |")
+            for a, b in PAIRS:
+                for m in ood:
+                    if a in rows and b in rows and m in rows[a] and m in rows[b]:
+                        print(f"| {a} | {b} | {m[len('auroc_'):]} | {mean_se(rows[a][m])[0]:.4f} | "
+                              f"{mean_se(rows[b][m])[0]:.4f} | {_paired(rows[a][m], rows[b][m])} |")
 
 
 if __name__ == "__main__":
