@@ -134,3 +134,11 @@ def test_uci_quick_runs_the_column_and_scores_it_against_a_reference(tmp_path, c
     rec = res["fidelity"]["yacht"]["mcdropout-1x50"]["0"]
     assert rec["w1"] > 0 and rec["seconds"] > 0 and rec["precision"] == pytest.approx(1e-4)
     assert rec["noise"] == pytest.approx(10.0 ** -0.5) and rec["ll"] == pytest.approx(plain["ll"][0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_column_runs_on_the_data_device():
+    splits = [load_uci("yacht", s, dtype=torch.float64, device="cuda") for s in range(2)]
+    budget = Budget(steps=30, checkpoints=3, lrs=(1e-2,), tune_splits=1, eval_samples=4, test_samples=5)
+    out = mcd.run_mc_dropout(METHODS["mcdropout-1x50"], splits, budget, 0)
+    assert all(math.isfinite(v) for v in out["ll"] + out["rmse"])
