@@ -24,7 +24,10 @@ with the same search budget:
   posteriors trained from different initialisations;
 * ``factor-ivon``: the 1×50 network trained one split at a time by :class:`~pyro_fa.optim.FactorIVON`
   (rank 10), the noise scale learned by Adam, IVON's grid of ``pyro-fa classify`` (rate x initial Hessian)
-  searched as the others' (:mod:`pyro_fa.experiments.uci.factor_ivon`).
+  searched as the others' (:mod:`pyro_fa.experiments.uci.factor_ivon`);
+* ``mcdropout``: MC dropout as Gal & Ghahramani (2016) ran it on UCI (dropout on the input and hidden layer,
+  rate x model precision searched, weight decay from the prior length-scale; all fits of a stage as one batch;
+  :mod:`pyro_fa.experiments.uci.mc_dropout`).
 
 Hyperparameter search (never on the test split): the training part of each of
 the first few splits is cut at random into 80 % sub-training and 20 % validation
@@ -80,6 +83,7 @@ from pyro_fa.experiments.uci.fidelity import (HMC_NAME, fidelity_tables, find_re
                                                score_reference)
 from pyro_fa.experiments.uci.swag_family import run_swag
 from pyro_fa.experiments.uci.factor_ivon import run_factor_ivon
+from pyro_fa.experiments.uci.mc_dropout import run_mc_dropout
 from pyro_fa.experiments.uci.results import _legacy_path, _run_key, _same_run, _unit_key, _unit_path, _units, read_unit
 
 #: the subcommand's one-line help, which `pyro-fa` reads without importing this module
@@ -91,7 +95,7 @@ __all__ = ["Budget", "DEFAULT_METHODS", "METHODS", "Method", "QUICK_METHODS", "S
            "report", "run", "run_swag", "run_unit", "run_vi", "train", "tuning_data"]
 
 #: the methods not trained by :func:`run_vi` (BatchedVI): ``Method.family`` -> the unit's runner
-RUNNERS = {"factor-ivon": run_factor_ivon}
+RUNNERS = {"factor-ivon": run_factor_ivon, "mcdropout": run_mc_dropout}
 
 # ----------------------------------------------------------------------------- command line
 

@@ -21,7 +21,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from pyro_fa.experiments.uci.protocol import Budget, SplitData, _choose, evaluate, final_data, heldout_ll, \
+from pyro_fa.experiments.uci.protocol import Budget, SplitData, _choose, final_data, final_record, heldout_ll, \
     tuning_data
 
 __all__ = ["IVON_LRS", "IVON_HESS_INITS", "QUICK_GRID", "run_factor_ivon"]
@@ -137,15 +137,8 @@ def run_factor_ivon(method, splits, budget: Budget, seed: int, progress: Optiona
         means.append(_predict(net, opt, final.x_eval[r], budget.test_samples))
         noise_var.append(torch.exp(2 * log_scale))
     seconds = (time.perf_counter() - start) / final.y.shape[0]
-    scores = evaluate(torch.stack(means, 1), torch.stack(noise_var)[:, None], final)
     dim = sum(p.numel() for p in _net(final.x.shape[-1], width, final.x.dtype, "cpu").parameters())
-    if references:
-        from pyro_fa.experiments.uci.fidelity import Fit, score_fit
-
-        n_train = float(final.x.shape[-2])
-        fit = Fit(torch.stack(means, 1), torch.stack(noise_var)[:, None], dim, n_train * WEIGHT_DECAY,
-                  torch.stack(noise_var).sqrt().reshape(-1).detach(), seconds)
-        fidelity[method.name] = score_fit(fit, final, splits, references, seed)
-    return {"choice": choice, "val_ll": val_ll, "tune_splits": n_tune, "search": table, "dim": dim,
-            **{k: v.tolist() for k, v in scores.items()},
-            "noise_scale": (torch.stack(noise_var).sqrt().reshape(-1) * final.y_std).tolist()}
+    noise = torch.stack(noise_var).sqrt().reshape(-1).detach()
+    return final_record(method, torch.stack(means, 1), torch.stack(noise_var)[:, None], final, splits,
+                        (choice, val_ll, table, n_tune), dim, float(final.x.shape[-2]) * WEIGHT_DECAY, noise, seconds,
+                        seed, references, fidelity)

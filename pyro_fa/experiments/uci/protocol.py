@@ -48,6 +48,8 @@ def _methods() -> Dict[str, Method]:
         out[name] = Method(name, f"{label} 1×50", 1, "delta", "gaussian", swag)
     # trained by its own runner (pyro_fa.experiments.uci.factor_ivon), not by BatchedVI
     out["factor-ivon-1x50"] = Method("factor-ivon-1x50", "FactorIVON (ours) 1×50", 1, "factor-ivon")
+    # trained by its own runner (pyro_fa.experiments.uci.mc_dropout): Gal & Ghahramani (2016)'s UCI protocol
+    out["mcdropout-1x50"] = Method("mcdropout-1x50", "MC dropout 1×50", 1, "mcdropout")
     return out
 
 
@@ -175,22 +177,19 @@ def _batch_size(data: SplitData, budget: "Budget") -> int:
     return N if N <= budget.batch_limit else budget.batch_size
 
 
-def train(model: BatchedVI, data: SplitData, steps: int, budget: Budget, generator: torch.Generator,
-          checkpoints: Optional[int] = None, progress=None, patience: bool = False,
-          n_configs: int = 1) -> List[Tuple[int, Tensor]]:
-    """:func:`pyro_fa.nn.fit_batched` under the budget's rate schedule, batch size and particles, with checkpoints.
+def checkpointer(data: SplitData, steps: int, budget: Budget, checkpoints: Optional[int] = None, progress=None,
+                 patience: bool = False, n_configs: int = 1):
+    """The search's checkpoints, for :func:`train` and a runner's own training loop: ``(curve, callback)``.
 
-    Returns ``[(step, held-out log-likelihood per replica)]`` every ``steps // checkpoints``
-    steps (none without ``checkpoints``). Replicas are ``n_configs`` consecutive blocks, one per
-    configuration. With ``patience``, training stops early once the best mean held-out
-    log-likelihood of any configuration was reached in the first third of the steps run
-    (and at least a quarter of ``steps`` have run): later checkpoints could only be chosen
-    if they beat a long-standing best.
+    ``callback(step, model, loss)`` (``fit_batched``'s callback; ``loss`` unused) appends, every
+    ``steps // checkpoints`` steps, ``(step, held-out log-likelihood per replica)`` of
+    ``model.predict(data.x_eval, budget.eval_samples)`` (means (S, R, M), noise variances) to ``curve``, and
+    returns True when training is to stop (``patience``, as :func:`train` says).
     """
     every = max(1, steps // checkpoints) if checkpoints else None
     curve, best = [], {"step": 0, "score": -math.inf}
 
-    def checkpoint(step: int, model: BatchedVI, loss: Tensor) -> bool:
+    def checkpoint(step: int, model, loss: Optional[Tensor] = None) -> bool:
         if not (every and step % every == 0):
             return False
         means, nv = model.predict(data.x_eval, budget.eval_samples)
@@ -205,6 +204,22 @@ def train(model: BatchedVI, data: SplitData, steps: int, budget: Budget, generat
             return True
         return False
 
+    return curve, checkpoint
+
+
+def train(model: BatchedVI, data: SplitData, steps: int, budget: Budget, generator: torch.Generator,
+          checkpoints: Optional[int] = None, progress=None, patience: bool = False,
+          n_configs: int = 1) -> List[Tuple[int, Tensor]]:
+    """:func:`pyro_fa.nn.fit_batched` under the budget's rate schedule, batch size and particles, with checkpoints.
+
+    Returns ``[(step, held-out log-likelihood per replica)]`` every ``steps // checkpoints``
+    steps (none without ``checkpoints``). Replicas are ``n_configs`` consecutive blocks, one per
+    configuration. With ``patience``, training stops early once the best mean held-out
+    log-likelihood of any configuration was reached in the first third of the steps run
+    (and at least a quarter of ``steps`` have run): later checkpoints could only be chosen
+    if they beat a long-standing best.
+    """
+    curve, checkpoint = checkpointer(data, steps, budget, checkpoints, progress, patience, n_configs)
     # the schedule is a function of the step number alone, over the budget's steps: a final fit that stops at
     # the chosen step has followed the same rates as the search's fit up to that step
     fit_batched(model, data.x, data.y, steps, batch_size=_batch_size(data, budget), particles=budget.particles,
@@ -276,15 +291,30 @@ def run_vi(method: Method, splits, budget: Budget, seed: int, progress=None, ref
     train(model, final, choice["steps"], budget, gen, None, progress)
     seconds = (time.perf_counter() - start) / final.y.shape[0]
     means, nv = model.predict(final.x_eval, budget.test_samples)
-    scores = evaluate(means, nv, final)
+    return final_record(method, means, nv, final, splits, (choice, val_ll, table, n_tune), spec.dim,
+                        choice["precision"], model.likelihood_scale().detach(), seconds, seed, references, fidelity)
+
+
+def final_record(method: Method, means: Tensor, noise_var: Tensor, final: SplitData, splits, search: tuple, dim: int,
+                 precision: float, noise: Tensor, seconds: float, seed: int, references=None,
+                 fidelity: Optional[dict] = None) -> dict:
+    """A method's record of one dataset from its final fits, every runner's return value.
+
+    ``means`` (S, R, M) and ``noise_var`` ((R, 1) or (S, R, 1)) are the test predictives of the R splits run
+    (standardised units), ``search`` the ``(choice, val_ll, table, tuning splits)`` of the search, ``noise`` (R,)
+    the noise scales, ``precision`` the prior precision; with ``references`` (split -> HMC reference) each split
+    that has one is scored against it into ``fidelity[method.name]``
+    (:func:`~pyro_fa.experiments.uci.fidelity.score_fit`). Raises FloatingPointError where a fit diverged.
+    """
+    choice, val_ll, table, n_tune = search
+    scores = evaluate(means, noise_var, final)
     if references:
         from pyro_fa.experiments.uci.fidelity import Fit, score_fit
 
-        fit = Fit(means, nv, spec.dim, choice["precision"], model.likelihood_scale().detach(), seconds)
+        fit = Fit(means, noise_var, dim, precision, noise, seconds)
         fidelity[method.name] = score_fit(fit, final, splits, references, seed)
-    return {"choice": choice, "val_ll": val_ll, "tune_splits": n_tune, "search": table, "dim": spec.dim,
-            **{k: v.tolist() for k, v in scores.items()},
-            "noise_scale": (model.likelihood_scale() * final.y_std).tolist()}
+    return {"choice": choice, "val_ll": val_ll, "tune_splits": n_tune, "search": table, "dim": dim,
+            **{k: v.tolist() for k, v in scores.items()}, "noise_scale": (noise * final.y_std).tolist()}
 
 
 def _spec(method: Method, splits) -> BatchedMLP:
