@@ -63,8 +63,8 @@ from pyro_fa.distributions import StableLowRankMultivariateNormal, draw
 
 __all__ = ["Pathfinder", "TOL_REL_OBJ"]
 
-#: L-BFGS's default relative tolerance on log p: 1e2 x float64's machine epsilon, the paper's (its experiments ran
-#: R's ``optim`` L-BFGS-B with ``factr = 1e2``; Zhang et al. 2022, code of the paper's experiments)
+#: L-BFGS's default relative tolerance on log p: 1e2 x float64's machine epsilon, as in the paper's experiments
+#: (the authors' code ran R's ``optim`` L-BFGS-B with ``factr = 1e2``, whose test is the same relative change)
 TOL_REL_OBJ = 1e2 * torch.finfo(torch.float64).eps
 
 
@@ -198,9 +198,9 @@ class Pathfinder:
         (``init_to_median``) cannot run, e.g. a model with ``ImproperUniform`` priors.
     tol_rel_obj, tol_grad : float
         L-BFGS stops when the relative change of :math:`\log p`, :math:`|\Delta \log p| / \max(|\log p|, 1)`, is
-        below ``tol_rel_obj`` or the largest gradient entry below ``tol_grad``. The default ``tol_rel_obj`` is the
-        paper's: its experiments ran R's ``optim`` L-BFGS-B with ``factr = 1e2``, a relative tolerance of
-        :math:`10^2\epsilon \approx 2.2 \times 10^{-14}` (:data:`TOL_REL_OBJ`). A looser one (CmdStan's
+        below ``tol_rel_obj`` or the largest gradient entry below ``tol_grad``. The default ``tol_rel_obj`` is that
+        of the paper's experiments (the authors' code ran R's ``optim`` L-BFGS-B with ``factr = 1e2``, the same
+        relative test at :math:`10^2\epsilon \approx 2.2 \times 10^{-14}`; :data:`TOL_REL_OBJ`). A looser one (CmdStan's
         :math:`10^4\epsilon`, BlackJAX's :math:`10^{-5}`) can stop on a nearly flat ridge of a badly scaled
         posterior, where one step gains little relative to a large :math:`|\log p|` although the mode is many
         nats away (e.g. an intercept at :math:`10^4` scale, nearly collinear with its slope).
