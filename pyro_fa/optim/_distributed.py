@@ -32,6 +32,9 @@ from pyro_fa.optim._lowrank import welford_mean
 
 __all__ = ["sync_group", "refused_together", "StepAverage", "NO_AVERAGE"]
 
+#: the param groups' keys left out of the ranks' agreement (the tensors themselves)
+_NOT_DESCRIBED = frozenset({"params"})
+
 
 def sync_group(sync, process_group):
     """The process group a :class:`FactorIVON` averages over (None: no averaging), checked locally.
@@ -74,7 +77,7 @@ def _describe(opt) -> dict:
     """What every rank must pass alike (compared by ``repr``)."""
     return {
         "params (shapes, dtype)": ([tuple(p.shape) for p in opt._params], str(opt._params[0].dtype)),
-        "param groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        "param groups": [{k: v for k, v in g.items() if k not in _NOT_DESCRIBED} for g in opt.param_groups],
         "rank": opt.rank, "update_every": opt.update_every, "mc_samples": opt.mc_samples,
         "diag_floor": opt.diag_floor, "debias": opt.debias, "rescale_lr": opt.rescale_lr,
     }
@@ -126,7 +129,8 @@ class StepAverage:
         self._collective(lambda b: dist.all_reduce(b, op=dist.ReduceOp.SUM, group=self.process_group), buf)
 
     def record(self, noise: Tensor, finite: bool) -> bool:
-        """Note a training draw (``noise`` :math:`z`) and whether its gradient was finite; whether to keep it."""
+        """Note a training draw (``noise`` :math:`z`) and whether its gradient was finite; whether ``_collect`` goes
+        on (False: a non-finite gradient, dropped here and refused at :meth:`average` on every rank)."""
         self._draws += 1
         self._nonfinite += not finite
         ends = noise[[0, -1]].to(torch.float64)
@@ -192,7 +196,7 @@ class _NoAverage:
     """A single process's stand-in for :class:`StepAverage`: keeps a finite draw, averages nothing."""
 
     def record(self, noise: Tensor, finite: bool) -> bool:
-        return finite
+        return True  # a non-finite gradient is refused at once, in FactorIVON._collect
 
     def average(self, opt) -> None:
         pass
