@@ -260,9 +260,8 @@ class FactorIVON(torch.optim.Optimizer):
         return LowRankPrecisionNormal(loc, factor.clone(), diag.clone())
 
     def posterior(self, module: torch.nn.Module):
-        """The posterior as the prediction protocol's object over ``module`` (whose parameters this optimizer
-        trains): a :class:`~pyro_fa.optim.WeightPosterior` (``predict``, ``predict_proba``, ``tune_scale``, ...),
-        a snapshot of :meth:`get_posterior`."""
+        """The posterior over ``module`` (whose parameters this optimizer trains) as the prediction protocol's
+        :class:`~pyro_fa.optim.WeightPosterior` (``predict``, ``predict_proba``, ...), a snapshot."""
         from pyro_fa.optim.posterior import WeightPosterior
 
         return WeightPosterior(module, self.get_posterior(), self._params)
@@ -286,8 +285,8 @@ class FactorIVON(torch.optim.Optimizer):
         Raises
         ------
         ValueError
-            On leaving with ``train=True``, a gradient holding NaN or inf (the mean is restored, the
-            state untouched).
+            On leaving with ``train=True``, a gradient holding NaN or inf (the mean is restored, the state
+            untouched; with a process group, at :meth:`step` on every rank).
         """
         mean, noise, precision_noise = self._sample_params()
         self._mean = mean
@@ -351,12 +350,14 @@ class FactorIVON(torch.optim.Optimizer):
         """Update the posterior from the gradients of the draws since the last step.
 
         ``closure``, if given, is called ``mc_samples`` times (with gradients enabled) and must draw with
-        :meth:`sampled_params` itself; the mean of its losses is returned.
+        :meth:`sampled_params` itself; the mean of its losses is returned. Collective with a process group.
 
         Raises
         ------
         RuntimeError
             No gradient was collected (no ``sampled_params(train=True)`` block since the last step).
+        ValueError
+            With a process group, on every rank: ranks that drew unlike, or a non-finite gradient (state unchanged).
         """
         loss = None
         if closure is not None:
