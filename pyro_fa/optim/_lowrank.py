@@ -24,7 +24,8 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["sketch_update", "sketch_update_stacked", "row_squares", "factorise", "kept_buffer", "Woodbury"]
+__all__ = ["sketch_update", "sketch_update_stacked", "row_squares", "factorise", "kept_buffer", "welford_mean",
+           "Woodbury"]
 
 #: columns per chunk of the Gram matrix (a chunk of the (K, D) factor stays in cache)
 _CHUNK = 1 << 16
@@ -174,6 +175,11 @@ def _gram(factor_t: Tensor, weights: Tensor) -> Tensor:
         block = factor_t[:, lo:lo + _CHUNK]
         out += ((block * weights[lo:lo + _CHUNK]) @ block.T).to(torch.float64)
     return out
+
+
+def welford_mean(avg: Optional[Tensor], new: Tensor, count: int) -> Tensor:
+    """The running mean of ``count`` values, as ivon-opt keeps it (bit for bit): ``new`` itself for the first."""
+    return new if avg is None else avg + (new - avg) / count
 
 
 def kept_buffer(buffers: dict, name: str, like: Tensor) -> Tensor:

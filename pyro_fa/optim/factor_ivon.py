@@ -11,7 +11,8 @@ from torch import Tensor
 from pyro_fa.distributions import LowRankPrecisionNormal
 from pyro_fa.optim._checks import (NAME, check_count, check_dimension, check_hyperparameters, check_params,
                                    check_shared)
-from pyro_fa.optim._lowrank import Woodbury, factorise, kept_buffer, sketch_update_stacked
+from pyro_fa.optim._distributed import NO_AVERAGE, StepAverage, refused_together, sync_group
+from pyro_fa.optim._lowrank import Woodbury, factorise, kept_buffer, sketch_update_stacked, welford_mean
 
 __all__ = ["FactorIVON"]
 
@@ -19,11 +20,6 @@ __all__ = ["FactorIVON"]
 def _join(parts: List[Tensor]) -> Tensor:
     """``torch.cat(parts)``, without the copy for one part."""
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _welford_mean(avg: Optional[Tensor], new: Tensor, count: int) -> Tensor:
-    """The running mean of ``count`` values, as ivon-opt keeps it (bit for bit)."""
-    return new if avg is None else avg + (new - avg) / count
 
 
 def _flatten(params: List[Tensor], loaded: Optional[Tensor]) -> Tensor:
@@ -37,6 +33,16 @@ def _flatten(params: List[Tensor], loaded: Optional[Tensor]) -> Tensor:
         else:
             return loaded
     return _join([p.detach().flatten() for p in params])
+
+
+def _baseline(previous: Optional[Tensor], t: float, beta1: float, debias: bool, out: Tensor) -> Tensor:
+    r"""The previous step's debiased momentum (zero at the first step): subtracted from the gradients before they
+    enter the low-rank part. It does not depend on this step's draws, so :math:`\mathbb E[(g - b)a^\top] =
+    \mathbb E[ga^\top]` (a control variate, not a bias); it removes the gradient at the mean, whose product with
+    :math:`a` is pure noise. Written into ``out`` where it is not the previous momentum itself."""
+    if t <= 1.0 or previous is None:
+        return out.zero_()
+    return torch.div(previous, 1.0 - math.pow(beta1, t - 1.0), out=out) if debias else previous
 
 
 class FactorIVON(torch.optim.Optimizer):
@@ -121,12 +127,20 @@ class FactorIVON(torch.optim.Optimizer):
         :math:`h + \delta`. It bounds by :math:`1/\rho` how far the Newton step off the low-rank directions may
         exceed IVON's while the low-rank part is still mostly noise; a lower value lets strongly correlated
         posteriors be matched more closely, at the risk of an unstable start.
+    sync : bool, default False
+        (keyword only) ivon-opt's: average each step's statistics over torch.distributed's default group.
+    process_group : torch.distributed.ProcessGroup, optional
+        (keyword only) Average over this group instead. Data parallel: the ranks, seeded alike, draw the same weights,
+        each on its equal share of the minibatch, and the step is one process's on the whole minibatch, on every
+        rank. Building and :meth:`step` are then collective (:mod:`pyro_fa.optim._distributed`).
 
     Raises
     ------
     ValueError, TypeError
         A hyperparameter outside its range or not a number; no parameters, parameters on several devices or
-        dtypes; with ``rank`` > 0, groups that disagree on ``ess``, ``weight_decay`` or ``beta2``.
+        dtypes; with ``rank`` > 0, groups that disagree on ``ess``, ``weight_decay`` or ``beta2``; with a group,
+        ranks that disagree on these, or (at :meth:`step`, on every rank) draw unlike. RuntimeError: ``sync`` or
+        ``process_group`` without an initialised torch.distributed.
 
     Notes
     -----
@@ -136,8 +150,6 @@ class FactorIVON(torch.optim.Optimizer):
     it), and :math:`2MD` for the step's curvature vectors. Time per step beyond IVON's: three passes over :math:`U`
     per draw and two for the step (:math:`O(DK)`), and every ``update_every`` steps :math:`O(DK^2)` for the
     sketch's rotation and the :math:`K\times K` Gram matrix, both by chunks of columns that stay in cache.
-    Gradients that are not finite are refused (``ValueError`` on leaving :meth:`sampled_params`) before they reach
-    the state.
 
     References
     ----------
@@ -171,23 +183,26 @@ class FactorIVON(torch.optim.Optimizer):
     def __init__(self, params, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
                  beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1,
                  clip_radius: float = float("inf"), debias: bool = True, rescale_lr: bool = True, *,
-                 rank: int = 10, diag_floor: float = 0.25, update_every: int = 1):
-        check_hyperparameters(dict(lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2,
-                                   weight_decay=weight_decay, clip_radius=clip_radius, diag_floor=diag_floor))
-        self.mc_samples = check_count("mc_samples", mc_samples, 1)
-        self.rank = check_count("rank", rank, 0)
-        self.update_every = check_count("update_every", update_every, 1)
-        defaults = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, hess_init=hess_init, ess=ess,
-                        clip_radius=clip_radius)
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            check_hyperparameters({k: group[k] for k in defaults})
-        self._params: List[Tensor] = [p for g in self.param_groups for p in g["params"]]
-        D, dtype, device = check_params(self._params)
-        check_shared(self.param_groups, self.rank)
-        check_dimension(D, self.rank, self.mc_samples)
-        self.debias, self.rescale_lr, self.diag_floor = bool(debias), bool(rescale_lr), float(diag_floor)
-        self._sizes = [sum(p.numel() for p in g["params"]) for g in self.param_groups]
+                 rank: int = 10, diag_floor: float = 0.25, update_every: int = 1, sync: bool = False,
+                 process_group=None):
+        over = sync_group(sync, process_group)  # checked locally; None: no averaging
+        with refused_together(over):  # with a group, a refusal on one rank stops every rank
+            check_hyperparameters(dict(lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2,
+                                       weight_decay=weight_decay, clip_radius=clip_radius, diag_floor=diag_floor))
+            self.mc_samples = check_count("mc_samples", mc_samples, 1)
+            self.rank = check_count("rank", rank, 0)
+            self.update_every = check_count("update_every", update_every, 1)
+            defaults = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, hess_init=hess_init, ess=ess,
+                            clip_radius=clip_radius)
+            super().__init__(params, defaults)
+            for group in self.param_groups:
+                check_hyperparameters({k: group[k] for k in defaults})
+            self._params: List[Tensor] = [p for g in self.param_groups for p in g["params"]]
+            D, dtype, device = check_params(self._params)
+            check_shared(self.param_groups, self.rank)
+            check_dimension(D, self.rank, self.mc_samples)
+            self.debias, self.rescale_lr, self.diag_floor = bool(debias), bool(rescale_lr), float(diag_floor)
+            self._sizes = [sum(p.numel() for p in g["params"]) for g in self.param_groups]
         self.state["step"] = 0
         self.state["momentum"] = torch.zeros(D, dtype=dtype, device=device)
         self.state["hess"] = torch.cat([torch.zeros(n, dtype=dtype, device=device).add(torch.as_tensor(g["hess_init"]))
@@ -201,6 +216,7 @@ class FactorIVON(torch.optim.Optimizer):
         self._loaded: Optional[Tensor] = None  # the vector whose views the parameters were made by _load
         self._previous_momentum: Optional[Tensor] = None
         self._reset_samples()
+        self._averager = NO_AVERAGE if over is None else StepAverage(over, self)  # collective
 
     # ------------------------------------------------------------------ the posterior's parts
     @property
@@ -221,18 +237,10 @@ class FactorIVON(torch.optim.Optimizer):
     def _woodbury(self) -> Woodbury:
         r"""The factorisation of :math:`\mathrm{diag}(\psi) + UU^\top` at the current state (cached until a step)."""
         if self._factors is None:
-            group = self.param_groups[0]
-            self._factors = factorise(self.state["basis"], self.state["eigvals"],
-                                      self.state["hess"] + group["weight_decay"], self.diag_floor, group["ess"],
-                                      self._factor_buffers)
+            g, state = self.param_groups[0], self.state
+            self._factors = factorise(state["basis"], state["eigvals"], state["hess"] + g["weight_decay"],
+                                      self.diag_floor, g["ess"], self._factor_buffers)
         return self._factors
-
-    def _precision_diag(self) -> Tensor:
-        r""":math:`\lambda\psi` (per group's :math:`\lambda` and :math:`\delta` when ``rank=0``)."""
-        if self.rank:
-            return self.param_groups[0]["ess"] * self._woodbury().psi
-        hess = self.state["hess"]
-        return torch.cat([g["ess"] * (hess[s] + g["weight_decay"]) for g, s in self._groups()])
 
     @torch.no_grad()
     def get_posterior(self) -> LowRankPrecisionNormal:
@@ -242,15 +250,18 @@ class FactorIVON(torch.optim.Optimizer):
         ``prec_factor`` :math:`\sqrt\lambda\,U` (shape (D, K)); a snapshot, sharing no storage with the state.
         Inside :meth:`sampled_params` the mean is still :math:`m`, not the draw.
         """
-        loc = (self._flat() if self._mean is None else self._mean).clone()
-        factor = self._woodbury().factor_t.T * math.sqrt(self.param_groups[0]["ess"]) if self.rank else \
-            loc.new_zeros(loc.shape[0], 0)
-        return LowRankPrecisionNormal(loc, factor.clone(), self._precision_diag().clone())
+        loc, ess, hess = (self._flat() if self._mean is None else self._mean).clone(), self.param_groups[0]["ess"], \
+            self.state["hess"]
+        if self.rank:
+            factor, diag = self._woodbury().factor_t.T * math.sqrt(ess), ess * self._woodbury().psi
+        else:  # lambda (h + delta), per group's lambda and delta
+            factor = loc.new_zeros(loc.shape[0], 0)
+            diag = torch.cat([g["ess"] * (hess[s] + g["weight_decay"]) for g, s in self._groups()])
+        return LowRankPrecisionNormal(loc, factor.clone(), diag.clone())
 
     def posterior(self, module: torch.nn.Module):
-        """The posterior as the prediction protocol's object over ``module`` (whose parameters this optimizer
-        trains): a :class:`~pyro_fa.optim.WeightPosterior` (``predict``, ``predict_proba``, ``tune_scale``, ...),
-        a snapshot of :meth:`get_posterior`."""
+        """The posterior over ``module`` (whose parameters this optimizer trains) as the prediction protocol's
+        :class:`~pyro_fa.optim.WeightPosterior` (``predict``, ``predict_proba``, ...), a snapshot."""
         from pyro_fa.optim.posterior import WeightPosterior
 
         return WeightPosterior(module, self.get_posterior(), self._params)
@@ -274,8 +285,8 @@ class FactorIVON(torch.optim.Optimizer):
         Raises
         ------
         ValueError
-            On leaving with ``train=True``, a gradient holding NaN or inf (the mean is restored, the
-            state untouched).
+            On leaving with ``train=True``, a gradient holding NaN or inf (the mean is restored, the state
+            untouched; with a process group, at :meth:`step` on every rank).
         """
         mean, noise, precision_noise = self._sample_params()
         self._mean = mean
@@ -316,19 +327,22 @@ class FactorIVON(torch.optim.Optimizer):
     def _collect(self, noise: Tensor, precision_noise: Optional[Tensor]) -> None:
         grad = torch.cat([p.grad.flatten() if p.requires_grad and p.grad is not None
                           else torch.zeros_like(p).flatten() for p in self._params])
-        if not bool(torch.isfinite(grad.sum())) and not bool(torch.isfinite(grad).all()):  # one pass when finite
+        finite = bool(torch.isfinite(grad.sum())) or bool(torch.isfinite(grad).all())  # one pass when finite
+        if not self._averager.record(noise, finite):
+            return  # under a process group: refused at step(), on every rank alike
+        if not finite:
             raise ValueError(f"{NAME}: the gradients must be finite, got NaN or inf at the drawn weights; the draw "
                              "is dropped and the state is unchanged.")
         count = self.state["count"] + 1
         self.state["count"] = count
-        self.state["avg_grad"] = _welford_mean(self.state["avg_grad"], grad, count)
+        self.state["avg_grad"] = welford_mean(self.state["avg_grad"], grad, count)
         if self.rank:
             a = precision_noise
-            self.state["avg_nxg"] = _welford_mean(self.state["avg_nxg"], grad * a, count)
+            self.state["avg_nxg"] = welford_mean(self.state["avg_nxg"], grad * a, count)
             if (self.state["step"] + 1) % self.update_every == 0:
                 self._pairs.append((grad, a))
         else:
-            self.state["avg_nxg"] = _welford_mean(self.state["avg_nxg"], noise * grad, count)
+            self.state["avg_nxg"] = welford_mean(self.state["avg_nxg"], noise * grad, count)
 
     # ------------------------------------------------------------------ the update
     @torch.no_grad()
@@ -336,12 +350,14 @@ class FactorIVON(torch.optim.Optimizer):
         """Update the posterior from the gradients of the draws since the last step.
 
         ``closure``, if given, is called ``mc_samples`` times (with gradients enabled) and must draw with
-        :meth:`sampled_params` itself; the mean of its losses is returned.
+        :meth:`sampled_params` itself; the mean of its losses is returned. Collective with a process group.
 
         Raises
         ------
         RuntimeError
             No gradient was collected (no ``sampled_params(train=True)`` block since the last step).
+        ValueError
+            With a process group, on every rank: ranks that drew unlike, or a non-finite gradient (state unchanged).
         """
         loss = None
         if closure is not None:
@@ -350,6 +366,7 @@ class FactorIVON(torch.optim.Optimizer):
                 with torch.enable_grad():
                     losses.append(closure())
             loss = sum(losses) / self.mc_samples
+        self._averager.average(self)  # with a process group: every rank's statistics averaged (collective)
         if self.state["count"] == 0:
             raise RuntimeError(f"{NAME}: step() needs the gradient of at least one draw; draw inside "
                                "`with optimizer.sampled_params(train=True):` and call loss.backward() there.")
@@ -377,7 +394,7 @@ class FactorIVON(torch.optim.Optimizer):
         if self.rank and self._pairs:  # every update_every steps: the low-rank part, and P refactorised
             self._factors = None  # refactorised below: its buffers are free until then
             spare = [kept_buffer(self._factor_buffers, name, mean) for name in ("root", "inv_root")]
-            baseline = self._baseline(t, spare[0])  # E[baseline a^T] = 0: a control variate, not a bias
+            baseline = _baseline(self._previous_momentum, t, self.param_groups[0]["beta1"], self.debias, spare[0])
             M = len(self._pairs)
             V = self.state["hess"].new_empty(2 * M, self.dim)  # [g_1 - b, ..., g_M - b, a_1, ..., a_M]
             for j, (grad, a) in enumerate(self._pairs):
@@ -394,17 +411,6 @@ class FactorIVON(torch.optim.Optimizer):
         if not self.rank or self._pairs:
             self._factors = None
         self._load(self._new_mean(mean, t))
-
-    def _baseline(self, t: float, out: Tensor) -> Tensor:
-        r"""The previous step's debiased momentum (zero at the first step): subtracted from the gradients before
-        they enter the low-rank part. It does not depend on this step's draws, so
-        :math:`\mathbb E[(g - b)a^\top] = \mathbb E[ga^\top]`; it removes the gradient at the mean, whose product
-        with :math:`a` is pure noise. Written into ``out`` where it is not the previous momentum itself."""
-        previous = self._previous_momentum
-        if t <= 1.0 or previous is None:
-            return out.zero_()
-        b1 = self.param_groups[0]["beta1"]
-        return torch.div(previous, 1.0 - math.pow(b1, t - 1.0), out=out) if self.debias else previous
 
     def _new_mean(self, mean: Tensor, t: float) -> Tensor:
         hess, momentum = self.state["hess"], self.state["momentum"]
