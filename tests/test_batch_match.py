@@ -119,6 +119,21 @@ def test_recovers_a_rank_three_gaussian_target_in_fifty_dimensions():
     assert (q.mean - m).norm() / m.norm() < 0.01
 
 
+def test_is_exact_on_a_badly_scaled_correlated_gaussian_far_from_its_start():
+    # kidiq-like scales (mean 26, s.d. 0.03-4, correlation -0.99) from N(0, I): on a Gaussian target BaM's
+    # score match is exact, so the posteriordb stall there comes from the target's non-Gaussian tails
+    m = torch.tensor([26.0, 0.6, 2.9], dtype=DT)
+    sd = torch.tensor([4.0, 0.04, 0.03], dtype=DT)
+    corr = torch.tensor([[1.0, -0.99, 0.0], [-0.99, 1.0, 0.0], [0.0, 0.0, 1.0]], dtype=DT)
+    Sigma = sd[:, None] * corr * sd
+    target = torch.distributions.MultivariateNormal(m, Sigma)
+    bam = BatchAndMatch(log_density=target.log_prob, dim=3, rank=2, max_grad_evals=320)
+    q = bam.fit(generator=torch.Generator().manual_seed(0)).get_posterior()
+    assert bam.num_skipped_ == 0
+    torch.testing.assert_close(q.mean, m, rtol=0, atol=1e-3 * float(sd.min()))
+    torch.testing.assert_close(q.covariance_matrix / torch.outer(sd, sd), corr, rtol=0, atol=1e-3)
+
+
 def test_counts_every_gradient_evaluation_and_draws_from_the_fit():
     D = 4
     _, _, target = _gaussian_target(D, 1, seed=2)
