@@ -8,17 +8,17 @@ timeout is shorter, so a stuck collective raises first).
 import datetime
 import math
 import os
-import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pyro_fa import OnlineFactorAnalysis, SWAG
 from pyro_fa.distributed import ShardedOnlineFactorAnalysis, shard_bounds
 from pyro_fa.distributions import FactorNormal
+
+from _ranks import run_ranks
 
 WORLD_SIZE = 2
 TIMEOUT = 120  # seconds for a whole scenario (spawn, import, run)
@@ -53,16 +53,8 @@ def _entry(rank, world_size, init_file, scenario, out_dir, backend):
 
 def _spawn(tmp_path, scenario, backend="gloo", world_size=WORLD_SIZE):
     """Run ``scenario(rank, world_size)`` in ``world_size`` processes; their results in rank order."""
-    ctx = mp.start_processes(_entry, args=(world_size, str(tmp_path / "store"), scenario, str(tmp_path), backend),
-                             nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"{scenario}: the ranks did not finish within {TIMEOUT} s (a hang)")
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    return run_ranks(_entry, (world_size, str(tmp_path / "store"), scenario, str(tmp_path), backend), world_size,
+                     tmp_path, TIMEOUT, scenario)
 
 
 def _data(n=T, dim=D, rank=K, seed=1):

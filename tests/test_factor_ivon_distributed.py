@@ -3,17 +3,17 @@ one process on the whole minibatch, and rank 0 against ivon-opt's own ``sync=Tru
 tests/test_distributed.py: spawned ranks save what the checks need, the tests compare it here)."""
 import datetime
 import os
-import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from pyro_fa.distributed import Sharding
 from pyro_fa.optim import FactorIVON
+
+from _ranks import run_ranks
 
 WORLD_SIZE = 2
 TIMEOUT = 120  # seconds for a whole scenario (spawn, import, run)
@@ -42,16 +42,8 @@ def _entry(rank, world_size, init_file, scenario, out_dir):
 
 def _spawn(tmp_path, scenario):
     """Run ``scenario(rank)`` in 2 processes; their results in rank order."""
-    ctx = mp.start_processes(_entry, args=(WORLD_SIZE, str(tmp_path / "store"), scenario, str(tmp_path)),
-                             nprocs=WORLD_SIZE, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"{scenario}: the ranks did not finish within {TIMEOUT} s (a hang)")
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    return run_ranks(_entry, (WORLD_SIZE, str(tmp_path / "store"), scenario, str(tmp_path)), WORLD_SIZE, tmp_path,
+                     TIMEOUT, scenario)
 
 
 def _net(seed=0):

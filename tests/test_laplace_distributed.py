@@ -2,18 +2,18 @@
 the approximation, against one process holding all of it (the pattern of tests/test_distributed.py)."""
 import datetime
 import os
-import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from pyro_fa.distributed import shard_bounds
 from pyro_fa.distributions import FactorNormal
 from pyro_fa.laplace import FactorLaplace
+
+from _ranks import run_ranks
 
 WORLD_SIZE = 2
 TIMEOUT = 120
@@ -160,16 +160,7 @@ def _entry(rank, world_size, init_file, out_dir):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("laplace_dist")
-    ctx = mp.start_processes(_entry, args=(WORLD_SIZE, str(tmp / "store"), str(tmp)), nprocs=WORLD_SIZE, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"the ranks did not finish within {TIMEOUT} s (a hang)")
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    return run_ranks(_entry, (WORLD_SIZE, str(tmp / "store"), str(tmp)), WORLD_SIZE, tmp, TIMEOUT)
 
 
 def _single(fit):

@@ -1,15 +1,15 @@
 """Online SGA's natural step sharded over 2 gloo processes (spawned on the CPU), against one process."""
 import datetime
 import os
-import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pyro_fa import OnlineFactorAnalysis, SWAG
+
+from _ranks import run_ranks
 
 D, K, T = 37, 3, 200
 TIMEOUT = 120
@@ -56,16 +56,7 @@ def _entry(rank, world_size, init_file, out_dir, step):
 
 @pytest.mark.parametrize("step", [1.0, 0.5])
 def test_sharded_natural_step_equals_single_process(tmp_path, step):
-    ctx = mp.start_processes(_entry, args=(2, str(tmp_path / "store"), str(tmp_path), step), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail("the ranks did not finish in time (a hang)")
-    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    res = run_ranks(_entry, (2, str(tmp_path / "store"), str(tmp_path), step), 2, tmp_path, TIMEOUT)
     X = _data()
     single = _fit(OnlineFactorAnalysis(D, K, dtype=torch.float64, optimizer_kwargs={"step": step}, **KW), X)
     assert [r["rows"] for r in res] == [19, 18]  # each rank holds its rows only
