@@ -44,4 +44,3 @@ def _float64_and_seed():
     torch.manual_seed(0)
     yield
     torch.set_default_dtype(old)
-
