@@ -340,8 +340,7 @@ class PyroFactorLaplace:
 
         def log_terms(u: Tensor, data: dict):
             values, logdet = constrain(u)
-            tr = poutine.trace(poutine.condition(self.model, data={**values, **data})).get_trace(
-                *args, **kwargs)
+            tr = poutine.trace(poutine.condition(self.model, data={**values, **data})).get_trace(*args, **kwargs)
             # weighted by the sites' scale and mask (subsampled plates, poutine.scale / mask); the observed scores
             # by the square root of the scale, for the Fisher of the scaled likelihood
             prior = sum(scaled_log_prob(tr.nodes[n]) for n in names + factors) + logdet
@@ -377,8 +376,8 @@ class PyroFactorLaplace:
             for _ in range(self.num_samples if observed else 0):
                 with torch.no_grad():
                     values, _ = constrain(u_star)
-                    sim = poutine.trace(poutine.condition(poutine.uncondition(self.model),
-                                                          data=values)).get_trace(*args, **kwargs)
+                    sim = poutine.trace(poutine.condition(poutine.uncondition(self.model), data=values)).get_trace(
+                        *args, **kwargs)
                 # the subsample the data were simulated on is the one their gradient is taken on
                 sims.append({n: sim.nodes[n]["value"].detach() for n in observed + subsamples})
 
