@@ -7,16 +7,16 @@ from torch import nn
 from pyro_fa.laplace import FactorLaplace
 
 
-def _data(seed, N=40):
+def _data(seed, N=40, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
-    X = torch.randn(N, 2, generator=g, dtype=torch.float64)
+    X = torch.randn(N, 2, generator=g, dtype=torch.float64).to(dtype)
     return X, torch.randint(3, (N,), generator=g)
 
 
-def _fitted():
+def _fitted(dtype=torch.float64):
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(2, 5), nn.Tanh(), nn.Linear(5, 3)).double()
-    return net, FactorLaplace(net, "classification", rank=3).fit([_data(0)])
+    net = nn.Sequential(nn.Linear(2, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+    return net, FactorLaplace(net, "classification", rank=3).fit([_data(0, dtype=dtype)])
 
 
 def _predictions(la, X):
@@ -31,13 +31,14 @@ def _assert_equal(a, b):
         assert torch.equal(x, y)
 
 
-def test_tuned_scale_round_trips_bit_for_bit():
-    net, la = _fitted()
-    X_val, y_val = _data(1)
-    la.tune_scale(X_val, y_val, scales=[0.0, 0.013, 0.3, 3.7], num_samples=5)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_tuned_scale_round_trips_bit_for_bit(dtype):
+    net, la = _fitted(dtype)
+    X_val, y_val = _data(1, dtype=dtype)
+    search = la.tune_scale(X_val, y_val, scales=[0.013, 0.3, 3.7], num_samples=5, rule="argmax", widen=0)
+    assert la.scale == torch.tensor(search.scale, dtype=dtype).item()  # held in the approximation's dtype
     la.scale = 0.3 if la.scale != 0.3 else 3.7  # a scale away from the default 1, whichever was chosen
-    assert la.scale in (0.3, 3.7)  # held exactly at float64
-    X_test, _ = _data(2, N=6)
+    X_test, _ = _data(2, N=6, dtype=dtype)
     before = _predictions(la, X_test)
     fresh = FactorLaplace(net, "classification", rank=3)
     fresh.load_state_dict(la.state_dict())
