@@ -1,5 +1,5 @@
 r"""The fitted state of :class:`~pyro_fa.laplace.FactorLaplace`: its buffers' layout, their replacement in new
-storage and their checked loading.
+storage and their checked loading, and the tuned settings held in buffers (``temperature``, ``scale``).
 
 Plain functions of the approximation ``la`` (:func:`load_state_dict` is its method, bound by
 :func:`~pyro_fa.laplace._prior.method`). The factor's buffers are its curvature structure's
