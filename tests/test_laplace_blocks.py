@@ -511,13 +511,13 @@ def test_the_fit_holds_only_the_blocks_numbers_and_never_forms_the_dense_factor(
         factor_numbers = sum(d * k for d, k in zip(sizes, ranks))
         D, width = 83, sum(ranks)
         # the state: loc, cov_diag, loss_grad (D each), the blocks' sum D_b K_b numbers in storage of their own
-        # (not views of the generous fits of "auto"), nine scalars and block_ranks; nothing of D x width (and the
+        # (not views of the generous fits of "auto"), ten scalars and block_ranks; nothing of D x width (and the
         # parameters' names and shapes, parameter_layout: L x 4 int64 here)
         buffers = dict(la.named_buffers())
         assert buffers.pop("parameter_layout").shape == (6, 4)
         factors = [buffers.pop(f"block_factor_{b}") for b in range(3)]
         assert sum(F.untyped_storage().nbytes() for F in factors) == 8 * factor_numbers
-        assert sum(b.untyped_storage().nbytes() for b in buffers.values()) == 8 * (3 * D + 6 + 3)
+        assert sum(b.untyped_storage().nbytes() for b in buffers.values()) == 8 * (3 * D + 7 + 3)
         assert factor_numbers < D * width / 2
         assert "cov_factor" not in la.state_dict()
         assert [tuple(la.state_dict()[f"block_factor_{b}"].shape) for b in range(3)] == list(zip(sizes, ranks))

@@ -105,6 +105,14 @@ def _entry(rank, world_size, init_file, out_dir):
                 fresh.load_state_dict(wrong)
             except ValueError as exc:
                 res["wrong_shard"] = str(exc)
+            # the predictive scale is saved with each rank's shard: reloaded, the same sampled predictive
+            la.scale = 0.3
+            fresh.load_state_dict(la.state_dict())
+            res["reloaded_scale"] = fresh.scale
+            res["scaled_nn"], res["reloaded_scaled_nn"] = (
+                m.predict_proba(_test_inputs(), num_samples=5, generator=torch.Generator().manual_seed(7))
+                for m in (la, fresh))
+            la.scale = 1.0
             res["marglik_pp"] = la.optimize_prior_precision("marglik", n_steps=30)
             out[fit] = res
         # regression: the noise enters every rank's partial sums too; its gradient is summed over the ranks
@@ -226,6 +234,8 @@ def test_sharded_posterior_equals_one_process(results, fit):
         torch.testing.assert_close(res["glm"], single.predict_proba(_test_inputs(), pred_type="glm"), **tol)
         torch.testing.assert_close(res["reloaded_lml"], res["lml"])
         assert "must come from rank" in res["wrong_shard"]
+        assert res["reloaded_scale"] == 0.3
+        assert torch.equal(res["scaled_nn"], res["reloaded_scaled_nn"])
         # the draws: this rank's rows, with the posterior's mean and variances (4000 draws: 5 standard errors)
         draws = res["draws"]
         assert draws.shape == (4000, hi - lo)

@@ -1,5 +1,5 @@
 r"""The fitted state of :class:`~pyro_fa.laplace.FactorLaplace`: its buffers' layout, their replacement in new
-storage and their checked loading.
+storage and their checked loading, and the tuned settings held in buffers (``temperature``, ``scale``).
 
 Plain functions of the approximation ``la`` (:func:`load_state_dict` is its method, bound by
 :func:`~pyro_fa.laplace._prior.method`). The factor's buffers are its curvature structure's
@@ -17,11 +17,13 @@ import torch
 from torch import Tensor
 
 from pyro_fa._state import check_state_dict
+from pyro_fa._validation import check_scale
 from pyro_fa.laplace._prior import show
 
-__all__ = ["replace", "layout_tensor", "load_state_dict", "temperature"]
+__all__ = ["replace", "layout_tensor", "load_state_dict", "temperature", "scale"]
 
 _LAYOUT = "parameter_layout"
+_SCALE = "predictive_scale"
 
 
 def replace(la, **values: Tensor) -> None:
@@ -90,6 +92,11 @@ def load_state_dict(la, state_dict, strict: bool = True, assign: bool = False):
         A state of another network or subset (the parameters' names and shapes, saved in ``parameter_layout``,
         differ; a state saved without it is loaded unchecked on this point), a state of the other layout (a rank per block for an int rank or the other way round), other
         ``block_ranks``, missing or unexpected keys, shapes, non-finite or out-of-range values.
+
+    Notes
+    -----
+    A state saved before :attr:`scale` was (without ``predictive_scale``) loads as it did then: the scale is left
+    as it is.
     """
     name = type(la).__name__
     if isinstance(state_dict, Mapping):
@@ -98,6 +105,8 @@ def load_state_dict(la, state_dict, strict: bool = True, assign: bool = False):
             _check_parameter_layout(la, state_dict[_LAYOUT])
         else:  # saved before the parameters' names and shapes were: not checkable on this point
             state_dict = {**state_dict, _LAYOUT: la._buffers[_LAYOUT]}
+        if _SCALE not in state_dict:  # saved before the scale was: it stays as it is
+            state_dict = {**state_dict, _SCALE: la._buffers[_SCALE]}
     kept = dict(la._buffers)
     try:  # the block factors take the shapes of the state's ranks ("auto"), back as they were when refused
         if isinstance(state_dict, Mapping):
@@ -125,7 +134,8 @@ def _check_state(la, state_dict, strict: bool) -> None:
                              f"of {saved[1]} holding [{saved[3]}, {saved[4]}) of D={saved[0]}; nothing was "
                              "loaded. Save and load each rank's own state_dict.")
     for key, what in (("prior_precision", "positive"), ("sigma_noise", "positive"), ("cov_diag", "non-negative"),
-                      ("n_data", "non-negative"), ("fitted_temperature", "non-negative")):
+                      ("n_data", "non-negative"), ("fitted_temperature", "non-negative"),
+                      (_SCALE, "non-negative")):
         v = state_dict.get(key)
         if torch.is_tensor(v) and v.numel() and not bool((v > 0).all() if what == "positive" else (v >= 0).all()):
             raise ValueError(f"{name}: state_dict[{key!r}] must be {what}, got {show(v)}; nothing was loaded.")
@@ -137,9 +147,26 @@ def _get_temperature(la) -> Optional[float]:
 
 
 def _set_temperature(la, value: Optional[float]) -> None:
-    replace(la, fitted_temperature=torch.tensor(0.0 if value is None else float(value)))
+    replace(la, fitted_temperature=torch.tensor(0.0 if value is None else float(value), dtype=torch.float64))
 
 
 #: the approximation's ``temperature``
 temperature = property(_get_temperature, _set_temperature, doc="""The temperature of the last prior-precision choice
 (``optimize_prior_precision``), None without one; saved in ``state_dict`` as ``fitted_temperature`` (0 for None).""")
+
+
+def _get_scale(la) -> float:
+    return float(la.predictive_scale)
+
+
+def _set_scale(la, value: float) -> None:
+    replace(la, predictive_scale=torch.tensor(check_scale(type(la).__name__, value), dtype=torch.float64))
+
+
+#: the approximation's ``scale``
+scale = property(_get_scale, _set_scale, doc=r"""The predictive's covariance scale :math:`s`: predictions use
+:math:`N(\theta_*, s\,P^{-1})`.
+
+Default 1 (the Laplace approximation itself); :meth:`tune_scale` chooses it on validation data, 0 being the MAP
+network; :meth:`get_posterior` and :meth:`sample` use it too. Saved in ``state_dict`` as ``predictive_scale``, in
+the approximation's dtype (a value set is rounded to it, so that a reloaded approximation predicts as this one).""")

@@ -45,7 +45,6 @@ from pyro_fa.predictive.registry import build_predictive
 from pyro_fa.predictive.likelihood import LIKELIHOODS, normalize_likelihood
 from pyro_fa.predictive.posterior import Posterior
 from pyro_fa.predictive.sampled import SampledPredictive
-from pyro_fa._validation import check_scale
 
 __all__ = ["FactorLaplace", "LIKELIHOODS"]
 
@@ -139,6 +138,8 @@ class FactorLaplace(Posterior, nn.Module):
         At :math:`\theta_*`: the summed cross-entropy (or sum of squared errors) and its gradient.
     fitted_temperature : Tensor of shape ()
         :attr:`temperature`, 0 for None.
+    predictive_scale : Tensor of shape ()
+        :attr:`scale` (a state saved without it loads with the scale left as it is).
     parameter_layout : Tensor of shape (L, 2 + the largest ndim), int64
         The subset's parameter names (CRC-32) and shapes: :meth:`load_state_dict` refuses another network's state.
 
@@ -225,6 +226,7 @@ class FactorLaplace(Posterior, nn.Module):
         self.register_buffer("loss", torch.zeros((), **dd))
         self.register_buffer("loss_grad", torch.zeros(hi - lo, **dd))
         self.register_buffer("fitted_temperature", torch.zeros((), **dd))
+        self.register_buffer("predictive_scale", torch.ones((), **dd))
         self.register_buffer("n_outputs", torch.zeros((), dtype=torch.int64, device=ref.device))
         self.register_buffer("parameter_layout", layout_tensor(self, ref.device))
         self._structure.register_extra(self, self.loc)
@@ -344,20 +346,7 @@ class FactorLaplace(Posterior, nn.Module):
         return out[0] if num_samples is None else out
 
     # ------------------------------------------------------------------ predictives
-    @property
-    def scale(self) -> float:
-        r"""The predictive's covariance scale :math:`s`: predictions use :math:`N(\theta_*, s\,P^{-1})`.
-
-        Default 1 (the Laplace approximation itself); :meth:`tune_scale` chooses it on validation data, 0 being
-        the MAP network. A setting of the predictions only, not saved by :meth:`state_dict`; :meth:`get_posterior`
-        and :meth:`sample` stay at :math:`P^{-1}`.
-        """
-        return self.__dict__.get("_scale", 1.0)
-
-    @scale.setter
-    def scale(self, value: float) -> None:
-        value = check_scale(type(self).__name__, value)
-        self.__dict__["_scale"] = value
+    scale = state.scale
 
     def _check_sampling_mode(self) -> None:
         """Refuse, before any forward pass, a model whose dropout or batch norm is in train mode: sampled networks

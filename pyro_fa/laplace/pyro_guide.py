@@ -186,6 +186,14 @@ class PyroFactorLaplace:
     curvature); a model whose likelihood is all ``pyro.factor`` terms has no Fisher (:math:`F = 0`,
     :math:`\Psi = 0`).
 
+    Every term is weighted as in Pyro's log joint (:mod:`pyro_fa.laplace._pyro_sites`): by its site's ``scale``
+    (the :math:`N/B` of a subsampled ``pyro.plate``, ``poutine.scale``) and ``mask`` (``poutine.mask``), as the
+    Hessian of the ELBO that ``AutoLaplaceApproximation`` forms. The Monte Carlo Fisher weights each observed
+    score by :math:`\sqrt{s}`, so that over a subsampled plate it estimates the **full** data set's Fisher without
+    bias (each simulated data set on the subsample that the model draws, its gradient on the same subsample).
+    The exact full-data Fisher needs the whole data: call :meth:`fit` with the model arguments that run its plates
+    whole (no ``subsample_size`` or ``subsample``), as a model with a latent site in a subsampled plate must be.
+
     References
     ----------
     Pyro's ``AutoLaplaceApproximation`` (dense); Daxberger et al., *Laplace Redux*, NeurIPS 2021, §2;
@@ -262,7 +270,8 @@ class PyroFactorLaplace:
             No ``prefix.*`` entries in the param store, or a model without observed sites or ``pyro.factor``
             terms.
         ValueError
-            A latent site without a MAP value, or an improper posterior: a coordinate with no curvature from the
+            A latent site without a MAP value, a latent site in a subsampled plate (fit over the whole plate),
+            or an improper posterior: a coordinate with no curvature from the
             prior (flat, or log prior linear in it) nor the likelihood, or a precision
             :math:`H + FF^\top + \Psi` that is not positive definite, the coordinates named (the previous fit, if
             any, is kept).
@@ -283,8 +292,9 @@ class PyroFactorLaplace:
         import pyro
         import pyro.poutine as poutine
         from pyro.distributions import Unit
-        from pyro.poutine.util import site_is_subsample
         from torch.distributions import biject_to
+
+        from pyro_fa.laplace._pyro_sites import map_trace, scaled_log_prob, score_log_prob, subsample_sites
 
         name = type(self).__name__
         store = dict(pyro.get_param_store().named_parameters())
@@ -294,16 +304,18 @@ class PyroFactorLaplace:
             raise RuntimeError(f"{name}: Pyro's param store must hold the MAP as {head + '*'!r} entries, got "
                                f"{sorted(store)!r}. Fit an AutoDelta guide with SVI first, or pass prefix=.")
         constrained = {k: pyro.param(head + k).detach() for k in found}
-        trace = poutine.trace(poutine.condition(self.model, data=constrained)).get_trace(*args, **kwargs)
+        trace = map_trace(name, self.model, constrained, args, kwargs, self.seed)
+        subsamples = subsample_sites(trace)
         latent = [(n, s) for n, s in trace.nodes.items() if s["type"] == "sample" and not s["is_observed"]
-                  and not site_is_subsample(s)]
+                  and n not in subsamples]
         # pyro.deterministic sites are observed Delta sites: not data (conditioning one on a simulated value
         # would cut the likelihood's graph to the latents)
         # pyro.factor sites are observed Unit sites: terms of the log joint, not data, kept with the prior
         factors = [n for n, s in trace.nodes.items() if s["type"] == "sample" and s["is_observed"]
                    and isinstance(s["fn"], Unit)]
         observed = [n for n, s in trace.nodes.items() if s["type"] == "sample" and s["is_observed"]
-                    and n not in constrained and not s["infer"].get("_deterministic", False) and n not in factors]
+                    and n not in constrained and not s["infer"].get("_deterministic", False) and n not in factors
+                    and n not in subsamples]
         missing = [n for n, _ in latent if n not in found]
         if missing:
             raise ValueError(f"{name}: every latent site must have a MAP in the param store, got {missing!r} "
@@ -329,15 +341,19 @@ class PyroFactorLaplace:
         def log_terms(u: Tensor, data: dict):
             values, logdet = constrain(u)
             tr = poutine.trace(poutine.condition(self.model, data={**values, **data})).get_trace(*args, **kwargs)
-            prior = sum(tr.nodes[n]["fn"].log_prob(tr.nodes[n]["value"]).sum() for n in names + factors) + logdet
-            lik = sum(tr.nodes[n]["fn"].log_prob(tr.nodes[n]["value"]).sum() for n in observed)
+            # weighted by the sites' scale and mask (subsampled plates, poutine.scale / mask); the observed scores
+            # by the square root of the scale, for the Fisher of the scaled likelihood
+            prior = sum(scaled_log_prob(tr.nodes[n]) for n in names + factors) + logdet
+            lik = sum(score_log_prob(tr.nodes[n]) for n in observed)
             return prior, lik
 
         # prior curvature: the Hessian H of -log prior(u), dense up to _DENSE_MAX_DIM, else its diagonal
         # (a flat prior, or one linear in u, has no graph to u or a constant gradient: zero curvature)
         D = u_star.numel()
         u = u_star.clone().requires_grad_(True)
-        g = _grad(-log_terms(u, {})[0], u, create_graph=True)
+        with torch.random.fork_rng():  # a subsample drawn by the model: seeded, the global generator untouched
+            torch.manual_seed(self.seed)
+            g = _grad(-log_terms(u, {})[0], u, create_graph=True)
         coupling = None
         if D <= _DENSE_MAX_DIM:
             H = _prior_hessian(g, u)
@@ -362,7 +378,8 @@ class PyroFactorLaplace:
                     values, _ = constrain(u_star)
                     sim = poutine.trace(poutine.condition(poutine.uncondition(self.model), data=values)).get_trace(
                         *args, **kwargs)
-                sims.append({n: sim.nodes[n]["value"].detach() for n in observed})
+                # the subsample the data were simulated on is the one their gradient is taken on
+                sims.append({n: sim.nodes[n]["value"].detach() for n in observed + subsamples})
 
         seen = torch.zeros_like(u_star, dtype=torch.bool)  # coordinates the likelihood's gradients ever move
 
