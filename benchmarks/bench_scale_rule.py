@@ -52,7 +52,7 @@ CLASSIFICATION_RECIPES = {"digits": (40, 20, 0.05, 0.02, 5e-4, 50), "breast_canc
                           "breast_cancer_overfit": (250, 50, 0.05, 0.02, 0.0, 32)}
 
 
-def _classification(name, seed):
+def _classification(name, seed, overfit_test=114):
     from sklearn.datasets import load_breast_cancer, load_digits
 
     torch.manual_seed(seed)
@@ -65,7 +65,8 @@ def _classification(name, seed):
         X, y = load_breast_cancer(return_X_y=True)
         X, y = torch.tensor(X, dtype=torch.float32), torch.tensor(y)
         perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed // 2))
-        te, va, tr = perm[:114], perm[114:205], perm[205:]
+        n_val = round(0.2 * (len(y) - overfit_test))  # 91 of 455 by default
+        te, va, tr = perm[:overfit_test], perm[overfit_test:overfit_test + n_val], perm[overfit_test + n_val:]
         mu, sd = X[tr].mean(0), X[tr].std(0).clamp_min(1e-3)
         X = (X - mu) / sd
     else:
@@ -159,7 +160,7 @@ def _train(X, y, tr, net, loss, epochs, swa_epochs, lr, swa_lr, wd, batch, seed)
     return swag
 
 
-def run_task(task, seed, uci, samples):
+def run_task(task, seed, uci, samples, overfit_test=114):
     """Validation and test curves of one seed: (scales, val point lls (n, N_val), test mean lls (n,))."""
     if task == "uci":
         from pyro_fa.datasets import load_uci, uci_n_splits
@@ -179,7 +180,7 @@ def run_task(task, seed, uci, samples):
         kw = dict(likelihood="gaussian", noise_std=noise)
         shift = -math.log(d.y_std)  # log-likelihood in the original units
     else:
-        X, y, tr, va, te = _classification(task, seed)
+        X, y, tr, va, te = _classification(task, seed, overfit_test)
         net = nn.Sequential(nn.Linear(X.shape[1], 64), nn.ReLU(), nn.Linear(64, int(y.max()) + 1))
         recipe = CLASSIFICATION_RECIPES[task]
         swag = _train(X, y, tr, net, F.cross_entropy, *recipe, seed)
@@ -223,6 +224,8 @@ def main(argv=None):
     parser.add_argument("--uci", default="boston,concrete", help="UCI regression sets read from $PYRO_FA_DATA")
     parser.add_argument("--samples", type=int, default=30, help="draws per candidate scale")
     parser.add_argument("--tasks", default="digits,breast_cancer,breast_cancer_overfit,uci")
+    parser.add_argument("--overfit-test", type=int, default=114, help="breast_cancer_overfit's test points (20 %% "
+                        "of the rest validate)")
     parser.add_argument("--json", help="write the per-seed results and the curves here")
     parser.add_argument("--load", nargs="+", help="score the rules on the curves of earlier --json files (joined in "
                         "order), no training")
@@ -247,7 +250,7 @@ def main(argv=None):
         label = f"{uci} (UCI)" if task == "uci" else task
         curves[label] = []
         for seed in range(args.first_seed, args.first_seed + args.seeds):
-            scales, val, test = run_task(task, seed, uci, args.samples)
+            scales, val, test = run_task(task, seed, uci, args.samples, args.overfit_test)
             curves[label].append(dict(seed=seed, scales=scales, val=val.tolist(), test=test))
         out[label] = score(label, curves[label])
     print(f"\n{time.perf_counter() - t0:.0f} s")
