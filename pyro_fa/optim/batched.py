@@ -242,7 +242,7 @@ class BatchedFactorIVON:
         f = avg_nxg if self.rank else avg_nxg * (h + wd) * self.ess.unsqueeze(-1)
         new = torch.mul(h, b2).add_(torch.mul(f, 1.0 - b2))
         self.hess = new.add_(torch.sub(h, f).square_().mul_(0.5 * (1 - b2) ** 2).div_(torch.add(h, wd)))
-        ok = torch.ones_like(self.diverged)
+        ok, before = torch.ones_like(self.diverged), (previous, h, self.basis, self.eigvals)
         if refresh:  # FactorIVON's refresh, every update_every steps
             if t > 1.0:
                 baseline = previous / (1.0 - math.pow(b1, t - 1.0)) if self.debias else previous
@@ -254,11 +254,14 @@ class BatchedFactorIVON:
                                                              b2 ** self.update_every, total)
             self.basis, self.eigvals = basis, torch.minimum(eigvals, sums.square())
             self._factors = None
-        self.loc = self._new_mean(self.loc, t)
-        state = (self.loc, self.momentum, self.hess) + ((self.basis, self.eigvals) if self.rank else ())
+        state = (self.momentum, self.hess, self.basis, self.eigvals)
         for x in state:
             ok = ok & torch.isfinite(x.reshape(x.shape[0], -1)).all(-1)
-        return ok
+        if not bool(ok.all()):  # the previous state where it is not finite, so that the solve below stays finite
+            self.momentum, self.hess, self.basis, self.eigvals = (
+                torch.where(ok.reshape(-1, *([1] * (x.dim() - 1))), x, y) for x, y in zip(state, before))
+        self.loc = self._new_mean(self.loc, t)
+        return ok & torch.isfinite(self.loc).all(-1)
 
     def _new_mean(self, mean: Tensor, t: float) -> Tensor:
         wd = self.weight_decay
