@@ -127,7 +127,7 @@ class BatchedWoodbury(NamedTuple):
 
     def _up(self, v: Tensor) -> Tensor:
         r""":math:`U^\top v` per replica, (..., R, D) -> (..., R, K)."""
-        return (self.factor_t @ v.unsqueeze(-1)).squeeze(-1)
+        return (self.factor_t * v.unsqueeze(-2)).sum(-1)  # on a CPU several times faster than a batched matvec
 
     def _down(self, c: Tensor, dtype) -> Tensor:
         r""":math:`Uc` per replica, (..., R, K) -> (..., R, D)."""

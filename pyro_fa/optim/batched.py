@@ -34,6 +34,13 @@ def _per_replica(name: str, value, replicas: int, like: Tensor) -> Tensor:
     return like.new_tensor([float(v) for v in values])
 
 
+def _finite_rows(x: Tensor) -> Tensor:
+    """Which replicas (rows of ``x``, shape (R, ...)) hold finite numbers only; one sum when all do."""
+    if bool(torch.isfinite(x.sum())):  # a finite sum has finite terms only
+        return torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    return torch.isfinite(x.reshape(x.shape[0], -1)).all(-1)
+
+
 class BatchedFactorIVON:
     r""":class:`~pyro_fa.optim.FactorIVON` for R independent replicas of one network, as one batch of tensors.
 
@@ -210,7 +217,7 @@ class BatchedFactorIVON:
             raise ValueError(f"{NAME}: grad must be a Tensor of shape {want} (the {M} draw(s) since the last "
                              f"step), got {got!r}.")
         grads = grad.reshape(M, self.replicas, self.dim)
-        finite = torch.isfinite(grads).all(-1).all(0) & ~self.diverged
+        finite = _finite_rows(grads.transpose(0, 1)) & ~self.diverged
         grads = torch.where(finite.unsqueeze(-1), grads, 0.0)
         old = (self.loc, self.momentum, self.hess, self.basis, self.eigvals)
         refresh = bool(self.rank) and (self.step_count + 1) % self.update_every == 0
@@ -256,12 +263,12 @@ class BatchedFactorIVON:
             self._factors = None
         state = (self.momentum, self.hess, self.basis, self.eigvals)
         for x in state:
-            ok = ok & torch.isfinite(x.reshape(x.shape[0], -1)).all(-1)
+            ok = ok & _finite_rows(x)
         if not bool(ok.all()):  # the previous state where it is not finite, so that the solve below stays finite
             self.momentum, self.hess, self.basis, self.eigvals = (
                 torch.where(ok.reshape(-1, *([1] * (x.dim() - 1))), x, y) for x, y in zip(state, before))
         self.loc = self._new_mean(self.loc, t)
-        return ok & torch.isfinite(self.loc).all(-1)
+        return ok & _finite_rows(self.loc)
 
     def _new_mean(self, mean: Tensor, t: float) -> Tensor:
         wd = self.weight_decay
