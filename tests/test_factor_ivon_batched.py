@@ -38,7 +38,7 @@ def _dense(q):
 def _runs(rank, steps=12, draws=1, **kw):
     x, y = _data()
     loc = SPEC.init(3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    batched = BatchedFactorIVON(loc, lr=LRS, ess=ESS, hess_init=torch.tensor(HESS), rank=rank, **kw)
+    batched = BatchedFactorIVON(loc, lr=LRS, ess=ESS, hess_init=torch.tensor(HESS, dtype=torch.float64), rank=rank, **kw)
     params = [torch.nn.Parameter(loc[r].clone()) for r in range(3)]
     single = [FactorIVON([p], lr=LRS[r], ess=ESS[r], hess_init=HESS[r], rank=rank, **kw)
               for r, p in enumerate(params)]
@@ -77,7 +77,11 @@ def test_each_replica_is_factor_ivons_run(rank, draws):
         torch.testing.assert_close(q.prec_diag, q_ref.prec_diag, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(_dense(q), _dense(q_ref), rtol=1e-12, atol=1e-10)  # the low-rank part, any sign
         assert q.prec_factor.shape == (SPEC.dim, rank)
-    if rank:
+    if rank == 0:  # IVON's arithmetic, operation for operation: bit for bit (FactorIVON's rank 0 is ivon-opt's)
+        assert all(torch.equal(ours, theirs) for ours, theirs in history)
+        assert all(torch.equal(batched.loc[r], p.detach()) for r, p in enumerate(params))
+        assert all(torch.equal(batched.hess[r], opt.state["hess"]) for r, opt in enumerate(single))
+    else:
         low = torch.stack([batched.get_posterior(r).prec_factor.norm() for r in range(3)])
         assert bool((low > 0).all())  # the low-rank part was refreshed and is not empty
     assert not bool(batched.diverged.any())
@@ -154,3 +158,12 @@ def test_bad_calls_are_refused():
         opt.get_posterior(3)
     with pytest.raises(ValueError, match=r"BatchedFactorIVON: num_samples must be an integer >= 1, got 0"):
         opt.sample(0)
+
+
+def test_the_doctests():
+    import doctest
+
+    import pyro_fa.optim.batched as module
+
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
