@@ -122,6 +122,22 @@ def test_predictive_draws_have_the_posteriors_covariance():
         assert bool(((emp - cov).abs() < 5 * se + 1e-12).all())
 
 
+def test_float32_keeps_float32_and_follows_the_float64_run():
+    x, y = _data()
+    loc = SPEC.init(3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    runs = [BatchedFactorIVON(loc.to(dtype), lr=LRS, ess=ESS, hess_init=HESS, rank=2, update_every=2, beta2=0.99)
+            for dtype in (torch.float32, torch.float64)]
+    for t in range(8):
+        eps = torch.stack([_eps(t, r) for r in range(3)])
+        for opt in runs:
+            theta = opt.draw(eps.to(opt.loc.dtype)).requires_grad_()
+            opt.step(torch.autograd.grad(_loss(theta, x.to(theta.dtype), y.to(theta.dtype)), theta)[0])
+    single, double = runs
+    assert single.loc.dtype == single.hess.dtype == single.basis.dtype == single.sample(2).dtype == torch.float32
+    torch.testing.assert_close(single.loc.double(), double.loc, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(single.hess.double(), double.hess, rtol=1e-3, atol=1e-4)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(loc=torch.zeros(5)), r"BatchedFactorIVON: loc must be a floating-point Tensor of shape \(R, D\)"),
     (dict(lr=[0.1, 0.2]), r"BatchedFactorIVON: lr must be a number or 3 numbers \(one per replica\)"),

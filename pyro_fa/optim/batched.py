@@ -85,7 +85,8 @@ class BatchedFactorIVON:
     ------
     ValueError, TypeError
         A hyperparameter outside FactorIVON's range or not a number, a per-replica value of the wrong length,
-        ``loc`` not a floating (R, D) tensor, ``rank + 2`` x (draws per step) above D.
+        ``loc`` not a floating (R, D) tensor, ``rank + 2`` x (draws per step) above D; at :meth:`draw` and
+        :meth:`step`, ``eps`` or ``grad`` of the wrong shape. RuntimeError: :meth:`step` before any :meth:`draw`.
 
     See also
     --------
