@@ -56,3 +56,14 @@ def test_the_column_learns_yacht():
     assert max(res["rmse"]) < 5 and min(res["ll"]) > -3.2
     assert res["choice"] in [{"lr": 0.4, "hess_init": 0.5, "steps": s} for s in (100, 200, 300)]
     assert len(res["search"]) == 3 and res["tune_splits"] == 1 and len(res["ll"]) == 2
+
+
+def test_the_batched_column_has_its_own_unit_key():
+    """Unit files of the one-fit-at-a-time column are not reused: the key carries the column's revision."""
+    from pyro_fa.experiments.uci import results
+
+    run_key = results._run_key(Budget(), 3, 0)
+    key = results._unit_key(run_key, "yacht", "factor-ivon-1x50", ["factor-ivon-1x50"])
+    assert key["revision"] == results.UNIT_REVISIONS["factor-ivon-1x50"]
+    assert "revision" not in results._unit_key(run_key, "yacht", "vifa-gaussian-1x50", ["vifa-gaussian-1x50"])
+    assert results._unit_path("out", key) != results._unit_path("out", {k: v for k, v in key.items() if k != "revision"})
