@@ -24,20 +24,21 @@ _RULES = {
 }
 
 
-def check_hyperparameters(values: Dict[str, object]) -> None:
-    """Refuse a hyperparameter outside its range (``ValueError``) or not a real number (``TypeError``)."""
+def check_hyperparameters(values: Dict[str, object], name_of: str = NAME) -> None:
+    """Refuse a hyperparameter outside its range (``ValueError``) or not a real number (``TypeError``); the
+    messages start with ``name_of``."""
     for name, value in values.items():
         test, words = _RULES[name]
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{NAME}: {name} must be a real number, got {value!r}.")
+            raise TypeError(f"{name_of}: {name} must be a real number, got {value!r}.")
         if not test(float(value)):
-            raise ValueError(f"{NAME}: {name} must be {words}, got {value!r}.")
+            raise ValueError(f"{name_of}: {name} must be {words}, got {value!r}.")
 
 
-def check_count(name: str, value, minimum: int) -> int:
-    """``value`` as an integer >= ``minimum``."""
+def check_count(name: str, value, minimum: int, name_of: str = NAME) -> int:
+    """``value`` as an integer >= ``minimum`` (messages starting with ``name_of``)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{NAME}: {name} must be an integer >= {minimum}, got {value!r}.")
+        raise ValueError(f"{name_of}: {name} must be an integer >= {minimum}, got {value!r}.")
     return int(value)
 
 

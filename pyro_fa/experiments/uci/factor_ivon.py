@@ -1,5 +1,9 @@
 r"""FactorIVON's column of the ``pyro-fa uci`` benchmark: the 1×50 network trained by
-:class:`pyro_fa.optim.FactorIVON` (IVON with a low-rank-plus-diagonal precision, rank ``Budget.rank``).
+:class:`pyro_fa.optim.FactorIVON`'s update (IVON with a low-rank-plus-diagonal precision, rank ``Budget.rank``),
+every fit of a phase as one replica of :class:`pyro_fa.optim.BatchedFactorIVON`: the whole grid on every tuning
+split trains as one batch, then every split's final fit as another (:func:`pyro_fa.nn.batched.sample_rows`'
+minibatches, drawn with replacement; a replica whose gradients or state turn non-finite is frozen and scores
+−∞ from then on, the others unaffected).
 
 Each fit: the ReLU network with one hidden layer of 50 units (``n_hidden``), a Gaussian likelihood whose noise
 scale is learned as in the other methods (a point estimate, here by Adam at :data:`NOISE_LR` on the same
@@ -19,10 +23,12 @@ import time
 from typing import Callable, List, Optional, Tuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from pyro_fa.experiments.uci.protocol import Budget, SplitData, _choose, final_data, final_record, heldout_ll, \
     tuning_data
+from pyro_fa.nn.batched import BatchedMLP, sample_rows, take_rows
+from pyro_fa.optim import BatchedFactorIVON
 
 __all__ = ["IVON_LRS", "IVON_HESS_INITS", "QUICK_GRID", "run_factor_ivon"]
 
@@ -42,70 +48,56 @@ def _grid(budget: Budget) -> List[dict]:
     return [{"lr": r, "hess_init": h} for r, h in pairs]
 
 
-def _net(n_in: int, width: int, dtype, device) -> nn.Module:
-    return nn.Sequential(nn.Linear(n_in, width), nn.ReLU(), nn.Linear(width, 1)).to(device=device, dtype=dtype)
-
-
 def _gaussian_nll(pred: Tensor, y: Tensor, log_scale: Tensor) -> Tensor:
-    """Mean Gaussian negative log-likelihood per point (without the constant)."""
-    return (0.5 * ((y - pred) * torch.exp(-log_scale)).square() + log_scale).mean()
+    """Mean Gaussian negative log-likelihood per point (without the constant) of each replica, shape (R,)."""
+    log_scale = log_scale.unsqueeze(-1)
+    return (0.5 * ((y - pred) * torch.exp(-log_scale)).square() + log_scale).mean(-1)
 
 
-@torch.no_grad()
-def _predict(net, opt, x: Tensor, samples: int) -> Tensor:
-    """Predictive means of ``samples`` weight draws, (S, M)."""
-    out = []
-    for _ in range(samples):
-        with opt.sampled_params():
-            out.append(net(x).squeeze(-1))
-    return torch.stack(out)
+def _inits(spec: BatchedMLP, split_of: List[int], seed: int, like: Tensor) -> Tensor:
+    """Initial weights (R, D): ``nn.Linear``'s initialisation, the same for every replica of one split."""
+    first = {s: spec.init(1, generator=torch.Generator().manual_seed(seed + s), dtype=like.dtype)[0]
+             for s in sorted(set(split_of))}
+    return torch.stack([first[s] for s in split_of]).to(like.device)
 
 
-def _fit(x: Tensor, y: Tensor, width: int, setting: dict, steps: int, budget: Budget, seed: int,
-         x_eval: Optional[Tensor] = None, y_eval: Optional[Tensor] = None, y_std: Optional[Tensor] = None,
-         progress=None) -> Tuple[nn.Module, object, Tensor, List[Tuple[int, float]]]:
-    """One fit of one split: (net, optimizer, log noise scale, [(step, held-out LL)] at the checkpoints)."""
-    from pyro_fa.optim import FactorIVON
-
-    torch.manual_seed(seed)
-    net = _net(x.shape[1], width, x.dtype, x.device)
-    n = x.shape[0]
-    opt = FactorIVON(net.parameters(), lr=setting["lr"], ess=float(n), hess_init=setting["hess_init"],
-                     beta2=setting.get("beta2", BETA2), weight_decay=WEIGHT_DECAY, rank=budget.rank,
-                     update_every=UPDATE_EVERY)
-    log_scale = torch.zeros((), dtype=x.dtype, device=x.device, requires_grad=True)
+def _fit(data: SplitData, spec: BatchedMLP, settings: List[dict], split_of: List[int], steps: int, budget: Budget,
+         seed: int, evaluate: bool = False, progress=None) -> Tuple[BatchedFactorIVON, Tensor, list]:
+    """Train one replica per setting on its split's data (``data`` holds R replicas) for ``steps`` steps:
+    ``(optimizer, log noise scales (R,), [(step, held-out LL per replica (R,))] at the checkpoints)``; a diverged
+    replica scores -inf from its divergence on."""
+    R, n = data.y.shape
+    opt = BatchedFactorIVON(_inits(spec, split_of, seed, data.x), lr=[c["lr"] for c in settings], ess=float(n),
+                            hess_init=[c["hess_init"] for c in settings], beta2=BETA2, weight_decay=WEIGHT_DECAY,
+                            rank=budget.rank, update_every=UPDATE_EVERY)
+    base = opt.lr.clone()
+    log_scale = data.x.new_zeros(R, requires_grad=True)
     noise_opt = torch.optim.Adam([log_scale], lr=NOISE_LR)
-    rates = [opt, noise_opt]
-    base = [opt.param_groups[0]["lr"], NOISE_LR]
     batch = n if n <= budget.batch_limit else budget.batch_size
-    gen = torch.Generator().manual_seed(seed)
-    every = max(1, budget.steps // budget.checkpoints) if x_eval is not None else None
+    gen = torch.Generator(device=data.x.device).manual_seed(seed)  # the minibatches and the draws
+    eval_gen = torch.Generator(device=data.x.device).manual_seed(seed + 1)
+    every = max(1, budget.steps // budget.checkpoints) if evaluate else None
     curve = []
     for step in range(1, steps + 1):
         frac = 0.5 * (1.0 + math.cos(math.pi * (step - 1) / budget.steps))  # the budget's half cosine
-        for o, b in zip(rates, base):
-            o.param_groups[0]["lr"] = b * frac
-        idx = torch.randperm(n, generator=gen)[:batch].to(x.device) if batch < n else slice(None)
-        try:
-            with opt.sampled_params(train=True):
-                opt.zero_grad()
-                noise_opt.zero_grad()
-                _gaussian_nll(net(x[idx]).squeeze(-1), y[idx], log_scale).backward()
-        except ValueError:  # a non-finite gradient: the fit diverged; its later checkpoints score -inf
-            curve += [(s, -math.inf) for s in range(step, steps + 1) if every and s % every == 0]
-            if progress is not None:
-                progress(steps - step + 1)
-            break
-        opt.step()
+        opt.lr = base * frac
+        noise_opt.param_groups[0]["lr"] = NOISE_LR * frac
+        xb, yb = take_rows(data.x, data.y, sample_rows(R, n, batch, gen, data.x.device))
+        theta = opt.draw(generator=gen).requires_grad_()
+        loss = _gaussian_nll(spec(theta, xb), yb, log_scale).sum()  # replica r's gradient is its own loss's
+        grad, log_scale.grad = torch.autograd.grad(loss, [theta, log_scale])
+        opt.step(grad)
+        kept = log_scale.detach().clone()
         noise_opt.step()
+        with torch.no_grad():  # a diverged replica's noise scale stays as it was before its divergence
+            log_scale.copy_(torch.where(opt.diverged, kept, log_scale))
         if every and step % every == 0:
-            means = _predict(net, opt, x_eval, budget.eval_samples)
-            nv = torch.exp(2 * log_scale.detach()).reshape(1, 1)
-            ll = heldout_ll(means[:, None], nv, SplitData(x, y, x_eval, y_eval[None], y_std.reshape(1)))
-            curve.append((step, float(ll[0]) if bool(torch.isfinite(ll[0])) else -math.inf))
+            means = spec(opt.sample(budget.eval_samples, generator=eval_gen), data.x_eval)
+            ll = heldout_ll(means, torch.exp(2 * log_scale.detach()).unsqueeze(-1), data)
+            curve.append((step, torch.where(torch.isfinite(ll) & ~opt.diverged, ll, -math.inf)))
         if progress is not None:
             progress(1)
-    return net, opt, log_scale.detach(), curve
+    return opt, log_scale.detach(), curve
 
 
 def run_factor_ivon(method, splits, budget: Budget, seed: int, progress: Optional[Callable] = None, references=None,
@@ -113,32 +105,24 @@ def run_factor_ivon(method, splits, budget: Budget, seed: int, progress: Optiona
     """Search on the tuning splits, then train and test every split: FactorIVON on one dataset (the return value
     of :func:`pyro_fa.experiments.uci.protocol.run_vi`'s form; ``references`` and ``fidelity`` as there: each
     split with an HMC reference is scored against it, the prior precision being ``ess * weight_decay``)."""
-    width = splits[0].n_hidden or 50
+    spec = BatchedMLP(splits[0].x_train.shape[1], (splits[0].n_hidden or 50,))
     tune = tuning_data(splits, budget)
     n_tune = tune.y.shape[0]
     configs = _grid(budget)
-    by_step = {}
-    for c, cfg in enumerate(configs):
-        for r in range(n_tune):
-            _, _, _, curve = _fit(tune.x[r], tune.y[r], width, cfg, budget.steps, budget, seed + r, tune.x_eval[r],
-                                  tune.y_eval[r], tune.y_std[r], progress)
-            for step, ll in curve:
-                by_step.setdefault(step, torch.full((len(configs), n_tune), -math.inf, dtype=torch.float64))
-                by_step[step][c, r] = ll
-    curves = [(step, lls.reshape(-1)) for step, lls in sorted(by_step.items())]
+    split_of = [r for _ in configs for r in range(n_tune)]  # replica c * n_tune + r: setting c on split r
+    _, _, curve = _fit(tune.take(torch.tensor(split_of)), spec, [c for c in configs for _ in range(n_tune)], split_of,
+                       budget.steps, budget, seed, evaluate=True, progress=progress)
+    curves = [(step, ll.double().cpu()) for step, ll in curve]
     choice, val_ll, table = _choose(curves, configs, n_tune)
     final = final_data(splits)
-    means, noise_var = [], []
+    R = final.y.shape[0]
     start = time.perf_counter()
-    for r in range(final.y.shape[0]):
-        net, opt, log_scale, _ = _fit(final.x[r], final.y[r], width, choice, choice["steps"], budget, seed + r,
-                                      progress=progress)
-        torch.manual_seed(seed + r + 1)
-        means.append(_predict(net, opt, final.x_eval[r], budget.test_samples))
-        noise_var.append(torch.exp(2 * log_scale))
-    seconds = (time.perf_counter() - start) / final.y.shape[0]
-    dim = sum(p.numel() for p in _net(final.x.shape[-1], width, final.x.dtype, "cpu").parameters())
-    noise = torch.stack(noise_var).sqrt().reshape(-1).detach()
-    return final_record(method, torch.stack(means, 1), torch.stack(noise_var)[:, None], final, splits,
-                        (choice, val_ll, table, n_tune), dim, float(final.x.shape[-2]) * WEIGHT_DECAY, noise, seconds,
-                        seed, references, fidelity)
+    opt, log_scale, _ = _fit(final, spec, [choice] * R, list(range(R)), choice["steps"], budget, seed,
+                             progress=progress)
+    means = spec(opt.sample(budget.test_samples, generator=torch.Generator(device=final.x.device).manual_seed(seed + 2)),
+                 final.x_eval)
+    noise_var = torch.exp(2 * log_scale)
+    seconds = (time.perf_counter() - start) / R
+    return final_record(method, means, noise_var.unsqueeze(-1), final, splits, (choice, val_ll, table, n_tune),
+                        spec.dim, float(final.x.shape[-2]) * WEIGHT_DECAY, noise_var.sqrt(), seconds, seed,
+                        references, fidelity)

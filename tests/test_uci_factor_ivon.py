@@ -1,0 +1,69 @@
+"""FactorIVON's column of ``pyro-fa uci``: every grid point and split one replica of BatchedFactorIVON; a replica
+that diverges scores -inf without changing the others; the column learns yacht."""
+import math
+
+import torch
+
+from pyro_fa.datasets import load_uci
+from pyro_fa.experiments.uci import factor_ivon as fi
+from pyro_fa.experiments.uci.protocol import METHODS, Budget, SplitData
+from pyro_fa.nn.batched import BatchedMLP
+
+
+def _replicas(R=3, n=30, p=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(R, n, p, generator=g, dtype=torch.float64)
+    y = torch.sin(x.sum(-1)) + 0.1 * torch.randn(R, n, generator=g, dtype=torch.float64)
+    xe = torch.randn(R, 10, p, generator=g, dtype=torch.float64)
+    return SplitData(x, y, xe, torch.sin(xe.sum(-1)), torch.ones(R, dtype=torch.float64))
+
+
+def test_a_diverged_replica_scores_minus_inf_and_leaves_the_others_unchanged():
+    data, spec = _replicas(), BatchedMLP(2, (8,))
+    budget = Budget(steps=40, checkpoints=4, rank=2, eval_samples=4)
+    settings = [{"lr": 0.4, "hess_init": 0.5}, {"lr": 0.8, "hess_init": 0.1}, {"lr": 0.4, "hess_init": 2.0}]
+    runs = []
+    for lr in (0.8, 1e30):  # replica 1 at a rate that overflows its weights
+        settings[1] = {"lr": lr, "hess_init": 0.1}
+        opt, log_scale, curve = fi._fit(data, spec, settings, [0, 1, 2], budget.steps, budget, seed=0, evaluate=True)
+        runs.append((opt, log_scale, torch.stack([ll for _, ll in curve])))
+    (plain, scale, lls), (hit, hit_scale, hit_lls) = runs
+    assert [s for s, _ in curve] == [10, 20, 30, 40]
+    assert not bool(plain.diverged.any()) and bool(torch.isfinite(lls).all())
+    assert hit.diverged.tolist() == [False, True, False]
+    assert bool(torch.isneginf(hit_lls[:, 1]).all())  # diverged at once: every checkpoint -inf
+    for r in (0, 2):  # the others exactly as without the diverged replica
+        assert torch.equal(hit_lls[:, r], lls[:, r]) and torch.equal(hit.loc[r], plain.loc[r])
+        assert torch.equal(hit_scale[r], scale[r])
+    assert bool(torch.isfinite(hit.loc).all()) and bool(torch.isfinite(hit_scale).all())  # frozen, still finite
+
+
+def test_every_grid_point_and_split_is_one_replica_initialised_by_its_split():
+    spec = BatchedMLP(2, (8,))
+    like = torch.zeros((), dtype=torch.float64)
+    inits = fi._inits(spec, [0, 1, 0, 1], seed=5, like=like)
+    assert torch.equal(inits[0], inits[2]) and torch.equal(inits[1], inits[3]) and not torch.equal(inits[0], inits[1])
+    # nn.Linear's initialisation, as the column's networks had it: U(-1/sqrt(fan in), 1/sqrt(fan in))
+    assert bool((inits[:, :24].abs() <= 1 / math.sqrt(2)).all()) and bool((inits[:, 24:].abs() <= 1 / math.sqrt(8)).all())
+    assert float(inits[:, :24].abs().max()) > 0.5 / math.sqrt(2)
+
+
+def test_the_column_learns_yacht():
+    """A quick search on yacht: far better than predicting the training mean (RMSE about 15, LL about -4.1)."""
+    splits = [load_uci("yacht", s, dtype=torch.float32) for s in range(2)]
+    budget = Budget(steps=300, lrs=(1e-2,), tune_splits=1, checkpoints=3, test_samples=20, rank=4)
+    res = fi.run_factor_ivon(METHODS["factor-ivon-1x50"], splits, budget, seed=0)
+    assert max(res["rmse"]) < 5 and min(res["ll"]) > -3.2
+    assert res["choice"] in [{"lr": 0.4, "hess_init": 0.5, "steps": s} for s in (100, 200, 300)]
+    assert len(res["search"]) == 3 and res["tune_splits"] == 1 and len(res["ll"]) == 2
+
+
+def test_the_batched_column_has_its_own_unit_key():
+    """Unit files of the one-fit-at-a-time column are not reused: the key carries the column's revision."""
+    from pyro_fa.experiments.uci import results
+
+    run_key = results._run_key(Budget(), 3, 0)
+    key = results._unit_key(run_key, "yacht", "factor-ivon-1x50", ["factor-ivon-1x50"])
+    assert key["revision"] == results.UNIT_REVISIONS["factor-ivon-1x50"]
+    assert "revision" not in results._unit_key(run_key, "yacht", "vifa-gaussian-1x50", ["vifa-gaussian-1x50"])
+    assert results._unit_path("out", key) != results._unit_path("out", {k: v for k, v in key.items() if k != "revision"})
