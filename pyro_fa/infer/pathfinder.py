@@ -61,7 +61,11 @@ from torch import Tensor
 from pyro_fa.infer._fit_to_guide import guide_of_model, model_log_density, set_guide_to
 from pyro_fa.distributions import StableLowRankMultivariateNormal, draw
 
-__all__ = ["Pathfinder", "TOL_REL_OBJ"]
+__all__ = ["Pathfinder", "HISTORY_SIZE", "TOL_REL_OBJ"]
+
+#: the default L-BFGS history J: chosen on fifteen posteriordb posteriors by the debiased W1 to their reference
+#: draws, confirmed on ten others (Zhang et al. 2022 use 6); see benchmarks/results/pathfinder_history.md
+HISTORY_SIZE = 20
 
 #: L-BFGS's default relative tolerance on log p: 1e2 x float64's machine epsilon, as in the paper's experiments
 #: (the authors' code ran R's ``optim`` L-BFGS-B with ``factr = 1e2``, whose test is the same relative change)
@@ -181,8 +185,12 @@ class Pathfinder:
         D, with ``log_density``.
     num_paths : int, default 1
         1: single-path Pathfinder (Algorithm 1); more: multi-path with PSIS resampling (Algorithm 5).
-    history_size : int, default 6
-        J, the L-BFGS history.
+    history_size : int, default 20
+        J, the L-BFGS history (:data:`HISTORY_SIZE`); the low-rank part of each Gaussian has rank at most 2J.
+        Zhang et al. (2022) use 6. A longer history costs :math:`O(DJ)` memory and :math:`O(DJ^2)` per iterate,
+        negligible beside the gradients, and holds the curvature of more directions: with 6 pairs the directions
+        the last pairs do not span get only the diagonal estimate, too narrow where coordinates correlate (see
+        benchmarks/results/pathfinder_history.md).
     max_iters : int, default 1000
         L-BFGS iterations per path at most.
     num_elbo_draws : int, default 25
@@ -226,7 +234,7 @@ class Pathfinder:
     """
 
     def __init__(self, model: Optional[Callable] = None, *, log_density: Optional[Callable] = None,
-                 dim: Optional[int] = None, num_paths: int = 1, history_size: int = 6, max_iters: int = 1000,
+                 dim: Optional[int] = None, num_paths: int = 1, history_size: int = HISTORY_SIZE, max_iters: int = 1000,
                  num_elbo_draws: int = 25, num_draws_per_path: int = 1000, init_radius: float = 2.0,
                  init: Optional[Tensor] = None, tol_rel_obj: float = TOL_REL_OBJ, tol_grad: float = 1e-8,
                  init_loc_fn: Optional[Callable] = None, dtype: torch.dtype = torch.float64):

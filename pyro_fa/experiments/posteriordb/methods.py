@@ -314,14 +314,14 @@ def _pathfinder(run: Run, num_paths: int):
     return pf, extra
 
 
-@register_method("pathfinder", "pyro_fa Pathfinder, single path", ours=True, version=2)
+@register_method("pathfinder", "pyro_fa Pathfinder, single path", ours=True, version=3)
 def _pathfinder_single(run: Run) -> Fit:
     pf, extra = _pathfinder(run, 1)
     z = pf.best_.draw(run.n, run.gen)[0]  # the exact Pathfinder Gaussian, as the paper scores it
     return Fit([Point(0, pf.num_grad_evals_, pf.num_density_evals_, z, pf.best_.log_prob(z))], extra)
 
 
-@register_method("pathfinder-multi", "pyro_fa Pathfinder, several paths, PSIS-resampled", ours=True, version=2)
+@register_method("pathfinder-multi", "pyro_fa Pathfinder, several paths, PSIS-resampled", ours=True, version=3)
 def _pathfinder_multi(run: Run) -> Fit:
     pf, extra = _pathfinder(run, run.budget.num_paths)
     z = pf.sample(run.n, generator=run.gen)  # resampled: no density of its own; k-hat of its pooled proposal
@@ -343,7 +343,7 @@ def _guide_after(run: Run, fitted, extra: dict) -> Fit:
 
 
 @register_method("pathfinder-guide", "pyro_fa AutoLowRankFactorGuide initialised by Pathfinder, then FactorELBO",
-                 ours=True, guide=True, tuned=True, version=4)
+                 ours=True, guide=True, tuned=True, version=5)
 def _pathfinder_guide(run: Run) -> Fit:
     pf, extra = _pathfinder(run, 1)
     return _guide_after(run, pf, extra)
@@ -366,7 +366,7 @@ def _bam(run: Run) -> Fit:
 
 
 @register_method("bam-pathfinder", "pyro_fa BatchAndMatch started at single-path Pathfinder's mean, 800 gradients",
-                 ours=True, version=2)
+                 ours=True, version=3)
 def _bam_pathfinder(run: Run) -> Fit:
     from pyro_fa.infer import BatchAndMatch
 
