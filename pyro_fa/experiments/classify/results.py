@@ -49,9 +49,19 @@ NOT_RECORDED = "not recorded"
 def cpu_kernels() -> str:
     """The CPU kernels this process computes with: torch's version, ATen's instruction set and oneDNN's cap.
 
-    For example ``"torch 2.13.0+cpu, ATen AVX512, ONEDNN_MAX_CPU_ISA unset"``. ATen's set is
-    :func:`torch.backends.cpu.get_cpu_capability` (the CPU's widest unless ``ATEN_CPU_CAPABILITY`` lowers
-    it); oneDNN uses the CPU's widest unless ``ONEDNN_MAX_CPU_ISA`` (or ``DNNL_MAX_CPU_ISA``) caps it.
+    ATen's set is :func:`torch.backends.cpu.get_cpu_capability` (the CPU's widest unless
+    ``ATEN_CPU_CAPABILITY`` lowers it before torch loads); oneDNN (the convolutions) uses the CPU's widest
+    unless ``ONEDNN_MAX_CPU_ISA`` (or its older name ``DNNL_MAX_CPU_ISA``) caps it.
+
+    Returns
+    -------
+    str
+        ``"torch <version>, ATen <set>, <oneDNN's variable>=<value>"``, or ``"..., ONEDNN_MAX_CPU_ISA unset"``.
+
+    Examples
+    --------
+    >>> cpu_kernels().startswith("torch ")
+    True
     """
     cap = next((f"{v}={os.environ[v]}" for v in _ONEDNN_ISA_VARIABLES if os.environ.get(v)),
                f"{_ONEDNN_ISA_VARIABLES[0]} unset")
@@ -59,8 +69,18 @@ def cpu_kernels() -> str:
 
 
 def kernels_of(combos: dict) -> List[str]:
-    """The kernels (:func:`cpu_kernels`) that the rows of ``combos`` (dataset × network -> combo of
-    ``results.json``) record per seed, sorted; :data:`NOT_RECORDED` for a seed of a row that records none."""
+    """The kernels (:func:`cpu_kernels`) that the rows of ``combos`` record per seed in their ``extra``.
+
+    Parameters
+    ----------
+    combos : dict
+        Dataset × network -> its combo, as in ``results.json`` (rows under ``"methods"``).
+
+    Returns
+    -------
+    list of str
+        The distinct values, sorted; :data:`NOT_RECORDED` among them where a seed of a row records none.
+    """
     return sorted({e.get("kernels", NOT_RECORDED) if isinstance(e, dict) else NOT_RECORDED
                    for combo in combos.values() for row in combo["methods"].values() for e in row.get("extra", [])})
 
