@@ -15,7 +15,8 @@ Then every rule chooses as the command would: its scale on each trajectory, the 
 scale has the best validation log-likelihood (so SWA's row, the mean of that trajectory, moves with the
 rule), and the test NLL there against that trajectory's mean (SWA). The default rule's (``"gated"``) choice
 reproduces the committed tables' SWAG-EM and SWA rows, which were rerun under it (printed as a check; to the
-last printed digit on 2026-11-26).
+last printed digit on 2026-11-26). The tables ran on AVX2 kernels: on a CPU with AVX-512 their MNIST-1D rows
+reproduce only under ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` (docs/classify.md).
 
 Prints per combo and rule: the mean over seeds of test NLL / SWA's, the worst seed, the number of seeds worse
 than SWA by more than 1 %; then the same over all 25 seeds, and per-seed chosen scales.

@@ -55,8 +55,8 @@ from pyro_fa.experiments.classify import fidelity_report
 from pyro_fa.experiments.classify.methods import GRIDS, MAP_SCORES, METHODS, NETWORKS, PEERS, \
     Budget, epochs_of, make_network, peers_available, run_methods
 from pyro_fa.experiments.classify.merge import merge_results, prior_precisions_from
-from pyro_fa.experiments.classify.results import path_of, read_done, refuse_to_replace, run_key, unit_key, \
-    write_unit
+from pyro_fa.experiments.classify.results import cpu_kernels, kernels_of, path_of, read_done, refuse_to_replace, \
+    run_key, unit_key, write_unit
 from pyro_fa.experiments._io import OutputFolder, atomic_write_json, atomic_write_text, mean_se, positive_int, \
     progress_bar
 
@@ -349,6 +349,9 @@ def _run_unit(ukey: dict, methods, budget: Budget, prior_precisions, device, sub
         rows[fid.ENSEMBLE_ROW]["extra"] = {**rows[fid.ENSEMBLE_ROW]["extra"],
                                            "size_curve_nll": fid.size_curve(members, data.y_test)}
     rows = json.loads(json.dumps(rows))  # as a resumed run reads them back
+    kernels = cpu_kernels()  # the numbers depend on them in their last bits (see .results)
+    for r in rows.values():
+        r["extra"]["kernels"] = kernels
     probs = None
     if first:
         probs = {"probs": {name: [(p.mean(0) if p.dim() == 3 else p).float() for p in r["probs"]]
@@ -384,8 +387,8 @@ def write_report(out: Path, combos: dict, checks: list, budget: Budget, seeds, p
     out.mkdir(parents=True, exist_ok=True)
     text = ["# Classification benchmark: calibration and OOD detection", "",
             __doc__.split("\n\n", 1)[1].strip(), "",
-            f"Budget: {asdict(budget)}; seeds {list(seeds)}; device(s) {', '.join(devices)}; peers available: "
-            f"{peers_available()}.", ""]
+            f"Budget: {asdict(budget)}; seeds {list(seeds)}; device(s) {', '.join(devices)}; CPU kernels "
+            f"{'; '.join(kernels_of(combos))}; peers available: {peers_available()}.", ""]
     for key, combo in combos.items():
         n_seeds = len(seeds_of[key]) if seeds_of else len(seeds)
         text += [f"## {key} (train {combo['n']['train']}, validation {combo['n']['val']}, test {combo['n']['test']}; "
@@ -402,6 +405,7 @@ def write_report(out: Path, combos: dict, checks: list, budget: Budget, seeds, p
         text += [rep.SMALL_RUN_NOTE, ""]
     atomic_write_text(out / "table.md", "\n".join(text))
     atomic_write_json(out / "results.json", {"budget": asdict(budget), "seeds": list(seeds), "devices": list(devices),
+                                             "kernels": kernels_of(combos),
                                              "seeds_per_combo": seeds_of or {k: list(seeds) for k in combos},
                                              "peers_available": peers_available(), "combos": combos, "bar": checks,
                                              "run": run})

@@ -13,13 +13,23 @@ a crash) loses only the seed in progress. The first seed's predictive probabilit
 A run refuses a folder whose ``results.json`` another run wrote (another budget or methods, fewer seeds, or
 merged folders): its files would be replaced. The same run again, or one over more seeds or datasets, goes on
 (reusing the units). ``results.json`` records what made it (``run``).
+
+Every row of a unit records, in its ``extra``, the CPU kernels it was computed with (:func:`cpu_kernels`), and
+``results.json`` lists those of all its rows (``kernels``, :func:`kernels_of`). On the CPU a seed's numbers are
+reproducible bit for bit under the same code, torch and kernels, but the kernels are chosen per machine: ATen's
+vectorised operations use the widest instruction set the CPU has (AVX-512 or AVX2), and so do oneDNN's
+convolutions, and the sums they make are grouped differently. On MNIST-1D a change in the last bit of one
+training input, or of one sum, grows over the 150 epochs of Adam into a different network, so a table computed
+on a machine with AVX2 kernels is reproduced on one with AVX-512 only under the same kernels:
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``.
 """
 from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -30,6 +40,49 @@ from pyro_fa.experiments._io import atomic_write_json, read_record, unit_path
 UNIT_PROTOCOL = 1
 #: what every unit file holds
 _UNIT_FIELDS = {"key": dict, "record": dict, "rows": dict}
+#: the environment variables that cap oneDNN's instruction set (the convolutions' kernels), the newer name first
+_ONEDNN_ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+#: :func:`kernels_of` for a row written before the rows recorded their kernels
+NOT_RECORDED = "not recorded"
+
+
+def cpu_kernels() -> str:
+    """The CPU kernels this process computes with: torch's version, ATen's instruction set and oneDNN's cap.
+
+    ATen's set is :func:`torch.backends.cpu.get_cpu_capability` (the CPU's widest unless
+    ``ATEN_CPU_CAPABILITY`` lowers it before torch loads); oneDNN (the convolutions) uses the CPU's widest
+    unless ``ONEDNN_MAX_CPU_ISA`` (or its older name ``DNNL_MAX_CPU_ISA``) caps it.
+
+    Returns
+    -------
+    str
+        ``"torch <version>, ATen <set>, <oneDNN's variable>=<value>"``, or ``"..., ONEDNN_MAX_CPU_ISA unset"``.
+
+    Examples
+    --------
+    >>> cpu_kernels().startswith("torch ")
+    True
+    """
+    cap = next((f"{v}={os.environ[v]}" for v in _ONEDNN_ISA_VARIABLES if os.environ.get(v)),
+               f"{_ONEDNN_ISA_VARIABLES[0]} unset")
+    return f"torch {torch.__version__}, ATen {torch.backends.cpu.get_cpu_capability()}, {cap}"
+
+
+def kernels_of(combos: dict) -> List[str]:
+    """The kernels (:func:`cpu_kernels`) that the rows of ``combos`` record per seed in their ``extra``.
+
+    Parameters
+    ----------
+    combos : dict
+        Dataset × network -> its combo, as in ``results.json`` (rows under ``"methods"``).
+
+    Returns
+    -------
+    list of str
+        The distinct values, sorted; :data:`NOT_RECORDED` among them where a seed of a row records none.
+    """
+    return sorted({e.get("kernels", NOT_RECORDED) if isinstance(e, dict) else NOT_RECORDED
+                   for combo in combos.values() for row in combo["methods"].values() for e in row.get("extra", [])})
 
 
 def unit_key(run: dict, dataset: str, network: str, seed: int) -> dict:
