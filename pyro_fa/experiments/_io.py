@@ -28,6 +28,15 @@ def atomic_savefig(fig, path, **kwargs) -> None:
     atomic_write_bytes(path, buffer.getvalue())
 
 
+def pay_lazy_imports() -> None:
+    """Build a throwaway torch optimizer: torch imports its compiler stack (``torch._dynamo``, about a second) at
+    the first optimizer a process builds, so an experiment pays it here, before its clocks start, and no method's
+    seconds carry it (whichever method ran first in a process used to)."""
+    import torch
+
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])
+
+
 def mean_se(values: Sequence[float]):
     """Mean and standard error (sample standard deviation / sqrt(n)) of ``values``."""
     n = len(values)

@@ -74,8 +74,8 @@ from typing import List, Optional, Sequence
 import torch
 
 from pyro_fa.datasets import UCI_DATASETS, list_uci, load_uci, uci_n_splits
-from pyro_fa.experiments._io import OutputFolder, atomic_write_json, check_device, mean_se, positive_int, \
-    progress_bar
+from pyro_fa.experiments._io import OutputFolder, atomic_write_json, check_device, mean_se, pay_lazy_imports, \
+    positive_int, progress_bar
 from pyro_fa.experiments.uci.protocol import (DEFAULT_METHODS, METHODS, QUICK_METHODS, SWAG_METHODS, Budget,
                                                Method, SplitData, evaluate, final_data, heldout_ll, n_tune_splits,
                                                run_vi, train, tuning_data)
@@ -149,13 +149,6 @@ def _load_splits(name: str, n: Optional[int], data_dir, device) -> list:
         return [load_uci(name, s, data_dir=data_dir, dtype=torch.float32, device=device) for s in range(count)]
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"pyro-fa uci: {err}") from err
-
-
-def pay_lazy_imports() -> None:
-    """Build a throwaway torch optimizer: torch imports its compiler stack (``torch._dynamo``, about a second) at
-    the first optimizer a process builds, so it is paid here, before any unit's clock starts, and no method's
-    seconds carry it (whichever method ran first in a process used to)."""
-    torch.optim.Adam([torch.zeros(1, requires_grad=True)])
 
 
 def run_unit(dataset: str, unit: str, method_names: Sequence[str], budget: Budget, splits_n: Optional[int], data_dir,
