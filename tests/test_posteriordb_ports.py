@@ -269,6 +269,47 @@ def test_gauss_mix_log_density_against_scipy():
         assert posterior.log_density(z).item() == pytest.approx(expected, rel=1e-10)
 
 
+@pytest.mark.parametrize("T", [1, 2, 7, 64, 200])
+def test_linear_recurrence_is_the_loop(T):
+    from pyro_fa.experiments.posteriordb.ports_models import linear_recurrence
+
+    a, b = torch.randn(3, dtype=torch.float64) * 0.9, torch.randn(3, T, dtype=torch.float64)
+    x, expected = b[:, 0], [b[:, 0]]
+    for t in range(1, T):
+        x = a * x + b[:, t]
+        expected.append(x)
+    torch.testing.assert_close(linear_recurrence(a, b), torch.stack(expected, -1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_arma11_and_garch11_log_densities_against_stans_loops():
+    # Stan's programs loop over t; the ports solve the same recurrences by recursive doubling
+    arma = _load_full("arma-arma11")
+    y = np.array(arma.data["y"])
+    for z in arma.reference[[5, 6_543]]:
+        values, log_jac = arma.unpack(z)
+        mu, phi, theta, sigma = (values[k].item() for k in ("mu", "phi", "theta", "sigma"))
+        nu = [mu + phi * mu]
+        err = y[0] - nu[0]
+        for t in range(1, len(y)):
+            nu.append(mu + phi * y[t - 1] + theta * err)
+            err = y[t] - nu[t]
+        expected = (stats.norm.logpdf([mu, phi, theta], 0, [10, 2, 2]).sum() + stats.halfcauchy.logpdf(sigma, 0, 2.5)
+                    + stats.norm.logpdf(y, nu, sigma).sum() + log_jac.item())
+        assert arma.log_density(z).item() == pytest.approx(expected, rel=1e-10)
+    garch = _load_full("garch-garch11")
+    y, sigma1 = np.array(garch.data["y"]), float(garch.data["sigma1"])
+    for z in garch.reference[[5, 6_543]]:
+        values, log_jac = garch.unpack(z)
+        mu, alpha0, alpha1 = (values[k].item() for k in ("mu", "alpha0", "alpha1"))
+        beta1 = (1 - alpha1) * values["beta1_unit"].item()
+        sigma = [sigma1]
+        for t in range(1, len(y)):
+            sigma.append(math.sqrt(alpha0 + alpha1 * (y[t - 1] - mu) ** 2 + beta1 * sigma[-1] ** 2))
+        expected = stats.norm.logpdf(y, mu, sigma).sum() + math.log1p(-alpha1) + log_jac.item()
+        assert garch.log_density(z).item() == pytest.approx(expected, rel=1e-10)
+
+
 @pytest.mark.slow
 def test_hmm_example_forward_algorithm_against_scipy():
     posterior = _load_full("hmm_example-hmm_example")
