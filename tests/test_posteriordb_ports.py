@@ -281,6 +281,19 @@ def test_linear_recurrence_is_the_loop(T):
     torch.testing.assert_close(linear_recurrence(a, b), torch.stack(expected, -1), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("N", [1, 2, 3, 8, 101])
+def test_hmm_forward_is_stans_loop(N):
+    from pyro_fa.experiments.posteriordb.ports_models import _forward
+
+    log_emission = torch.randn(4, N, 3, dtype=torch.float64)
+    log_transition = torch.log_softmax(torch.randn(4, 3, 3, dtype=torch.float64), -1)
+    gamma = log_emission[:, 0]
+    for t in range(1, N):
+        gamma = torch.logsumexp(gamma.unsqueeze(-1) + log_transition, dim=-2) + log_emission[:, t]
+    torch.testing.assert_close(_forward(log_emission, log_transition), torch.logsumexp(gamma, -1),
+                               rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.slow
 def test_arma11_and_garch11_log_densities_against_stans_loops():
     # Stan's programs loop over t; the ports solve the same recurrences by recursive doubling

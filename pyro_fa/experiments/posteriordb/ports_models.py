@@ -191,10 +191,22 @@ def low_dim_gauss_mix(data):
 
 def _forward(log_emission, log_transition):
     """The HMM forward algorithm as in the Stan programs (no initial distribution): ``log_emission``
-    ``(..., N, K)``, ``log_transition`` ``(..., K, K)`` (row j: from state j) -> the log likelihood."""
+    ``(..., N, K)``, ``log_transition`` ``(..., K, K)`` (row j: from state j) -> the log likelihood.
+
+    Stan's loop ``gamma[t] = logsumexp(gamma[t - 1] + log_transition) + log_emission[t]`` is a product of
+    the matrices ``log_transition + log_emission[t]`` in the (logsumexp, +) semiring, taken here by pairwise
+    reduction over time (as Pyro's ``DiscreteHMM`` does) in ``ceil(log2 N)`` vector steps, not N scalar ones.
+    """
+    steps = log_transition.unsqueeze(-3) + log_emission[..., 1:, None, :]  # (..., N - 1, K, K)
+    while steps.shape[-3] > 1:
+        odd = steps[..., -1:, :, :] if steps.shape[-3] % 2 else None
+        pairs = steps[..., :steps.shape[-3] // 2 * 2, :, :]
+        steps = torch.logsumexp(pairs[..., 0::2, :, :, None] + pairs[..., 1::2, None, :, :], dim=-2)
+        if odd is not None:
+            steps = torch.cat([steps, odd], dim=-3)
     gamma = log_emission[..., 0, :]
-    for t in range(1, log_emission.shape[-2]):
-        gamma = torch.logsumexp(gamma.unsqueeze(-1) + log_transition, dim=-2) + log_emission[..., t, :]
+    if steps.shape[-3]:
+        gamma = torch.logsumexp(gamma.unsqueeze(-1) + steps[..., 0, :, :], dim=-2)
     return torch.logsumexp(gamma, dim=-1)
 
 
