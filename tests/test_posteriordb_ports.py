@@ -294,6 +294,91 @@ def test_hmm_forward_is_stans_loop(N):
                                rtol=1e-12, atol=1e-12)
 
 
+def _decay():
+    from pyro_fa.experiments.posteriordb.ports_ode import ODESystem
+
+    # dz/dt = -k z + c: z(t) = c / k + (z0 - c / k) exp(-k t)
+    return ODESystem(1, 2, lambda t, z, p: np.array([-p[0] * z[0] + p[1]]),
+                     lambda t, z, p: np.array([[-p[0]]]), lambda t, z, p: np.array([[-z[0], 1.0]]))
+
+
+def test_solve_ode_and_its_gradient_against_the_closed_form():
+    from pyro_fa.experiments.posteriordb.ports_ode import solve_ode
+
+    times = torch.tensor([0.0, 0.5, 1.0, 3.0], dtype=torch.float64)
+    z0 = torch.tensor([[2.0], [0.5], [-1.0]], dtype=torch.float64, requires_grad=True)
+    p = torch.tensor([[0.7, 0.3], [2.0, 1.0], [0.1, -0.2]], dtype=torch.float64, requires_grad=True)
+    z = solve_ode(_decay(), z0, p, times)
+    assert z.shape == (3, 3, 1)
+
+    def exact(z0, p):
+        k, c = p[:, :1], p[:, 1:]
+        return (c / k + (z0 - c / k) * torch.exp(-k * times[1:]))[..., None]
+
+    torch.testing.assert_close(z, exact(z0, p), rtol=1e-7, atol=1e-9)
+    weights = torch.randn(3, 3, 1, dtype=torch.float64)
+    ours = torch.autograd.grad((z * weights).sum(), [z0, p])
+    theirs = torch.autograd.grad((exact(z0, p) * weights).sum(), [z0, p])
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+    # broadcasting: one initial state for a batch of parameters
+    torch.testing.assert_close(solve_ode(_decay(), z0[:1, 0].detach(), p.detach(), times),
+                               exact(z0[:1].detach().expand(3, 1), p.detach()), rtol=1e-7, atol=1e-9)
+
+
+def test_solve_ode_refuses_non_finite_input_and_reports_a_failed_solve():
+    from pyro_fa.experiments.posteriordb.ports_ode import ODESystem, solve_ode
+
+    times = torch.tensor([0.0, 1.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match="solve_ode: z0 and params must be finite"):
+        solve_ode(_decay(), torch.tensor([1.0], dtype=torch.float64),
+                  torch.tensor([math.nan, 1.0], dtype=torch.float64), times)
+    # dz/dt = z^2 from z0 = 1 blows up at t = 1
+    blow_up = ODESystem(1, 1, lambda t, z, p: z ** 2, lambda t, z, p: np.array([[2 * z[0]]]),
+                        lambda t, z, p: np.zeros((1, 1)))
+    with pytest.raises(RuntimeError, match="solve_ode: LSODA failed"):
+        solve_ode(blow_up, torch.ones(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
+                  torch.tensor([0.0, 2.0], dtype=torch.float64))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hudson_lynx_hare-lotka_volterra", "one_comp_mm_elim_abs-one_comp_mm_elim_abs"])
+def test_ode_ports_against_a_differentiable_torch_solver(name):
+    # torchdiffeq's dopri5, differentiated through its steps: an independent solver and an independent gradient
+    torchdiffeq = pytest.importorskip("torchdiffeq")
+    posterior = _load_full(name)
+    z = posterior.reference[[3, 4_444]].clone().requires_grad_(True)
+    values, _ = posterior.unpack(z)
+    if name.startswith("hudson"):
+        theta, z_init = values["theta"], values["z_init"]
+        times = torch.cat([torch.zeros(1, dtype=torch.float64), torch.as_tensor(posterior.data["ts"], dtype=torch.float64)])
+
+        def rhs(t, x):
+            u, v = x[..., 0], x[..., 1]
+            return torch.stack([(theta[:, 0] - theta[:, 1] * v) * u, (-theta[:, 2] + theta[:, 3] * u) * v], -1)
+
+        expected = torchdiffeq.odeint(rhs, z_init, times, rtol=1e-10, atol=1e-12, method="dopri5")[1:].movedim(0, 1)
+        site = "z"
+    else:
+        k_a, K_m, V_m = values["k_a"][:, None], values["K_m"][:, None], values["V_m"][:, None]
+        D, V = float(posterior.data["D"]), float(posterior.data["V"])
+        times = torch.as_tensor([float(posterior.data["t0"])] + list(posterior.data["times"]), dtype=torch.float64)
+
+        def rhs(t, C):
+            dose = torch.exp(-k_a * t) * D * k_a / V if t > 0 else torch.zeros_like(C)
+            return dose - (V_m / V) * C / (K_m + C)
+
+        expected = torchdiffeq.odeint(rhs, torch.zeros(2, 1, dtype=torch.float64), times, rtol=1e-10, atol=1e-12,
+                                      method="dopri5")[1:, :, 0].movedim(0, 1)
+        site = "C"
+    trace = pyro.poutine.trace(pyro.poutine.condition(posterior.model, values)).get_trace()
+    ours = trace.nodes[site]["value"]
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-8)
+    weights = torch.randn_like(ours)
+    torch.testing.assert_close(torch.autograd.grad((ours * weights).sum(), z, retain_graph=True)[0],
+                               torch.autograd.grad((expected * weights).sum(), z)[0], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.slow
 def test_arma11_and_garch11_log_densities_against_stans_loops():
     # Stan's programs loop over t; the ports solve the same recurrences by recursive doubling
