@@ -341,6 +341,18 @@ def test_solve_ode_refuses_non_finite_input_and_reports_a_failed_solve():
                   torch.tensor([0.0, 2.0], dtype=torch.float64))
 
 
+def test_lotka_volterras_hand_written_sensitivities_are_the_generic_ones():
+    from dataclasses import replace
+
+    from pyro_fa.experiments.posteriordb.ports_ode import LOTKA_VOLTERRA
+
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        y, p = rng.normal(size=14), rng.uniform(0.01, 2.0, size=4).tolist()
+        np.testing.assert_allclose(LOTKA_VOLTERRA.augmented(0.0, y, p),
+                                   replace(LOTKA_VOLTERRA, fast=None).augmented(0.0, y, p), rtol=1e-13, atol=1e-13)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["hudson_lynx_hare-lotka_volterra", "one_comp_mm_elim_abs-one_comp_mm_elim_abs"])
 def test_ode_ports_against_a_differentiable_torch_solver(name):
