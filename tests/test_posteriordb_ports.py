@@ -321,6 +321,8 @@ def test_solve_ode_and_its_gradient_against_the_closed_form():
     theirs = torch.autograd.grad((exact(z0, p) * weights).sum(), [z0, p])
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+    with torch.no_grad():  # the states alone, without the sensitivities
+        torch.testing.assert_close(solve_ode(_decay(), z0, p, times), exact(z0, p), rtol=1e-7, atol=1e-9)
     # broadcasting: one initial state for a batch of parameters
     torch.testing.assert_close(solve_ode(_decay(), z0[:1, 0].detach(), p.detach(), times),
                                exact(z0[:1].detach().expand(3, 1), p.detach()), rtol=1e-7, atol=1e-9)
@@ -341,16 +343,18 @@ def test_solve_ode_refuses_non_finite_input_and_reports_a_failed_solve():
                   torch.tensor([0.0, 2.0], dtype=torch.float64))
 
 
-def test_lotka_volterras_hand_written_sensitivities_are_the_generic_ones():
+def test_the_hand_written_sensitivity_equations_are_the_generic_ones():
     from dataclasses import replace
 
-    from pyro_fa.experiments.posteriordb.ports_ode import LOTKA_VOLTERRA
+    from pyro_fa.experiments.posteriordb.ports_ode import LOTKA_VOLTERRA, _one_comp
 
     rng = np.random.default_rng(0)
-    for _ in range(5):
-        y, p = rng.normal(size=14), rng.uniform(0.01, 2.0, size=4).tolist()
-        np.testing.assert_allclose(LOTKA_VOLTERRA.augmented(0.0, y, p),
-                                   replace(LOTKA_VOLTERRA, fast=None).augmented(0.0, y, p), rtol=1e-13, atol=1e-13)
+    for system in (LOTKA_VOLTERRA, _one_comp(30.0, 2.0)):
+        size = system.n * (1 + system.P + system.n)
+        for t in (0.0, 0.7, 3.0):
+            y, p = rng.uniform(0.1, 2.0, size=size), rng.uniform(0.01, 2.0, size=system.P).tolist()
+            np.testing.assert_allclose(system.augmented(t, y, p), replace(system, fast=None).augmented(t, y, p),
+                                       rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.slow

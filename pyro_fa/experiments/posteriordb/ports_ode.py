@@ -13,6 +13,7 @@ solutions and gradients (the tests compare them) but costs a Python call per sol
 forward and the backward pass: about 0.2 s per gradient on Lotka-Volterra against 0.005 s here, which
 put a 2 000-step fit at minutes rather than seconds.
 """
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -68,20 +69,22 @@ class _Solve(torch.autograd.Function):
         z0_np, p_np = z0.detach().cpu().numpy(), params.detach().cpu().numpy()
         if not (np.isfinite(z0_np).all() and np.isfinite(p_np).all()):
             raise ValueError("solve_ode: z0 and params must be finite, got a non-finite value.")
-        start = np.hstack([np.zeros((n, P)), np.eye(n)]).ravel()
-        out = np.empty((z0_np.shape[0], len(times) - 1, n * (1 + P + n)))
+        sensitivities = any(ctx.needs_input_grad[:2])  # without them (scoring draws) only the n states
+        start = np.hstack([np.zeros((n, P)), np.eye(n)]).ravel() if sensitivities else np.zeros(0)
+        fun = system.augmented if sensitivities else system.rhs
+        out = np.empty((z0_np.shape[0], len(times) - 1, n + start.size))
         for b in range(z0_np.shape[0]):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a failed solve is reported below, not as a warning
-                y, info = _lsoda(system.augmented, np.concatenate([z0_np[b], start]), times, args=(p_np[b].tolist(),),
+                y, info = _lsoda(fun, np.concatenate([z0_np[b], start]), times, args=(p_np[b].tolist(),),
                                  tfirst=True, rtol=rtol, atol=atol, mxstep=MAX_STEPS, full_output=True)
             if info["message"] != "Integration successful.":
                 raise RuntimeError(f"solve_ode: LSODA failed at parameters {p_np[b].tolist()} and initial "
                                    f"state {z0_np[b].tolist()}: {info['message']}")
             out[b] = y[1:]
         out = torch.as_tensor(out, dtype=z0.dtype, device=z0.device)
-        sens = out[..., n:].reshape(out.shape[:2] + (n, P + n))
-        ctx.save_for_backward(sens)
+        if sensitivities:
+            ctx.save_for_backward(out[..., n:].reshape(out.shape[:2] + (n, P + n)))
         ctx.P = P
         return out[..., :n]
 
@@ -104,8 +107,8 @@ def solve_ode(system: ODESystem, z0: torch.Tensor, params: torch.Tensor, times, 
 
 
 def _lv_rhs(t, z, p):
-    (u, v), (alpha, beta, gamma, delta) = z, p
-    return np.array([(alpha - beta * v) * u, (-gamma + delta * u) * v])
+    (u, v), (alpha, beta, gamma, delta) = z.tolist(), p
+    return [(alpha - beta * v) * u, (-gamma + delta * u) * v]
 
 
 def _lv_jac_z(t, z, p):
@@ -153,7 +156,16 @@ def _one_comp(D, V):
         d_dose = np.exp(-k_a * t) * D * (1 - k_a * t) / V if t > 0 else 0.0
         return np.array([[d_dose, (V_m / V) * C[0] / (K_m + C[0]) ** 2, -C[0] / (V * (K_m + C[0]))]])
 
-    return ODESystem(1, 3, rhs, jac_z, jac_p)
+    def fast(t, y, p):
+        C, *S = y.tolist()
+        k_a, K_m, V_m = p
+        decay = math.exp(-k_a * t) * D / V if t > 0 else 0.0
+        ratio = 1.0 / (K_m + C)
+        j = -(V_m / V) * K_m * ratio * ratio
+        return [decay * k_a - (V_m / V) * C * ratio, j * S[0] + decay * (1 - k_a * t),
+                j * S[1] + (V_m / V) * C * ratio * ratio, j * S[2] - C * ratio / V, j * S[3]]
+
+    return ODESystem(1, 3, rhs, jac_z, jac_p, fast=fast)
 
 
 def _positive_normal_prior(name, value, loc, scale):
