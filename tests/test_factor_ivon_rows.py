@@ -92,10 +92,36 @@ def test_ensemble_members_start_from_the_chosen_network(problem):
     assert info["seconds_members"] > 0
 
 
+def test_diag_floor_reaches_the_optimizer(problem):
+    """The row's ``diag_floor`` is FactorIVON's: the row at one grid point predicts as the IVON recipe's own
+    training loop run with ``FactorIVON(..., diag_floor=...)`` by hand, and another floor changes the draws."""
+    import functools
+    import types
+
+    from pyro_fa.optim import FactorIVON
+
+    torch.set_num_threads(1)
+    x_te = problem["test"][0]
+    common = dict(epochs=3, batch_size=32, num_samples=3, rank=3, update_every=1, lr_grid=(0.4,),
+                  hess_init_grid=(0.5,))
+    (low,) = factor_ivon_probs(_make_net, problem["train"], None, [x_te], diag_floor=0.05, **common)
+    (no_low_rank,) = factor_ivon_probs(_make_net, problem["train"], None, [x_te], diag_floor=1.0, **common)
+    optimizer = types.SimpleNamespace(IVON=functools.partial(FactorIVON, rank=3, update_every=1, diag_floor=0.05))
+    with torch.random.fork_rng():
+        net, opt = peers._ivon_train(optimizer, _make_net, *problem["train"], 3, 32, lr=0.4, seed=0, hess_init=0.5,
+                                     beta2=0.99999, weight_decay=1e-4)
+        torch.manual_seed(1)
+        (by_hand,) = peers._ivon_predict(net, opt, [x_te], 3)
+    assert torch.equal(low[0], by_hand)
+    assert not torch.allclose(low[0], no_low_rank[0])  # a floor of 1 leaves the low-rank part no room
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"rank": -1}, ValueError, "rank must be a non-negative integer, got -1"),
     ({"members": 0}, ValueError, "members must be a positive integer, got 0"),
     ({"update_every": 0}, ValueError, "update_every must be a positive integer, got 0"),
+    ({"diag_floor": 0.0}, ValueError, r"diag_floor must be a number in \(0, 1\], got 0.0"),
+    ({"diag_floor": 1.5}, ValueError, r"diag_floor must be a number in \(0, 1\], got 1.5"),
     ({"lr_grid": ()}, ValueError, r"lr_grid and hess_init_grid must hold finite numbers > 0, got lr_grid=\(\)"),
     ({"hess_init_grid": (0.5, -1.0)}, ValueError, "lr_grid and hess_init_grid must hold finite numbers > 0"),
 ])

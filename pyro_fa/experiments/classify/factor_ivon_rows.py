@@ -35,15 +35,18 @@ __all__ = ["FACTOR_IVON_ROWS", "UPDATE_EVERY", "factor_ivon_probs", "run_factor_
 FACTOR_IVON_ROWS = ("factor-ivon", "factor-ivon-ensemble")
 #: steps between refreshes of FactorIVON's low-rank part (docs/optim.md: 10-50 brings the cost near IVON's)
 UPDATE_EVERY = 10
+#: FactorIVON's default floor on the diagonal part of its precision (a fraction of IVON's diagonal)
+DIAG_FLOOR = 0.25
 #: seed offset of the ensemble's members (the deep ensemble's and MultiSWAG's)
 MEMBER_SEED_STEP = 1000
 
 
-def _optimizer(rank: int, update_every: int):
-    """What ``_ivon_train`` calls ``ivon.IVON``: FactorIVON at ``rank`` and ``update_every``."""
+def _optimizer(rank: int, update_every: int, diag_floor: float = DIAG_FLOOR):
+    """What ``_ivon_train`` calls ``ivon.IVON``: FactorIVON at ``rank``, ``update_every`` and ``diag_floor``."""
     from pyro_fa.optim import FactorIVON
 
-    return types.SimpleNamespace(IVON=functools.partial(FactorIVON, rank=rank, update_every=update_every))
+    return types.SimpleNamespace(IVON=functools.partial(FactorIVON, rank=rank, update_every=update_every,
+                                                        diag_floor=diag_floor))
 
 
 def _val_nll(probs: Tensor, y: Tensor) -> float:
@@ -66,6 +69,7 @@ def factor_ivon_probs(
     hess_init_grid: Sequence[float] = (0.5,),
     rank: int = 10,
     update_every: int = UPDATE_EVERY,
+    diag_floor: float = DIAG_FLOOR,
     members: int = 1,
     beta2: float = 0.99999,
     weight_decay: float = 1e-4,
@@ -96,13 +100,16 @@ def factor_ivon_probs(
         Rates and initial Hessians tried.
     rank, update_every : int
         FactorIVON's rank K (0: IVON) and the steps between refreshes of its low-rank part.
+    diag_floor : float, default 0.25
+        FactorIVON's ``diag_floor``, in (0, 1].
     members : int, default 1
         Networks of the ensemble (the first is the chosen one).
     beta2, weight_decay : float
         As the IVON row's.
     info : dict, optional
         Receives ``"lr"``, ``"hess_init"``, ``"val_nll"`` ({"(rate, hess_init)": NLL}), ``"rank"``,
-        ``"update_every"``, ``"seconds_grid"`` (the grid's time) and ``"seconds_members"`` (the other members').
+        ``"update_every"``, ``"diag_floor"``, ``"seconds_grid"`` (the grid's time) and ``"seconds_members"``
+        (the other members').
 
     Returns
     -------
@@ -126,13 +133,15 @@ def factor_ivon_probs(
         _ivon_recipe._check_positive_int(caller, name, value)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise ValueError(f"{caller}: rank must be a non-negative integer, got {rank!r}.")
+    if isinstance(diag_floor, bool) or not isinstance(diag_floor, (int, float)) or not 0 < diag_floor <= 1:
+        raise ValueError(f"{caller}: diag_floor must be a number in (0, 1], got {diag_floor!r}.")
     grid = [(float(r), float(h)) for r in lr_grid for h in hess_init_grid] if val_xy is not None else \
         [(float(next(iter(lr_grid), math.nan)), float(next(iter(hess_init_grid), math.nan)))]
     if not grid or not all(math.isfinite(v) and v > 0 for pair in grid for v in pair):
         raise ValueError(f"{caller}: lr_grid and hess_init_grid must hold finite numbers > 0, got "
                          f"lr_grid={tuple(lr_grid)!r}, hess_init_grid={tuple(hess_init_grid)!r}.")
-    train = functools.partial(_ivon_recipe._ivon_train, _optimizer(rank, update_every), make_net, x_tr, y_tr, epochs,
-                              batch_size, beta2=beta2, weight_decay=weight_decay)
+    train = functools.partial(_ivon_recipe._ivon_train, _optimizer(rank, update_every, float(diag_floor)), make_net,
+                              x_tr, y_tr, epochs, batch_size, beta2=beta2, weight_decay=weight_decay)
     predict = _ivon_recipe._ivon_predict
     fork = [torch.device("cuda")] if torch.cuda.is_available() else []
     t0 = time.perf_counter()
@@ -161,7 +170,8 @@ def factor_ivon_probs(
             out.append(predict(net, opt, inputs, num_samples))
     if info is not None:
         info.update(lr=best_setting[0], hess_init=best_setting[1], val_nll=val_nll, rank=rank,
-                    update_every=update_every, seconds_grid=t1 - t0, seconds_members=time.perf_counter() - t1)
+                    update_every=update_every, diag_floor=float(diag_floor), seconds_grid=t1 - t0,
+                    seconds_members=time.perf_counter() - t1)
     return out
 
 

@@ -1,0 +1,187 @@
+"""Which FactorIVON settings, if any, beat IVON + T on the MNIST-1D MLPs? Variants of rank, refresh and floor.
+
+``pyro-fa classify``'s ``factor-ivon`` row runs :class:`pyro_fa.optim.FactorIVON` at one setting, rank 10 with
+its low-rank part refreshed every 10 steps (``update_every=10``) and ``diag_floor=0.25``, and ties IVON + T
+(Shen et al. 2024, "Variational learning is effective for large deep networks") on the MNIST-1D MLP and
+MNIST-1D-8. This benchmark trains other settings of the same optimizer with the row's recipe
+(:func:`pyro_fa.experiments.classify.factor_ivon_rows.factor_ivon_probs`: the IVON row's training loop, cosine
+rate, 150 epochs of minibatches of 100, the rate x ``hess_init`` grid chosen by the validation NLL of the model
+average of 30 draws), and IVON itself as the same code at rank 0 (FactorIVON at ``rank=0`` is ivon-opt's IVON bit
+for bit, tests/test_factor_ivon.py), on the same seeds, splits and minibatch order. Each variant is scored on the
+test part raw and "+ T" (a temperature fitted on the validation predictive,
+:func:`pyro_fa.experiments.classify.posthoc.tempered_rows`, as the command's "+T" rows), with accuracy, ECE and
+OOD AUROC by the predictive entropy; then paired over seeds against IVON (mean +- s.e.; ``*`` beyond two s.e.).
+
+Variants (``--variants``; name ``k<rank>-t<update_every>[-f<diag_floor>]``): ``ivon`` (rank 0), ``k10-t10`` (the
+row's setting), ``k10-t1`` (a refresh at every step), ``k30-t10``, ``k3-t10``, ``k10-t10-f0.05`` (a low floor, so
+that the low-rank part may carry more of the precision).
+
+Each (dataset, variant, seed) is one unit, written to ``--out`` (a JSON per unit) when it finishes; a rerun skips
+the units already there, so a stopped run resumes. The grid defaults to the one the committed MNIST-1D tables
+narrowed both IVON and FactorIVON to (rate {0.8, 1.6} x ``hess_init`` {0.01, 0.03}, where IVON's full-grid choice
+lay on every recorded seed; benchmarks/results/factor_ivon_benchmarks.md).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_factor_ivon_variants.py --out runs/ivon_variants
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_factor_ivon_variants.py --out runs/ivon_variants \\
+        --datasets mnist1d-8 --variants ivon k10-t1
+    .venv/bin/python benchmarks/bench_factor_ivon_variants.py --out runs/ivon_variants --report   # tables only
+    .venv/bin/python benchmarks/bench_factor_ivon_variants.py --out /tmp/v --seeds 1 --epochs 1 --variants ivon k3-t10
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+import torch
+
+from pyro_fa.experiments._io import mean_se, pay_lazy_imports
+from pyro_fa.experiments.classify.data import load_classify
+from pyro_fa.experiments.classify.factor_ivon_rows import factor_ivon_probs
+from pyro_fa.experiments.classify.methods import Budget
+from pyro_fa.experiments.classify.networks import make_network
+from pyro_fa.experiments.classify.posthoc import tempered_rows
+from pyro_fa.experiments.classify.report import evaluate, paired, verdict
+
+DEFAULT_VARIANTS = ("ivon", "k10-t10", "k10-t1", "k30-t10", "k3-t10", "k10-t10-f0.05")
+_NAME = re.compile(r"^k(\d+)-t(\d+)(?:-f([0-9.eE+-]+))?$")
+
+
+def parse_variant(name: str) -> dict:
+    """``"ivon"`` or ``"k<rank>-t<update_every>[-f<diag_floor>]"`` as FactorIVON's keyword arguments.
+
+    >>> parse_variant("ivon"), parse_variant("k10-t1-f0.05")
+    ({'rank': 0, 'update_every': 1, 'diag_floor': 0.25}, {'rank': 10, 'update_every': 1, 'diag_floor': 0.05})
+    """
+    if name == "ivon":
+        return {"rank": 0, "update_every": 1, "diag_floor": 0.25}
+    match = _NAME.match(name)
+    if match is None:
+        raise SystemExit(f"bench_factor_ivon_variants: a variant must be 'ivon' or 'k<rank>-t<update_every>"
+                         f"[-f<diag_floor>]', got {name!r}.")
+    floor = float(match.group(3)) if match.group(3) else 0.25
+    if not 0 < floor <= 1 or int(match.group(2)) < 1:
+        raise SystemExit(f"bench_factor_ivon_variants: {name!r}: update_every must be >= 1 and the floor in (0, 1].")
+    return {"rank": int(match.group(1)), "update_every": int(match.group(2)), "diag_floor": floor}
+
+
+def run_unit(dataset: str, variant: str, seed: int, args) -> dict:
+    """Train one variant on one seed (its whole grid), score it raw and + T."""
+    torch.set_default_dtype(torch.float32)
+    data = load_classify(dataset, seed)
+    ood_names = list(data.ood)
+    inputs = [data.x_val, data.x_test, *data.ood.values()]
+    info: dict = {}
+    t0 = time.process_time()
+    probs = factor_ivon_probs(lambda: make_network("mlp", data), (data.x_train, data.y_train),
+                              (data.x_val, data.y_val), inputs, args.epochs, Budget.batch_size, seed, Budget.samples,
+                              lr_grid=args.lrs, hess_init_grid=args.hess_inits, info=info,
+                              **parse_variant(variant))[0]
+    cpu = time.process_time() - t0
+    tempered = tempered_rows({"ivon": {"probs": probs, "seconds": cpu}}, data.y_val)["ivon+T"]
+    scores = {"raw": evaluate(probs[1:], data.y_test, ood_names),
+              "T": evaluate(tempered["probs"], data.y_test, ood_names)}
+    return {"dataset": dataset, "variant": variant, "seed": seed, "epochs": args.epochs, "lrs": list(args.lrs),
+            "hess_inits": list(args.hess_inits), "cpu_seconds": cpu, "seconds_grid": info["seconds_grid"],
+            "chosen": {"lr": info["lr"], "hess_init": info["hess_init"]}, "val_nll": info["val_nll"],
+            "temperature": tempered["extra"]["temperature"], "scores": scores,
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def unit_path(out: str, dataset: str, variant: str, seed: int) -> str:
+    return os.path.join(out, f"{dataset}__{variant}__seed{seed}.json")
+
+
+def report(out: str, datasets, variants, seeds, baseline: str = "ivon") -> str:
+    """Markdown tables: per variant mean +- s.e. over seeds, and paired differences against ``baseline``."""
+    lines = []
+    for ds in datasets:
+        units = {}
+        for v in variants:
+            for s in seeds:
+                path = unit_path(out, ds, v, s)
+                if os.path.exists(path):
+                    with open(path) as fh:
+                        units[v, s] = json.load(fh)
+        if not units:
+            continue
+        lines += [f"### {ds}", "", "| variant | seeds | NLL | NLL + T | accuracy | ECE + T | CPU s (grid) | chosen |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for v in variants:
+            us = [units[v, s] for s in seeds if (v, s) in units]
+            if not us:
+                continue
+            cell = lambda key, part: "{:.4f} ± {:.4f}".format(*mean_se([u["scores"][part][key] for u in us]))
+            chosen = ", ".join(f"({u['chosen']['lr']:g}, {u['chosen']['hess_init']:g})" for u in us)
+            cpu = mean_se([u["cpu_seconds"] for u in us])[0]
+            lines.append(f"| {v} | {len(us)} | {cell('nll', 'raw')} | {cell('nll', 'T')} | {cell('accuracy', 'raw')} "
+                         f"| {cell('ece', 'T')} | {cpu:.0f} | {chosen} |")
+        ood = sorted(k for k in next(iter(units.values()))["scores"]["T"] if k.startswith("auroc_"))
+        head = ["Δ NLL", "Δ NLL + T", "Δ accuracy"] + [f"Δ {k} + T" for k in ood] + ["CPU ratio"]
+        lines += ["", f"Paired over seeds, variant − {baseline} (* beyond two s.e.):", "",
+                  "| variant | seeds | " + " | ".join(head) + " |", "| --- " * (len(head) + 2) + "|"]
+        for v in variants:
+            if v == baseline:
+                continue
+            common = [s for s in seeds if (v, s) in units and (baseline, s) in units]
+            if not common:
+                continue
+            cells = []
+            for key, part, lower in [("nll", "raw", True), ("nll", "T", True), ("accuracy", "raw", False)] + \
+                                    [(k, "T", False) for k in ood]:
+                a = [units[v, s]["scores"][part][key] for s in common]
+                b = [units[baseline, s]["scores"][part][key] for s in common]
+                d, se = paired(a, b)
+                star = " *" if verdict(d, se, lower) != "tie" else ""
+                cells.append(f"{d:+.4f} ± {se:.4f}{star}")
+            ratio = sum(units[v, s]["cpu_seconds"] for s in common) / sum(units[baseline, s]["cpu_seconds"]
+                                                                         for s in common)
+            lines.append(f"| {v} | {len(common)} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="folder of the units (one JSON each; a rerun resumes)")
+    parser.add_argument("--datasets", nargs="+", default=["mnist1d"], choices=["mnist1d", "mnist1d-8", "digits"])
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS))
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0, help="the first seed")
+    parser.add_argument("--epochs", type=int, default=Budget.epochs)
+    parser.add_argument("--lrs", type=float, nargs="+", default=[0.8, 1.6])
+    parser.add_argument("--hess-inits", type=float, nargs="+", default=[0.01, 0.03])
+    parser.add_argument("--report", action="store_true", help="print the tables of the units there; train nothing")
+    args = parser.parse_args(argv)
+    for v in args.variants:
+        parse_variant(v)
+    if args.seeds < 1 or args.epochs < 1:
+        raise SystemExit(f"bench_factor_ivon_variants: --seeds and --epochs must be >= 1, got {args.seeds}, "
+                         f"{args.epochs}.")
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    os.makedirs(args.out, exist_ok=True)
+    if not args.report:
+        pay_lazy_imports()  # torch's one-time optimizer import, out of the first unit's seconds
+        for ds in args.datasets:
+            for s in seeds:
+                for v in args.variants:
+                    path = unit_path(args.out, ds, v, s)
+                    if os.path.exists(path):
+                        continue
+                    t0 = time.perf_counter()
+                    unit = run_unit(ds, v, s, args)
+                    tmp = path + ".tmp"
+                    with open(tmp, "w") as fh:
+                        json.dump(unit, fh, indent=1)
+                    os.replace(tmp, path)
+                    print(f"{ds} {v} seed {s}: NLL {unit['scores']['raw']['nll']:.4f}, + T "
+                          f"{unit['scores']['T']['nll']:.4f}, {time.perf_counter() - t0:.0f} s", flush=True)
+    print(report(args.out, args.datasets, args.variants, seeds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
