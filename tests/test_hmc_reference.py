@@ -216,3 +216,61 @@ def test_command_runs_a_dense_mass_matrix_in_units_of_its_own(tmp_path, toy_task
     with pytest.raises(SystemExit):
         cli.main(argv + ["--mass", "full"])
     assert "invalid choice: 'full'" in capsys.readouterr().err
+
+
+def test_device_is_checked_and_keyed_only_when_set(tmp_path, toy_tasks):
+    """``--device cpu`` is the default run (the same unit files, reused); a device torch cannot use is refused
+    with the reason; the key of a unit names the device only when it is not the CPU (old units still match)."""
+    out = tmp_path / "refs"
+    argv = ["hmc-reference", "--quick", "--tasks", "yacht", "--splits", "0", "--chains", "2", "--output-dir",
+            str(out), "--no-progress"]
+    assert cli.main(argv) == 0
+    stamps = sorted(u.stat().st_mtime_ns for u in (out / "units").glob("toy-split0__chain*.pt"))
+    assert cli.main(argv + ["--device", "cpu"]) == 0  # reused, not run again
+    assert sorted(u.stat().st_mtime_ns for u in (out / "units").glob("toy-split0__chain*.pt")) == stamps
+    with pytest.raises(SystemExit, match=r"--device must name a torch device .* got 'gpu0'"):
+        cli.main(argv + ["--device", "gpu0"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match=r"--device cuda: torch sees no CUDA device here"):
+            cli.main(argv + ["--device", "cuda"])
+    assert "device" not in ref._settings_key(ref.Settings())
+    assert ref._settings_key(ref.Settings(device="cuda:0"))["device"] == "cuda:0"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_chains_on_cuda_start_where_the_cpu_chains_start():
+    """On a GPU the chains start from the CPU run's initialisations (moved by the same Adam steps, to rounding),
+    the draws come back to the CPU, and the log posterior is the CPU's."""
+    task = _regression_task()
+    cpu = ref.Settings.quick()
+    gpu = ref.Settings.quick()
+    gpu.device = "cuda"
+    a = ref.run_chains(task, [0, 1], cpu, seed=0)
+    b = ref.run_chains(task, [0, 1], gpu, seed=0)
+    assert all(c["draws"].device.type == "cpu" and c["draws"].shape == d["draws"].shape for c, d in zip(a, b))
+    post, post_gpu = ref.NetworkPosterior(task), ref.NetworkPosterior(ref.on_device(task, "cuda"))
+    theta = torch.randn(3, post.dim, dtype=torch.float64)
+    assert torch.allclose(post_gpu.log_prob(theta.cuda()).cpu(), post.log_prob(theta), rtol=1e-10)
+    g = torch.Generator().manual_seed(5)
+    assert torch.equal(post_gpu.init(g).cpu(), post.init(torch.Generator().manual_seed(5)))
+
+
+def test_mnist1d_task_is_the_classify_mlp_at_a_given_precision(tmp_path):
+    """``--tasks mnist1d`` is pyro-fa classify's MNIST-1D MLP on its training part (the split the validation-cut
+    seed), at the precision given; its log posterior is the module's, and the reference's checks name its data."""
+    import argparse
+
+    from pyro_fa.experiments.classify.data import load_classify
+    from pyro_fa.experiments.classify.networks import make_network
+
+    args = argparse.Namespace(precision=0.5, quick=True, output_dir=str(tmp_path), seed=0, data_dir=None)
+    task = ref.TASKS["mnist1d"]("mnist1d", 1, args, {})
+    data = load_classify("mnist1d", seed=1)
+    assert task.label == "mnist1d-split1" and task.likelihood == "classification" and task.precision == 0.5
+    assert torch.equal(task.x, data.x_train.double()) and torch.equal(task.y_test, data.y_test)
+    assert [p.shape for p in task.make_net().parameters()] == [p.shape for p in make_network("mlp", data).parameters()]
+    post = ref.NetworkPosterior(task)
+    theta = post.init(torch.Generator().manual_seed(0)).unsqueeze(0)
+    small = ref.Task("m", 1, task.make_net, task.x[:50], task.y[:50], task.x_test, task.y_test, "classification", 0.5)
+    assert torch.allclose(ref.NetworkPosterior(small).log_prob(theta), _by_hand(small, theta[0]).unsqueeze(0),
+                          rtol=1e-12)

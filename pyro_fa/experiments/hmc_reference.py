@@ -14,7 +14,11 @@ Tasks (``--tasks``):
   network: the prior precision and Adam schedule searched on the tuning splits as ``pyro-fa uci`` searches
   them for its MAP fit, then the noise scale the MAP fit of the split learns (standardised units);
 * ``digits``: the 64-100-10 ReLU MLP of ``pyro-fa classify`` on scikit-learn's digits (its training part;
-  ``--splits`` are the validation-cut seeds) at the prior precision ``pyro-fa classify``'s MAP grid picks.
+  ``--splits`` are the validation-cut seeds) at the prior precision ``pyro-fa classify``'s MAP grid picks;
+* ``mnist1d``: the reference MLP of ``pyro-fa classify`` on MNIST-1D (40-100-100-10, residual), the same way.
+
+``--device cuda`` runs the chains on a GPU (the task's data and network moved there; the MAP choices stay the CPU
+runs of the benchmarks they come from); the references of a device run are units of their own.
 
 Each chain starts from its own random initialisation (``nn.Linear``'s), moved by ``--init-steps`` Adam steps on the
 log posterior, then runs HMC (warm-up adapting the step size and a diagonal mass matrix). The chains a run lacks
@@ -36,6 +40,7 @@ really like?*, ICML.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import math
@@ -50,7 +55,8 @@ from torch import Tensor, nn
 from pyro_fa.experiments._io import OutputFolder, atomic_write_json, nonnegative_int, positive_int, unit_path
 from pyro_fa.infer.hmc import MASS_MATRICES, RHAT_LIMIT
 
-HELP = "Full-batch HMC reference predictives (UCI 1x50 regression, digits MLP) with R-hat and chain agreement."
+HELP = ("Full-batch HMC reference predictives (UCI 1x50 regression, digits and MNIST-1D MLPs) with R-hat and chain "
+        "agreement.")
 
 UCI_TASKS = ("yacht", "boston", "concrete", "energy")
 
@@ -75,6 +81,7 @@ class Settings:
     init_lr: float = 1e-2
     target_accept: float = 0.8
     mass: str = "diag"
+    device: str = "cpu"
 
     @classmethod
     def quick(cls) -> "Settings":
@@ -234,18 +241,19 @@ def _uci_task(name: str, split: int, args, cache: dict) -> Task:
                 float(choice["precision"]), noise, {"y_std": d.y_std, "y_mean": d.y_mean, "map": choice})
 
 
-def _digits_task(name: str, split: int, args, cache: dict) -> Task:
+def _classify_task(name: str, split: int, args, cache: dict) -> Task:
+    """The MLP of ``pyro-fa classify`` on the dataset ``name`` (``"digits"`` or ``"mnist1d"``)."""
     from pyro_fa.experiments.classify.data import load_classify
     from pyro_fa.experiments.classify.methods import Budget, run_methods
     from pyro_fa.experiments.classify.networks import make_network
 
-    data = load_classify("digits", seed=split)
+    data = load_classify(name, seed=split)
     if args.precision is not None:
         precision = float(args.precision)
     else:
         budget = Budget.quick() if args.quick else Budget()
-        precision = _cached(args, {"kind": "digits-map", "split": split, "quick": bool(args.quick)},
-                            f"digits-split{split}__map",
+        precision = _cached(args, {"kind": f"{name}-map", "split": split, "quick": bool(args.quick)},
+                            f"{name}-split{split}__map",
                             lambda: {"precision": float(run_methods(["map"], "mlp", data, budget, split)["map"]
                                                         ["extra"]["prior_precision"])})["precision"]
     x, x_test = data.x_train.double(), data.x_test.double()
@@ -258,7 +266,7 @@ def _digits_task(name: str, split: int, args, cache: dict) -> Task:
 
 
 #: task name -> its builder (name, split, args, cache) -> Task
-TASKS: Dict[str, Callable] = {**{n: _uci_task for n in UCI_TASKS}, "digits": _digits_task}
+TASKS: Dict[str, Callable] = {**{n: _uci_task for n in UCI_TASKS}, "digits": _classify_task, "mnist1d": _classify_task}
 
 
 def _cached(args, key: dict, stem: str, compute: Callable[[], dict]) -> dict:
@@ -344,15 +352,35 @@ class _Progress:
             self.bar.close()
 
 
+def on_device(task: Task, device) -> Task:
+    """``task`` with its data on ``device`` and its networks made there (initialised on the CPU, as on the CPU
+    path, then moved); ``task`` itself on the CPU."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return task
+    make_net = task.make_net
+    return dataclasses.replace(task, make_net=lambda: make_net().to(device), x=task.x.to(device),
+                               y=task.y.to(device), x_test=task.x_test.to(device), y_test=task.y_test.to(device))
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_chains(task: Task, chains: List[int], settings: Settings, seed: int, progress: bool = False) -> List[dict]:
-    """The chains ``chains`` of ``task``, run as one batch: each from its own random initialisation moved by
-    ``settings.init_steps`` Adam steps, then HMC with its own generator (seeded by ``seed``, the split and the
-    chain: a chain's draws do not depend on the chains beside it); per chain its test predictive draws
-    (float32) and diagnostics. ``progress``: report the iterations (:class:`_Progress`)."""
+    """The chains ``chains`` of ``task``, run as one batch on ``settings.device``: each from its own random
+    initialisation moved by ``settings.init_steps`` Adam steps, then HMC with its own generator (seeded by
+    ``seed``, the split and the chain: a chain's draws do not depend on the chains beside it); per chain its test
+    predictive draws (float32, on the CPU) and diagnostics. ``progress``: report the iterations
+    (:class:`_Progress`)."""
     from pyro_fa.infer.hmc import hmc
 
+    device = torch.device(settings.device)
+    task = on_device(task, device)
     post = NetworkPosterior(task)
-    gens = [torch.Generator().manual_seed(seed * 100_003 + 7919 * task.split + c) for c in chains]
+    seeds = [seed * 100_003 + 7919 * task.split + c for c in chains]
+    gens = [torch.Generator().manual_seed(s) for s in seeds]  # the initialisations: the same on every device
     start = time.perf_counter()
     theta = torch.stack([post.init(g) for g in gens]).requires_grad_(True)
     opt = torch.optim.Adam([theta], lr=settings.init_lr)  # elementwise: the chains' fits are independent
@@ -360,11 +388,16 @@ def run_chains(task: Task, chains: List[int], settings: Settings, seed: int, pro
         opt.zero_grad()
         (-post.log_prob(theta).sum() / task.x.shape[0]).backward()
         opt.step()
+    _synchronize(device)
     init_seconds = time.perf_counter() - start
+    if device.type != "cpu":  # HMC's generators live where its draws are made
+        gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
     res = hmc(post.log_prob, theta.detach(), num_samples=settings.samples, num_warmup=settings.warmup,
               num_steps=settings.num_steps, target_accept=settings.target_accept, thin=settings.thin,
               mass=settings.mass, collect=post.collect, generator=gens,
               progress=_Progress(task.label, settings.warmup + settings.samples * settings.thin, progress))
+    if device.type != "cpu":
+        res = dataclasses.replace(res, **{k: v.cpu() for k, v in vars(res).items() if isinstance(v, Tensor)})
     return [{"draws": res.draws[i].float(), "log_prob": res.log_prob[i].float(),
              "accept_rate": float(res.accept_rate[i]), "warmup_accept": float(res.warmup_accept[i]),
              "step_size": float(res.step_size[i]), "divergences": int(res.divergences[i]),
@@ -419,12 +452,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mass", choices=sorted(MASS_MATRICES), default=None,
                         help="the HMC mass matrix adapted in the warm-up (default diag)")
     parser.add_argument("--precision", type=float, default=None,
-                        help="digits: the prior precision (default: pyro-fa classify's MAP choice)")
+                        help="digits, mnist1d: the prior precision (default: pyro-fa classify's MAP choice)")
+    parser.add_argument("--device", default=None,
+                        help="where the chains run: cpu (default), cuda, cuda:1, ... (units of their own)")
     parser.add_argument("--data-dir", default=None, help="UCI data folder (default $PYRO_FA_DATA)")
 
 
 #: Settings added after references were written: left out of a unit's key at their defaults (old unit files match).
-_KEYED_WHEN_SET = frozenset({"mass"})
+_KEYED_WHEN_SET = frozenset({"mass", "device"})
 
 
 def _settings_key(settings: Settings) -> dict:
@@ -436,7 +471,28 @@ def _settings(args) -> Settings:
     for name in ("chains", "warmup", "samples", "thin", "num_steps", "init_steps", "mass"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
+    if getattr(args, "device", None) is not None:
+        s.device = _check_device(args.device)
     return s
+
+
+def _check_device(text: str) -> str:
+    """``--device`` as torch's canonical name (``"cuda"`` -> ``"cuda:0"``... kept as given when it has no index),
+    refused with the reason when torch cannot run there."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError) as err:
+        raise SystemExit(f"pyro-fa hmc-reference: --device must name a torch device (cpu, cuda, cuda:1, ...), got "
+                         f"{text!r} ({err}).") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"pyro-fa hmc-reference: --device {text}: torch sees no CUDA device here.")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise SystemExit(f"pyro-fa hmc-reference: --device {text}: torch sees {torch.cuda.device_count()} CUDA "
+                             f"device(s).")
+    elif device.type != "cpu":
+        raise SystemExit(f"pyro-fa hmc-reference: --device must be cpu or a CUDA device, got {text!r}.")
+    return str(device)
 
 
 def _save_pt(path: Path, obj) -> None:
