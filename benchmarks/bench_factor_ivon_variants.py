@@ -12,9 +12,10 @@ test part raw and "+ T" (a temperature fitted on the validation predictive,
 :func:`pyro_fa.experiments.classify.posthoc.tempered_rows`, as the command's "+T" rows), with accuracy, ECE and
 OOD AUROC by the predictive entropy; then paired over seeds against IVON (mean +- s.e.; ``*`` beyond two s.e.).
 
-Variants (``--variants``; name ``k<rank>-t<update_every>[-f<diag_floor>]``): ``ivon`` (rank 0), ``k10-t10`` (the
-row's setting), ``k10-t1`` (a refresh at every step), ``k30-t10``, ``k3-t10``, ``k10-t10-f0.05`` (a low floor, so
-that the low-rank part may carry more of the precision).
+Variants (``--variants``; name ``ivon[-b<beta2>]`` or ``k<rank>-t<update_every>[-f<diag_floor>][-b<beta2>]``):
+``ivon`` (rank 0), ``k10-t10`` (the row's setting), ``k10-t1`` (a refresh at every step), ``k30-t10``, ``k3-t10``,
+``k10-t10-f0.05`` (a low floor, so that the low-rank part may carry more of the precision); ``-b`` sets the Hessian
+decay beta2 (default ivon-opt's 0.99999; a variant at another decay is also paired with IVON at that decay).
 
 Each (dataset, variant, seed) is one unit, written to ``--out`` (a JSON per unit) when it finishes; a rerun skips
 the units already there, so a stopped run resumes. The grid defaults to the one the committed MNIST-1D tables
@@ -47,25 +48,37 @@ from pyro_fa.experiments.classify.posthoc import tempered_rows
 from pyro_fa.experiments.classify.report import evaluate, paired, verdict
 
 DEFAULT_VARIANTS = ("ivon", "k10-t10", "k10-t1", "k30-t10", "k3-t10", "k10-t10-f0.05")
-_NAME = re.compile(r"^k(\d+)-t(\d+)(?:-f([0-9.eE+-]+))?$")
+_NAME = re.compile(r"^(?:ivon|k(\d+)-t(\d+)(?:-f([0-9.eE+-]+))?)(?:-b([0-9.eE+-]+))?$")
+#: ivon-opt's default Hessian decay, the IVON row's
+BETA2 = 0.99999
 
 
 def parse_variant(name: str) -> dict:
-    """``"ivon"`` or ``"k<rank>-t<update_every>[-f<diag_floor>]"`` as FactorIVON's keyword arguments.
+    """``"ivon[-b<beta2>]"`` or ``"k<rank>-t<update_every>[-f<diag_floor>][-b<beta2>]"`` as the keyword
+    arguments of :func:`~pyro_fa.experiments.classify.factor_ivon_rows.factor_ivon_probs`.
 
-    >>> parse_variant("ivon"), parse_variant("k10-t1-f0.05")
-    ({'rank': 0, 'update_every': 1, 'diag_floor': 0.25}, {'rank': 10, 'update_every': 1, 'diag_floor': 0.05})
+    >>> parse_variant("ivon")
+    {'rank': 0, 'update_every': 1, 'diag_floor': 0.25, 'beta2': 0.99999}
+    >>> parse_variant("k10-t1-f0.05-b0.9999")
+    {'rank': 10, 'update_every': 1, 'diag_floor': 0.05, 'beta2': 0.9999}
     """
-    if name == "ivon":
-        return {"rank": 0, "update_every": 1, "diag_floor": 0.25}
     match = _NAME.match(name)
     if match is None:
-        raise SystemExit(f"bench_factor_ivon_variants: a variant must be 'ivon' or 'k<rank>-t<update_every>"
-                         f"[-f<diag_floor>]', got {name!r}.")
-    floor = float(match.group(3)) if match.group(3) else 0.25
-    if not 0 < floor <= 1 or int(match.group(2)) < 1:
-        raise SystemExit(f"bench_factor_ivon_variants: {name!r}: update_every must be >= 1 and the floor in (0, 1].")
-    return {"rank": int(match.group(1)), "update_every": int(match.group(2)), "diag_floor": floor}
+        raise SystemExit(f"bench_factor_ivon_variants: a variant must be 'ivon[-b<beta2>]' or 'k<rank>-t<update_every>"
+                         f"[-f<diag_floor>][-b<beta2>]', got {name!r}.")
+    rank, every, floor, beta2 = match.groups()
+    floor = float(floor) if floor else 0.25
+    beta2 = float(beta2) if beta2 else BETA2
+    if not 0 < floor <= 1 or (every is not None and int(every) < 1) or not 0 < beta2 < 1:
+        raise SystemExit(f"bench_factor_ivon_variants: {name!r}: update_every must be >= 1, the floor in (0, 1] and "
+                         f"beta2 in (0, 1).")
+    return {"rank": int(rank or 0), "update_every": int(every or 1), "diag_floor": floor, "beta2": beta2}
+
+
+def same_beta2_ivon(variant: str) -> str:
+    """The IVON variant at ``variant``'s Hessian decay (``"ivon"`` or ``"ivon-b<beta2>"``)."""
+    match = re.search(r"-b([0-9.eE+-]+)$", variant)
+    return f"ivon-b{match.group(1)}" if match else "ivon"
 
 
 def run_unit(dataset: str, variant: str, seed: int, args) -> dict:
@@ -96,7 +109,9 @@ def unit_path(out: str, dataset: str, variant: str, seed: int) -> str:
 
 
 def report(out: str, datasets, variants, seeds, baseline: str = "ivon") -> str:
-    """Markdown tables: per variant mean +- s.e. over seeds, and paired differences against ``baseline``."""
+    """Markdown tables: per variant mean +- s.e. over seeds, and paired differences against ``baseline`` (IVON
+    as ivon-opt's defaults configure it) and, for a variant at another Hessian decay, against IVON at that
+    decay too (``vs``)."""
     lines = []
     for ds in datasets:
         units = {}
@@ -121,25 +136,22 @@ def report(out: str, datasets, variants, seeds, baseline: str = "ivon") -> str:
                          f"| {cell('ece', 'T')} | {cpu:.0f} | {chosen} |")
         ood = sorted(k for k in next(iter(units.values()))["scores"]["T"] if k.startswith("auroc_"))
         head = ["Δ NLL", "Δ NLL + T", "Δ accuracy"] + [f"Δ {k} + T" for k in ood] + ["CPU ratio"]
-        lines += ["", f"Paired over seeds, variant − {baseline} (* beyond two s.e.):", "",
-                  "| variant | seeds | " + " | ".join(head) + " |", "| --- " * (len(head) + 2) + "|"]
-        for v in variants:
-            if v == baseline:
-                continue
-            common = [s for s in seeds if (v, s) in units and (baseline, s) in units]
+        lines += ["", "Paired over seeds, variant − IVON (* beyond two s.e.):", "",
+                  "| variant | vs | seeds | " + " | ".join(head) + " |", "| --- " * (len(head) + 3) + "|"]
+        pairs = [(v, b) for v in variants for b in dict.fromkeys([baseline, same_beta2_ivon(v)]) if v != b]
+        for v, b in pairs:
+            common = [s for s in seeds if (v, s) in units and (b, s) in units]
             if not common:
                 continue
             cells = []
             for key, part, lower in [("nll", "raw", True), ("nll", "T", True), ("accuracy", "raw", False)] + \
                                     [(k, "T", False) for k in ood]:
-                a = [units[v, s]["scores"][part][key] for s in common]
-                b = [units[baseline, s]["scores"][part][key] for s in common]
-                d, se = paired(a, b)
+                d, se = paired([units[v, s]["scores"][part][key] for s in common],
+                               [units[b, s]["scores"][part][key] for s in common])
                 star = " *" if verdict(d, se, lower) != "tie" else ""
                 cells.append(f"{d:+.4f} ± {se:.4f}{star}")
-            ratio = sum(units[v, s]["cpu_seconds"] for s in common) / sum(units[baseline, s]["cpu_seconds"]
-                                                                         for s in common)
-            lines.append(f"| {v} | {len(common)} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+            ratio = sum(units[v, s]["cpu_seconds"] for s in common) / sum(units[b, s]["cpu_seconds"] for s in common)
+            lines.append(f"| {v} | {b} | {len(common)} | " + " | ".join(cells) + f" | {ratio:.2f} |")
         lines.append("")
     return "\n".join(lines)
 
