@@ -15,7 +15,9 @@ OOD AUROC by the predictive entropy; then paired over seeds against IVON (mean +
 Variants (``--variants``; name ``ivon[-b<beta2>]`` or ``k<rank>-t<update_every>[-f<diag_floor>][-b<beta2>]``):
 ``ivon`` (rank 0), ``k10-t10`` (the row's setting), ``k10-t1`` (a refresh at every step), ``k30-t10``, ``k3-t10``,
 ``k10-t10-f0.05`` (a low floor, so that the low-rank part may carry more of the precision); ``-b`` sets the Hessian
-decay beta2 (default ivon-opt's 0.99999; a variant at another decay is also paired with IVON at that decay).
+decay beta2 (default ivon-opt's 0.99999; a variant at another decay is also paired with IVON at that decay). A variant
+run at several decays also gets a row ``<variant>-b*`` whose decay is chosen per seed on validation (the grid's
+rule with the decay as one more axis), paired with ``ivon-b*``, IVON's decay chosen the same way.
 
 Each (dataset, variant, seed) is one unit, written to ``--out`` (a JSON per unit) when it finishes; a rerun skips
 the units already there, so a stopped run resumes. The grid defaults to the one the committed MNIST-1D tables
@@ -76,9 +78,33 @@ def parse_variant(name: str) -> dict:
 
 
 def same_beta2_ivon(variant: str) -> str:
-    """The IVON variant at ``variant``'s Hessian decay (``"ivon"`` or ``"ivon-b<beta2>"``)."""
-    match = re.search(r"-b([0-9.eE+-]+)$", variant)
+    """The IVON variant at ``variant``'s Hessian decay (``"ivon"``, ``"ivon-b<beta2>"`` or, for a decay chosen on
+    validation, ``"ivon-b*"``)."""
+    match = re.search(r"-b([0-9.eE+-]+|\*)$", variant)
     return f"ivon-b{match.group(1)}" if match else "ivon"
+
+
+def base_of(variant: str) -> str:
+    """The variant without its Hessian decay: ``"k10-t10-b0.9999"`` -> ``"k10-t10"``."""
+    return re.sub(r"-b[0-9.eE+-]+$", "", variant)
+
+
+def decay_chosen_on_validation(units: dict, variants, seeds) -> dict:
+    """``{(base + "-b*", seed): unit}``: for each variant run at more than one Hessian decay, per seed the decay
+    whose grid reached the least validation NLL (the grid's own rule, with the decay as one more axis); only
+    seeds where every decay of the base has its unit."""
+    chosen = {}
+    bases = {}
+    for v in variants:
+        bases.setdefault(base_of(v), []).append(v)
+    for base, members in bases.items():
+        if len(members) < 2:
+            continue
+        for s in seeds:
+            if all((m, s) in units for m in members):
+                best = min(members, key=lambda m: min(units[m, s]["val_nll"].values()))
+                chosen[f"{base}-b*", s] = {**units[best, s], "variant": best}
+    return chosen
 
 
 def run_unit(dataset: str, variant: str, seed: int, args) -> dict:
@@ -123,14 +149,19 @@ def report(out: str, datasets, variants, seeds, baseline: str = "ivon") -> str:
                         units[v, s] = json.load(fh)
         if not units:
             continue
+        tuned = decay_chosen_on_validation(units, variants, seeds)
+        units.update(tuned)
+        names = list(variants) + list(dict.fromkeys(v for v, _ in tuned))
         lines += [f"### {ds}", "", "| variant | seeds | NLL | NLL + T | accuracy | ECE + T | CPU s (grid) | chosen |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for v in variants:
+        for v in names:
             us = [units[v, s] for s in seeds if (v, s) in units]
             if not us:
                 continue
             cell = lambda key, part: "{:.4f} ± {:.4f}".format(*mean_se([u["scores"][part][key] for u in us]))
-            chosen = ", ".join(f"({u['chosen']['lr']:g}, {u['chosen']['hess_init']:g})" for u in us)
+            chosen = ", ".join(f"({u['chosen']['lr']:g}, {u['chosen']['hess_init']:g}"
+                               + (f", {parse_variant(u['variant'])['beta2']:g})" if v.endswith("-b*") else ")")
+                               for u in us)
             cpu = mean_se([u["cpu_seconds"] for u in us])[0]
             lines.append(f"| {v} | {len(us)} | {cell('nll', 'raw')} | {cell('nll', 'T')} | {cell('accuracy', 'raw')} "
                          f"| {cell('ece', 'T')} | {cpu:.0f} | {chosen} |")
@@ -138,7 +169,7 @@ def report(out: str, datasets, variants, seeds, baseline: str = "ivon") -> str:
         head = ["Δ NLL", "Δ NLL + T", "Δ accuracy"] + [f"Δ {k} + T" for k in ood] + ["CPU ratio"]
         lines += ["", "Paired over seeds, variant − IVON (* beyond two s.e.):", "",
                   "| variant | vs | seeds | " + " | ".join(head) + " |", "| --- " * (len(head) + 3) + "|"]
-        pairs = [(v, b) for v in variants for b in dict.fromkeys([baseline, same_beta2_ivon(v)]) if v != b]
+        pairs = [(v, b) for v in names for b in dict.fromkeys([baseline, same_beta2_ivon(v)]) if v != b]
         for v, b in pairs:
             common = [s for s in seeds if (v, s) in units and (b, s) in units]
             if not common:
