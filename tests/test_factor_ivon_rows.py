@@ -188,6 +188,37 @@ def test_uci_choice_ignores_the_test_parts(monkeypatch):
     assert len(a["ll"]) == 2 and all(math.isfinite(v) for v in a["ll"] + a["rmse"])
 
 
+def test_uci_search_stops_early_as_the_other_methods_do(monkeypatch):
+    """The column's search stops by the rule of the other methods' search (protocol.train's patience): with a
+    held-out log-likelihood that only falls after the first checkpoint, it stops at the first checkpoint past a
+    quarter of the steps whose third is at or beyond the best's step (30 of 100, checkpoints every 10); the
+    progress still counts every step; the final fit (no checkpoints) runs its steps."""
+    from pyro_fa.experiments.uci import factor_ivon as fi
+    from pyro_fa.experiments.uci.protocol import Budget as UCIBudget, final_data, tuning_data
+    from pyro_fa.nn.batched import BatchedMLP
+
+    torch.set_num_threads(1)
+    calls = []
+
+    def falling(means, noise_var, data):
+        calls.append(1)
+        return means.new_full(means.shape[1:2], -float(len(calls)))  # (R,): worse at every checkpoint
+
+    monkeypatch.setattr(fi, "heldout_ll", falling)
+    budget = UCIBudget(steps=100, checkpoints=10, lrs=(3e-3, 1e-2), tune_splits=1, eval_samples=2, rank=2)
+    splits = _yacht(1)
+    spec = BatchedMLP(splits[0].x_train.shape[1], (8,))
+    tune = tuning_data(splits, budget)
+    settings = [{"lr": 0.1, "hess_init": 0.5}, {"lr": 0.4, "hess_init": 0.5}]
+    ticks = []
+    _, _, curve = fi._fit(tune.take(torch.tensor([0, 0])), spec, settings, [0, 0], 100, budget, 0, evaluate=True,
+                          progress=ticks.append, patience=True, n_configs=2)
+    assert [step for step, _ in curve] == [10, 20, 30] and sum(ticks) == 100
+    ticks.clear()
+    opt, _, curve = fi._fit(final_data(splits), spec, settings[:1], [0], 37, budget, 0, progress=ticks.append)
+    assert curve == [] and sum(ticks) == 37 and opt.step_count == 37
+
+
 @pytest.mark.slow
 def test_uci_factor_ivon_learns_the_noise_of_a_known_regression(monkeypatch):
     """y = sin(2x) + 0.3 eps: the learned noise scale is near 0.3 (in original units) and the test RMSE near it.

@@ -13,7 +13,7 @@ decay (the prior precision per point) :data:`WEIGHT_DECAY`, one draw per step, t
 ``Budget.batch_limit`` points, batches of ``Budget.batch_size`` above. The search is the other methods': every
 (rate, initial Hessian) of IVON's grid in ``pyro-fa classify`` (:data:`IVON_LRS` x :data:`IVON_HESS_INITS`) on
 every tuning split, the validation log-likelihood (``Budget.eval_samples`` draws) every ``steps / checkpoints``
-steps, the (setting, step count) of best mean; then every split is trained on its whole training part and tested
+steps (stopping early as the other methods' search does), the (setting, step count) of best mean; then every split is trained on its whole training part and tested
 once (``Budget.test_samples`` draws). A budget of one Adam rate (``--quick``) tries :data:`QUICK_GRID` only.
 """
 from __future__ import annotations
@@ -62,10 +62,14 @@ def _inits(spec: BatchedMLP, split_of: List[int], seed: int, like: Tensor) -> Te
 
 
 def _fit(data: SplitData, spec: BatchedMLP, settings: List[dict], split_of: List[int], steps: int, budget: Budget,
-         seed: int, evaluate: bool = False, progress=None) -> Tuple[BatchedFactorIVON, Tensor, list]:
+         seed: int, evaluate: bool = False, progress=None, patience: bool = False, n_configs: int = 1
+         ) -> Tuple[BatchedFactorIVON, Tensor, list]:
     """Train one replica per setting on its split's data (``data`` holds R replicas) for ``steps`` steps:
     ``(optimizer, log noise scales (R,), [(step, held-out LL per replica (R,))] at the checkpoints)``; a diverged
-    replica scores -inf from its divergence on."""
+    replica scores -inf from its divergence on. With ``evaluate`` and ``patience``, the early stop of the other
+    methods' search (:func:`pyro_fa.experiments.uci.protocol.train`'s ``patience``): training stops once the best mean held-out
+    log-likelihood of any of the ``n_configs`` settings (consecutive blocks of replicas) was reached in the first
+    third of the steps run, at least a quarter of ``steps`` having run."""
     R, n = data.y.shape
     opt = BatchedFactorIVON(_inits(spec, split_of, seed, data.x), lr=[c["lr"] for c in settings], ess=float(n),
                             hess_init=[c["hess_init"] for c in settings], beta2=BETA2, weight_decay=WEIGHT_DECAY,
@@ -77,7 +81,7 @@ def _fit(data: SplitData, spec: BatchedMLP, settings: List[dict], split_of: List
     gen = torch.Generator(device=data.x.device).manual_seed(seed)  # the minibatches and the draws
     eval_gen = torch.Generator(device=data.x.device).manual_seed(seed + 1)
     every = max(1, budget.steps // budget.checkpoints) if evaluate else None
-    curve = []
+    curve, best = [], {"step": 0, "score": -math.inf}
     for step in range(1, steps + 1):
         frac = 0.5 * (1.0 + math.cos(math.pi * (step - 1) / budget.steps))  # the budget's half cosine
         opt.lr = base * frac
@@ -95,6 +99,13 @@ def _fit(data: SplitData, spec: BatchedMLP, settings: List[dict], split_of: List
             means = spec(opt.sample(budget.eval_samples, generator=eval_gen), data.x_eval)
             ll = heldout_ll(means, torch.exp(2 * log_scale.detach()).unsqueeze(-1), data)
             curve.append((step, torch.where(torch.isfinite(ll) & ~opt.diverged, ll, -math.inf)))
+            score = float(curve[-1][1].double().reshape(n_configs, -1).mean(1).max())
+            if score > best["score"]:
+                best["score"], best["step"] = score, step
+            if patience and step >= steps // 4 and best["step"] <= step // 3:  # as the others' search stops
+                if progress is not None:
+                    progress(steps - step + 1)
+                break
         if progress is not None:
             progress(1)
     return opt, log_scale.detach(), curve
@@ -111,7 +122,8 @@ def run_factor_ivon(method, splits, budget: Budget, seed: int, progress: Optiona
     configs = _grid(budget)
     split_of = [r for _ in configs for r in range(n_tune)]  # replica c * n_tune + r: setting c on split r
     _, _, curve = _fit(tune.take(torch.tensor(split_of)), spec, [c for c in configs for _ in range(n_tune)], split_of,
-                       budget.steps, budget, seed, evaluate=True, progress=progress)
+                       budget.steps, budget, seed, evaluate=True, progress=progress, patience=True,
+                       n_configs=len(configs))
     curves = [(step, ll.double().cpu()) for step, ll in curve]
     choice, val_ll, table = _choose(curves, configs, n_tune)
     final = final_data(splits)
