@@ -28,6 +28,8 @@ lay on every recorded seed; benchmarks/results/factor_ivon_benchmarks.md).
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_factor_ivon_variants.py --out runs/ivon_variants \\
         --datasets mnist1d-8 --variants ivon k10-t1
     .venv/bin/python benchmarks/bench_factor_ivon_variants.py --out runs/ivon_variants --report   # tables only
+    .venv/bin/python benchmarks/bench_factor_ivon_variants.py --out - --low-rank-share 0.8 0.01 \\
+        --variants k10-t10 k10-t10-b0.9999                             # the low-rank part's share of the precision
     .venv/bin/python benchmarks/bench_factor_ivon_variants.py --out /tmp/v --seeds 1 --epochs 1 --variants ivon k3-t10
 """
 from __future__ import annotations
@@ -130,6 +132,35 @@ def run_unit(dataset: str, variant: str, seed: int, args) -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
+def low_rank_share(dataset: str, variant: str, seed: int, lr: float, hess_init: float, epochs: int) -> dict:
+    r"""How much of FactorIVON's precision its low-rank part holds after the row's training at one grid point:
+    the quantiles over weights of :math:`\mathrm{rowsq}(U)_d / (h_d + \delta)` (before the floor's shrinking), the
+    diagonal h against ``hess_init``, and the sketch's eigenvalues."""
+    import functools
+    import types
+
+    from pyro_fa.experiments.classify import baselines
+    from pyro_fa.optim import FactorIVON
+
+    torch.set_default_dtype(torch.float32)
+    data = load_classify(dataset, seed)
+    kw = parse_variant(variant)
+    optimizer = types.SimpleNamespace(IVON=functools.partial(FactorIVON, rank=kw["rank"],
+                                                             update_every=kw["update_every"],
+                                                             diag_floor=kw["diag_floor"]))
+    with torch.random.fork_rng():
+        _, opt = baselines._ivon_train(optimizer, lambda: make_network("mlp", data), data.x_train, data.y_train, epochs,
+                                       Budget.batch_size, lr=lr, seed=seed, hess_init=hess_init, beta2=kw["beta2"],
+                                       weight_decay=1e-4)
+    h, ev = opt.state["hess"], opt.state["eigvals"]
+    share = (opt.state["basis"] * ev.clamp_min(0).sqrt()[:, None]).square().sum(0) / (h + 1e-4)
+    q = torch.tensor([0.5, 0.99])
+    return {"steps": int(opt.state["step"]), "share_median": float(share.quantile(q[0])),
+            "share_99": float(share.quantile(q[1])), "share_max": float(share.max()),
+            "above_floor": float((share > 1 - kw["diag_floor"]).double().mean()),
+            "h_median": float(h.median()), "h_max": float(h.max()), "eigvals": [float(v) for v in ev]}
+
+
 def unit_path(out: str, dataset: str, variant: str, seed: int) -> str:
     return os.path.join(out, f"{dataset}__{variant}__seed{seed}.json")
 
@@ -198,6 +229,9 @@ def main(argv=None) -> int:
     parser.add_argument("--lrs", type=float, nargs="+", default=[0.8, 1.6])
     parser.add_argument("--hess-inits", type=float, nargs="+", default=[0.01, 0.03])
     parser.add_argument("--report", action="store_true", help="print the tables of the units there; train nothing")
+    parser.add_argument("--low-rank-share", nargs=2, type=float, metavar=("LR", "HESS_INIT"),
+                        help="train each variant once (the first dataset and seed) at this grid point and print how "
+                             "much of the precision its low-rank part holds; nothing is written")
     args = parser.parse_args(argv)
     for v in args.variants:
         parse_variant(v)
@@ -205,6 +239,14 @@ def main(argv=None) -> int:
         raise SystemExit(f"bench_factor_ivon_variants: --seeds and --epochs must be >= 1, got {args.seeds}, "
                          f"{args.epochs}.")
     seeds = list(range(args.seed, args.seed + args.seeds))
+    if args.low_rank_share:
+        for v in args.variants:
+            got = low_rank_share(args.datasets[0], v, seeds[0], *args.low_rank_share, args.epochs)
+            print(f"{v}: after {got['steps']} steps, rowsq(U) / (h + delta) median {got['share_median']:.3g}, 99 % "
+                  f"{got['share_99']:.3g}, max {got['share_max']:.3g}, above 1 - floor {got['above_floor']:.2%}; "
+                  f"h median {got['h_median']:.3g} (hess_init {args.low_rank_share[1]:g}), max {got['h_max']:.3g}; "
+                  f"eigenvalues {got['eigvals'][0]:.3g} .. {got['eigvals'][-1]:.3g}", flush=True)
+        return 0
     os.makedirs(args.out, exist_ok=True)
     if not args.report:
         pay_lazy_imports()  # torch's one-time optimizer import, out of the first unit's seconds
