@@ -116,6 +116,22 @@ def test_diag_floor_reaches_the_optimizer(problem):
     assert not torch.allclose(low[0], no_low_rank[0])  # a floor of 1 leaves the low-rank part no room
 
 
+def test_a_diverging_grid_point_is_never_chosen(problem):
+    """A rate at which FactorIVON meets a non-finite gradient scores an infinite validation NLL and the search goes
+    on; a grid where every point diverges is refused, naming them."""
+    torch.set_num_threads(1)
+    common = dict(epochs=2, batch_size=32, num_samples=3, rank=2, hess_init_grid=(0.5,))
+    info = {}
+    (got,) = factor_ivon_probs(_make_net, problem["train"], problem["val"], [problem["test"][0]],
+                               lr_grid=(0.4, 1e30), info=info, **common)
+    assert info["val_nll"][repr((1e30, 0.5))] == math.inf and math.isfinite(info["val_nll"][repr((0.4, 0.5))])
+    assert info["lr"] == 0.4 and bool(torch.isfinite(got[0]).all())
+    with pytest.raises(ValueError, match=r"factor_ivon_probs: training diverged .* at every grid point "
+                                         r"\(1e\+30, 0.5\)"):
+        factor_ivon_probs(_make_net, problem["train"], problem["val"], [problem["test"][0]], lr_grid=(1e30,),
+                          hess_init_grid=(0.5, 0.6), epochs=2, batch_size=32, num_samples=3, rank=2)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"rank": -1}, ValueError, "rank must be a non-negative integer, got -1"),
     ({"members": 0}, ValueError, "members must be a positive integer, got 0"),

@@ -79,7 +79,8 @@ def factor_ivon_probs(
 
     Every (rate, initial Hessian) of ``lr_grid`` x ``hess_init_grid`` is trained (seed ``seed``); the one whose
     model average of ``num_samples`` draws has the least NLL on ``val_xy`` is kept (the first grid point when
-    the grid has one point or ``val_xy`` is None). With ``members > 1``, ``members - 1`` more networks are trained
+    the grid has one point or ``val_xy`` is None). A grid point whose training meets a non-finite gradient (FactorIVON
+    refuses it) has diverged: it scores an infinite validation NLL and is never chosen. With ``members > 1``, ``members - 1`` more networks are trained
     at that setting from the seeds ``seed + 1000 m``.
 
     Parameters
@@ -153,12 +154,22 @@ def factor_ivon_probs(
             x_va, y_va = _ivon_recipe._check_xy(caller, "val_xy", val_xy)
             best, val_nll = None, {}
             for setting in grid:  # the IVON row's loop: the same seeds, the same score
-                net, opt = train(lr=setting[0], seed=seed, hess_init=setting[1])
+                try:
+                    net, opt = train(lr=setting[0], seed=seed, hess_init=setting[1])
+                except ValueError as err:  # FactorIVON refused a non-finite gradient: this point diverged
+                    if "finite" not in str(err):
+                        raise
+                    val_nll[repr(setting)] = math.inf  # never chosen
+                    continue
                 torch.manual_seed(seed)
                 (p_val,) = predict(net, opt, [x_va], num_samples)
                 val_nll[repr(setting)] = _val_nll(p_val, y_va)
                 if best is None or val_nll[repr(setting)] < val_nll[repr(best[0])]:
                     best = (setting, net, opt)
+            if best is None:
+                raise ValueError(f"{caller}: training diverged (non-finite gradients) at every grid point "
+                                 f"{', '.join(val_nll)} (rate, initial Hessian); try lower rates or larger initial "
+                                 "Hessians.")
             best_setting, net, opt = best
         torch.manual_seed(seed + 1)
         out = [predict(net, opt, inputs, num_samples)]
