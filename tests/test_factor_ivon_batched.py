@@ -38,10 +38,12 @@ def _dense(q):
 def _runs(rank, steps=12, draws=1, **kw):
     x, y = _data()
     loc = SPEC.init(3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    batched = BatchedFactorIVON(loc, lr=LRS, ess=ESS, hess_init=torch.tensor(HESS, dtype=torch.float64), rank=rank, **kw)
     params = [torch.nn.Parameter(loc[r].clone()) for r in range(3)]
-    single = [FactorIVON([p], lr=LRS[r], ess=ESS[r], hess_init=HESS[r], rank=rank, **kw)
-              for r, p in enumerate(params)]
+    per = {k: kw.pop(k) for k in [k for k, v in kw.items() if isinstance(v, list)]}  # one value per replica
+    batched = BatchedFactorIVON(loc, lr=LRS, ess=ESS, hess_init=torch.tensor(HESS, dtype=torch.float64), rank=rank,
+                                **per, **kw)
+    single = [FactorIVON([p], lr=LRS[r], ess=ESS[r], hess_init=HESS[r], rank=rank,
+                         **{k: v[r] for k, v in per.items()}, **kw) for r, p in enumerate(params)]
     history = []
     for t in range(steps):
         thetas, grads = [], []
@@ -63,9 +65,11 @@ def _runs(rank, steps=12, draws=1, **kw):
     return batched, single, params, history
 
 
-@pytest.mark.parametrize("rank,draws", [(0, 1), (2, 1), (3, 1), (2, 2)])
-def test_each_replica_is_factor_ivons_run(rank, draws):
-    kw = dict(beta1=0.8, beta2=0.99, weight_decay=1e-2, clip_radius=2.0, update_every=2)
+@pytest.mark.parametrize("rank,draws,wd", [(0, 1, 1e-2), (2, 1, 1e-2), (3, 1, 1e-2), (2, 2, 1e-2),
+                                           (0, 1, [1e-3, 1e-2, 0.1]), (3, 1, [1e-3, 1e-2, 0.1])])
+def test_each_replica_is_factor_ivons_run(rank, draws, wd):
+    """Also with a weight decay (prior precision) of its own per replica."""
+    kw = dict(beta1=0.8, beta2=0.99, weight_decay=wd, clip_radius=2.0, update_every=2)
     batched, single, params, history = _runs(rank, draws=draws, **kw)
     for ours, theirs in history:
         torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)  # the draws, step by step

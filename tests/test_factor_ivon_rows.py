@@ -196,9 +196,10 @@ def test_uci_choice_ignores_the_test_parts(monkeypatch):
     method = UCI_METHODS["factor-ivon-1x50"]
     a = fi.run_factor_ivon(method, splits, budget, 0)
     b = fi.run_factor_ivon(method, other, budget, 0)
-    assert len(a["search"]) == 2 * 3  # 2 settings x 3 checkpoints
+    assert len(a["search"]) == len(budget.precisions) * 2 * 3  # prior precisions x 2 settings x 3 checkpoints
     assert a["choice"] == b["choice"] and a["val_ll"] == b["val_ll"] and a["search"] == b["search"]
     assert a["choice"]["lr"] in (0.1, 0.4) and a["choice"]["steps"] in (20, 40, 60)
+    assert a["choice"]["precision"] in budget.precisions
     assert a["val_ll"] == max(row["val_ll"] for row in a["search"])
     assert a["noise_scale"] == b["noise_scale"] and a["ll"] != b["ll"]
     assert len(a["ll"]) == 2 and all(math.isfinite(v) for v in a["ll"] + a["rmse"])
@@ -233,6 +234,11 @@ def test_uci_search_stops_early_as_the_other_methods_do(monkeypatch):
     ticks.clear()
     opt, _, curve = fi._fit(final_data(splits), spec, settings[:1], [0], 37, budget, 0, progress=ticks.append)
     assert curve == [] and sum(ticks) == 37 and opt.step_count == 37
+    # a setting without a prior precision: IVON's recipe
+    assert float(opt.weight_decay[0]) == pytest.approx(fi.WEIGHT_DECAY)
+    n = final_data(splits).y.shape[-1]
+    opt, _, _ = fi._fit(final_data(splits), spec, [{**settings[0], "precision": 10.0}], [0], 2, budget, 0)
+    assert float(opt.weight_decay[0]) == pytest.approx(10.0 / n)  # the prior N(0, 1/10): ess * weight decay = 10
 
 
 @pytest.mark.slow

@@ -54,8 +54,9 @@ def test_the_column_learns_yacht():
     budget = Budget(steps=300, lrs=(1e-2,), tune_splits=1, checkpoints=3, test_samples=20, rank=4)
     res = fi.run_factor_ivon(METHODS["factor-ivon-1x50"], splits, budget, seed=0)
     assert max(res["rmse"]) < 5 and min(res["ll"]) > -3.2
-    assert res["choice"] in [{"lr": 0.4, "hess_init": 0.5, "steps": s} for s in (100, 200, 300)]
-    assert len(res["search"]) == 3 and res["tune_splits"] == 1 and len(res["ll"]) == 2
+    assert res["choice"] in [{"precision": a, "lr": 0.4, "hess_init": 10.0, "steps": s}
+                             for a in budget.precisions for s in (100, 200, 300)]
+    assert len(res["search"]) == 3 * len(budget.precisions) and res["tune_splits"] == 1 and len(res["ll"]) == 2
 
 
 def test_the_batched_column_has_its_own_unit_key():

@@ -47,12 +47,13 @@ class BatchedFactorIVON:
     Holds R FactorIVON states over weight vectors of shape (R, D) (the layout of
     :class:`pyro_fa.nn.batched.BatchedMLP`): replica :math:`r` learns
     :math:`q_r(\theta) = N(m_r, P_r^{-1})`, :math:`P_r = \lambda_r(\mathrm{diag}(\psi_r) + U_rU_r^\top)`, by
-    FactorIVON's update (its docstring has the formulas), with its own ``lr``, ``hess_init`` and ``ess`` (so that
-    the points of a grid, on splits of different sizes, train together) and the shared ``rank``, ``update_every``,
-    ``beta1``, ``beta2``, ``weight_decay``, ``clip_radius`` and ``diag_floor``. Every step is, replica by replica,
-    FactorIVON's step on one param group: the same diagonal update, the same low-rank refresh and the same
-    Woodbury draws and solve, equal to it to rounding (the :math:`K\times K` and :math:`D\times K` algebra is
-    batched over the replica dimension, :mod:`pyro_fa.optim._batched_lowrank`). ``rank=0`` is IVON's update.
+    FactorIVON's update (its docstring has the formulas), with its own ``lr``, ``hess_init``, ``ess`` and
+    ``weight_decay`` (so that the points of a grid, prior precisions among them, on splits of different sizes, train
+    together) and the shared ``rank``, ``update_every``, ``beta1``, ``beta2``, ``clip_radius`` and ``diag_floor``.
+    Every step is, replica by replica, FactorIVON's step on one param group: the same diagonal update, the same
+    low-rank refresh and the same Woodbury draws and solve, equal to it to rounding (the :math:`K\times K` and
+    :math:`D\times K` algebra is batched over the replica dimension, :mod:`pyro_fa.optim._batched_lowrank`).
+    ``rank=0`` is IVON's update.
 
     Not a :class:`torch.optim.Optimizer`: the loop is the caller's. Each step, :meth:`draw` returns weights
     :math:`\theta = m + z` (R, D) to evaluate the loss at, and :meth:`step` takes the gradients of the replicas'
@@ -67,8 +68,10 @@ class BatchedFactorIVON:
     lr, ess : float or sequence of R floats or Tensor of shape (R,)
         FactorIVON's, per replica (one value: every replica's).
     hess_init : float or sequence of R floats or Tensor of shape (R,), default 1.0
-    beta1, beta2, weight_decay, clip_radius, debias, rescale_lr
-        FactorIVON's, shared (defaults 0.9, 0.99999, 1e-4, inf, True, True).
+    weight_decay : float or sequence of R floats or Tensor of shape (R,), default 1e-4
+        The prior precision per training point, per replica (``ess * weight_decay`` is replica r's prior precision).
+    beta1, beta2, clip_radius, debias, rescale_lr
+        FactorIVON's, shared (defaults 0.9, 0.99999, inf, True, True).
     rank, update_every, diag_floor
         FactorIVON's (keyword only; defaults 10, 1, 0.25).
 
@@ -107,13 +110,12 @@ class BatchedFactorIVON:
     """
 
     def __init__(self, loc: Tensor, lr, ess, hess_init=1.0, beta1: float = 0.9, beta2: float = 0.99999,
-                 weight_decay: float = 1e-4, clip_radius: float = float("inf"), debias: bool = True,
+                 weight_decay=1e-4, clip_radius: float = float("inf"), debias: bool = True,
                  rescale_lr: bool = True, *, rank: int = 10, update_every: int = 1, diag_floor: float = 0.25):
         if not isinstance(loc, Tensor) or loc.dim() != 2 or not loc.dtype.is_floating_point or loc.shape[0] < 1:
             got = tuple(loc.shape) if isinstance(loc, Tensor) else type(loc).__name__
             raise ValueError(f"{NAME}: loc must be a floating-point Tensor of shape (R, D), R >= 1, got {got!r}.")
-        check_hyperparameters(dict(beta1=beta1, beta2=beta2, weight_decay=weight_decay, clip_radius=clip_radius,
-                                   diag_floor=diag_floor), NAME)
+        check_hyperparameters(dict(beta1=beta1, beta2=beta2, clip_radius=clip_radius, diag_floor=diag_floor), NAME)
         self.rank = check_count("rank", rank, 0, NAME)
         self.update_every = check_count("update_every", update_every, 1, NAME)
         R, D = loc.shape
@@ -123,7 +125,8 @@ class BatchedFactorIVON:
         self.lr = _per_replica("lr", lr, R, loc)
         self.ess = _per_replica("ess", ess, R, loc)
         self.hess_init = _per_replica("hess_init", hess_init, R, loc)
-        self.beta1, self.beta2, self.weight_decay = float(beta1), float(beta2), float(weight_decay)
+        self.weight_decay = _per_replica("weight_decay", weight_decay, R, loc)
+        self.beta1, self.beta2 = float(beta1), float(beta2)
         self.clip_radius, self.diag_floor = float(clip_radius), float(diag_floor)
         self.debias, self.rescale_lr = bool(debias), bool(rescale_lr)
         self.loc = loc.detach().clone()
@@ -138,6 +141,11 @@ class BatchedFactorIVON:
 
     # ------------------------------------------------------------------ the posterior
     @property
+    def _wd(self) -> Tensor:
+        """The weight decay as a column (R, 1), against (R, D) state."""
+        return self.weight_decay.unsqueeze(-1)
+
+    @property
     def replicas(self) -> int:
         """R."""
         return self.loc.shape[0]
@@ -150,7 +158,7 @@ class BatchedFactorIVON:
     def _woodbury(self) -> BatchedWoodbury:
         r"""The factorisation of every replica's :math:`\Psi + UU^\top` (rank > 0; cached until a refresh)."""
         if self._factors is None:
-            self._factors = factorise_batched(self.basis, self.eigvals, self.hess + self.weight_decay,
+            self._factors = factorise_batched(self.basis, self.eigvals, self.hess + self._wd,
                                               self.diag_floor, self.ess)
         return self._factors
 
@@ -158,7 +166,7 @@ class BatchedFactorIVON:
         """``(z, P z)`` from standard normals ``eps`` (..., R, D); ``P z`` None at rank 0 (IVON's draw)."""
         if self.rank:
             return self._woodbury().draw(eps)
-        return eps / (self.ess.unsqueeze(-1) * (self.hess + self.weight_decay)).sqrt(), None
+        return eps / (self.ess.unsqueeze(-1) * (self.hess + self._wd)).sqrt(), None
 
     @torch.no_grad()
     def get_posterior(self, replica: int) -> LowRankPrecisionNormal:
@@ -171,7 +179,7 @@ class BatchedFactorIVON:
             w = self._woodbury()
             factor, diag = w.factor_t[replica].T * math.sqrt(ess), ess * w.psi[replica]
         else:
-            factor, diag = loc.new_zeros(loc.shape[0], 0), ess * (self.hess[replica] + self.weight_decay)
+            factor, diag = loc.new_zeros(loc.shape[0], 0), ess * (self.hess[replica] + self.weight_decay[replica])
         return LowRankPrecisionNormal(loc, factor.clone(), diag.clone())
 
     @torch.no_grad()
@@ -238,7 +246,7 @@ class BatchedFactorIVON:
         M = grads.shape[0]
         self.step_count += 1
         t = float(self.step_count)
-        b1, b2, wd = self.beta1, self.beta2, self.weight_decay
+        b1, b2, wd = self.beta1, self.beta2, self._wd
         noise = torch.stack([z for z, _ in self._draws])
         avg_grad, avg_nxg = grads[0], None
         for j in range(M):  # ivon-opt's running means, as FactorIVON keeps them
@@ -272,12 +280,12 @@ class BatchedFactorIVON:
         return ok & _finite_rows(self.loc)
 
     def _new_mean(self, mean: Tensor, t: float) -> Tensor:
-        wd = self.weight_decay
+        wd = self._wd
         debias = 1.0 - math.pow(self.beta1, t) if self.debias else 1.0
         if self.rank:  # the Woodbury solve (refactorised at a refresh, else P as last factorised)
-            direction = self._woodbury().solve((self.momentum / debias).add_(mean, alpha=wd))
+            direction = self._woodbury().solve((self.momentum / debias).add_(mean * wd))
         else:  # ivon-opt's expression, (momentum / debias + wd mean) / (h + wd)
             direction = torch.div(self.momentum, debias).add_(torch.mul(mean, wd)).div_(torch.add(self.hess, wd))
-        lr = self.lr * (self.hess_init + wd) if self.rescale_lr else self.lr
+        lr = self.lr * (self.hess_init + self.weight_decay) if self.rescale_lr else self.lr
         step = direction.clamp_(min=-self.clip_radius, max=self.clip_radius).mul_(lr.unsqueeze(-1))
         return torch.sub(mean, step)

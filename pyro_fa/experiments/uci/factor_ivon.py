@@ -7,14 +7,16 @@ minibatches, drawn with replacement; a replica whose gradients or state turn non
 
 Each fit: the ReLU network with one hidden layer of 50 units (``n_hidden``), a Gaussian likelihood whose noise
 scale is learned as in the other methods (a point estimate, here by Adam at :data:`NOISE_LR` on the same
-minibatch losses, from 1 in standardised units), FactorIVON with ``ess`` = the number of training points, weight
-decay (the prior precision per point) :data:`WEIGHT_DECAY`, one draw per step, the low-rank part refreshed every
+minibatch losses, from 1 in standardised units), FactorIVON with ``ess`` = the number of training points N, weight
+decay (the prior precision per point) ``precision / N``, one draw per step, the low-rank part refreshed every
 :data:`UPDATE_EVERY` steps, IVON's rate following the budget's half cosine over ``Budget.steps``; full batch up to
 ``Budget.batch_limit`` points, batches of ``Budget.batch_size`` above. The search is the other methods': every
-(rate, initial Hessian) of IVON's grid in ``pyro-fa classify`` (:data:`IVON_LRS` x :data:`IVON_HESS_INITS`) on
-every tuning split, the validation log-likelihood (``Budget.eval_samples`` draws) every ``steps / checkpoints``
-steps (stopping early as the other methods' search does), the (setting, step count) of best mean; then every split is trained on its whole training part and tested
-once (``Budget.test_samples`` draws). A budget of one Adam rate (``--quick``) tries :data:`QUICK_GRID` only.
+prior precision of ``Budget.precisions`` (as the other methods search theirs) x rate x initial Hessian
+(:data:`IVON_LRS` x :data:`IVON_HESS_INITS`) on every tuning split, the validation log-likelihood
+(``Budget.eval_samples`` draws) every ``steps / checkpoints`` steps (stopping early as the other methods' search
+does), the (setting, step count) of best mean; then every split is trained on its whole training part and tested
+once (``Budget.test_samples`` draws). A budget of one Adam rate (``--quick``) tries :data:`QUICK_GRID` only, at
+each of its prior precisions. :data:`PRECISIONS` replaces the budget's prior precisions when set.
 """
 from __future__ import annotations
 
@@ -32,20 +34,33 @@ from pyro_fa.optim import BatchedFactorIVON
 
 __all__ = ["IVON_LRS", "IVON_HESS_INITS", "QUICK_GRID", "run_factor_ivon"]
 
-#: IVON's grid in ``pyro-fa classify`` (``Budget.ivon_lrs`` x ``Budget.ivon_hess_inits`` there)
-IVON_LRS = (0.4, 0.8, 1.6, 3.2, 6.4)
-IVON_HESS_INITS = (0.01, 0.03, 0.1, 0.5, 2.0)
-QUICK_GRID = ((0.4, 0.5),)
+#: the rates and initial Hessians searched, with every prior precision of ``Budget.precisions`` (the weight decay
+#: ``precision / N``, as the other methods search their prior): IVON's classification grid of ``pyro-fa classify``
+#: (rates 0.4-6.4, initial Hessians 0.01-2) put every UCI choice at its edge (the lowest rate, the largest Hessian;
+#: benchmarks/results/factor_ivon_benchmarks.md), so the grid reaches lower rates and larger initial Hessians, as a
+#: Gaussian likelihood's curvature per point (1 / noise variance in standardised units) is larger than a softmax's
+IVON_LRS = (0.1, 0.4)
+IVON_HESS_INITS = (1.0, 10.0, 100.0)
+QUICK_GRID = ((0.4, 10.0),)
+#: the prior precisions searched instead of ``Budget.precisions`` (None: the budget's)
+PRECISIONS = None
 UPDATE_EVERY = 10
 #: IVON's Hessian decay in ``pyro-fa classify`` (ivon-opt's default)
 BETA2 = 0.99999
+#: the weight decay of a setting without a prior precision (IVON's recipe in ``pyro-fa classify``)
 WEIGHT_DECAY = 1e-4
 NOISE_LR = 1e-2
 
 
 def _grid(budget: Budget) -> List[dict]:
     pairs = QUICK_GRID if len(budget.lrs) == 1 else [(r, h) for r in IVON_LRS for h in IVON_HESS_INITS]
-    return [{"lr": r, "hess_init": h} for r, h in pairs]
+    return [{"precision": a, "lr": r, "hess_init": h} for a in (PRECISIONS or budget.precisions) for r, h in pairs]
+
+
+def _weight_decay(setting: dict, n: int) -> float:
+    """IVON's weight decay for a setting: its prior precision per training point (``precision / n``), or
+    :data:`WEIGHT_DECAY` for a setting without one."""
+    return setting["precision"] / n if "precision" in setting else WEIGHT_DECAY
 
 
 def _gaussian_nll(pred: Tensor, y: Tensor, log_scale: Tensor) -> Tensor:
@@ -67,13 +82,14 @@ def _fit(data: SplitData, spec: BatchedMLP, settings: List[dict], split_of: List
     """Train one replica per setting on its split's data (``data`` holds R replicas) for ``steps`` steps:
     ``(optimizer, log noise scales (R,), [(step, held-out LL per replica (R,))] at the checkpoints)``; a diverged
     replica scores -inf from its divergence on. With ``evaluate`` and ``patience``, the early stop of the other
-    methods' search (:func:`pyro_fa.experiments.uci.protocol.train`'s ``patience``): training stops once the best mean held-out
-    log-likelihood of any of the ``n_configs`` settings (consecutive blocks of replicas) was reached in the first
-    third of the steps run, at least a quarter of ``steps`` having run."""
+    methods' search (:func:`pyro_fa.experiments.uci.protocol.train`'s ``patience``): training stops once the best
+    mean held-out log-likelihood of any of the ``n_configs`` settings (consecutive blocks of replicas) was reached
+    in the first third of the steps run, at least a quarter of ``steps`` having run."""
     R, n = data.y.shape
     opt = BatchedFactorIVON(_inits(spec, split_of, seed, data.x), lr=[c["lr"] for c in settings], ess=float(n),
-                            hess_init=[c["hess_init"] for c in settings], beta2=BETA2, weight_decay=WEIGHT_DECAY,
-                            rank=budget.rank, update_every=UPDATE_EVERY)
+                            hess_init=[c["hess_init"] for c in settings], beta2=BETA2,
+                            weight_decay=[_weight_decay(c, n) for c in settings], rank=budget.rank,
+                            update_every=UPDATE_EVERY)
     base = opt.lr.clone()
     log_scale = data.x.new_zeros(R, requires_grad=True)
     noise_opt = torch.optim.Adam([log_scale], lr=NOISE_LR)
@@ -131,10 +147,11 @@ def run_factor_ivon(method, splits, budget: Budget, seed: int, progress: Optiona
     start = time.perf_counter()
     opt, log_scale, _ = _fit(final, spec, [choice] * R, list(range(R)), choice["steps"], budget, seed,
                              progress=progress)
-    means = spec(opt.sample(budget.test_samples, generator=torch.Generator(device=final.x.device).manual_seed(seed + 2)),
-                 final.x_eval)
+    test_gen = torch.Generator(device=final.x.device).manual_seed(seed + 2)
+    means = spec(opt.sample(budget.test_samples, generator=test_gen), final.x_eval)
     noise_var = torch.exp(2 * log_scale)
     seconds = (time.perf_counter() - start) / R
     return final_record(method, means, noise_var.unsqueeze(-1), final, splits, (choice, val_ll, table, n_tune),
-                        spec.dim, float(final.x.shape[-2]) * WEIGHT_DECAY, noise_var.sqrt(), seconds, seed,
+                        spec.dim, float(final.y.shape[-1]) * _weight_decay(choice, final.y.shape[-1]),
+                        noise_var.sqrt(), seconds, seed,
                         references, fidelity)
