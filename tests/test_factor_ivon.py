@@ -463,3 +463,43 @@ def test_the_doctests(module):
     import importlib
 
     assert doctest.testmod(importlib.import_module(f"pyro_fa.optim.{module}")).failed == 0
+
+
+def test_a_refresh_that_fails_leaves_the_state_unchanged(monkeypatch):
+    """Where the low-rank refresh cannot be computed (its eigenproblem fails, or a draw's precision times noise
+    overflowed), step() refuses with a ValueError naming the divergence, drops the step's draws and leaves every
+    state tensor as it was; the next step runs as if the failed one had not been taken."""
+    from pyro_fa.optim import factor_ivon as module
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(6, 1)
+    x, y = torch.randn(32, 6), torch.randn(32, 1)
+    opt = FactorIVON(net.parameters(), lr=0.1, ess=32, hess_init=0.5, rank=2, update_every=1)
+
+    def one_step():
+        with opt.sampled_params(train=True):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+
+    one_step()
+    before = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state.items() if k != "avg_grad"}
+    mean = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone()
+
+    def fails(*args, **kwargs):
+        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+
+    monkeypatch.setattr(module, "sketch_update_stacked", fails)
+    with pytest.raises(ValueError, match=r"FactorIVON: the update of the curvature's low-rank part is not finite "
+                                         r"\(linalg.eigh: .*\): the run has diverged"):
+        one_step()
+    for k, v in before.items():
+        if torch.is_tensor(v):
+            assert torch.equal(opt.state[k], v), k
+        else:
+            assert opt.state[k] == v, k
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in net.parameters()]), mean)
+    assert opt.state["count"] == 0  # the failed step's draws are dropped
+    monkeypatch.undo()
+    one_step()  # and training goes on
+    assert opt.state["step"] == before["step"] + 1
