@@ -466,9 +466,9 @@ def test_the_doctests(module):
 
 
 def test_a_refresh_that_fails_leaves_the_state_unchanged(monkeypatch):
-    """Where the low-rank refresh cannot be computed (its eigenproblem fails, or a draw's precision times noise
-    overflowed), step() refuses with a ValueError naming the divergence, drops the step's draws and leaves every
-    state tensor as it was; the next step runs as if the failed one had not been taken."""
+    """Where the low-rank refresh cannot be computed (its eigenproblem or P's factorisation fails, or a draw's
+    precision times noise overflowed), step() refuses with a ValueError naming the divergence, drops the step's
+    draws and leaves every state tensor as it was; the next step runs as if the failed one had not been taken."""
     from pyro_fa.optim import factor_ivon as module
 
     torch.manual_seed(0)
@@ -482,24 +482,32 @@ def test_a_refresh_that_fails_leaves_the_state_unchanged(monkeypatch):
             torch.nn.functional.mse_loss(net(x), y).backward()
         opt.step()
 
-    one_step()
-    before = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state.items() if k != "avg_grad"}
-    mean = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone()
+    def fails_once(real):
+        calls = []
 
-    def fails(*args, **kwargs):
-        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+        def fake(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(module, "sketch_update_stacked", fails)
-    with pytest.raises(ValueError, match=r"FactorIVON: the update of the curvature's low-rank part is not finite "
-                                         r"\(linalg.eigh: .*\): the run has diverged"):
-        one_step()
-    for k, v in before.items():
-        if torch.is_tensor(v):
-            assert torch.equal(opt.state[k], v), k
-        else:
-            assert opt.state[k] == v, k
-    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in net.parameters()]), mean)
-    assert opt.state["count"] == 0  # the failed step's draws are dropped
-    monkeypatch.undo()
-    one_step()  # and training goes on
-    assert opt.state["step"] == before["step"] + 1
+        return fake
+
+    for target in ("sketch_update_stacked", "factorise"):  # the refresh's eigenproblem, then P's factorisation
+        one_step()  # a step that succeeds: P factorised, ready for the next draw
+        before = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state.items() if k != "avg_grad"}
+        mean = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone()
+        monkeypatch.setattr(module, target, fails_once(getattr(module, target)))
+        with pytest.raises(ValueError, match=r"FactorIVON: the update of the curvature's low-rank part is not "
+                                             r"finite \(linalg.eigh: .*\): the run has diverged"):
+            one_step()
+        for k, v in before.items():
+            if torch.is_tensor(v):
+                assert torch.equal(opt.state[k], v), (target, k)
+            else:
+                assert opt.state[k] == v, (target, k)
+        assert torch.equal(torch.cat([p.detach().reshape(-1) for p in net.parameters()]), mean)
+        assert opt.state["count"] == 0  # the failed step's draws are dropped
+        monkeypatch.undo()
+        one_step()  # and training goes on
+        assert opt.state["step"] == before["step"] + 1

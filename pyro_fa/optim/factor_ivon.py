@@ -377,7 +377,7 @@ class FactorIVON(torch.optim.Optimizer):
         return loss
 
     def _update(self) -> None:
-        before = {k: self.state[k] for k in ("step", "momentum", "hess")}  # restored if the refresh fails
+        before = {k: self.state[k] for k in ("step", "momentum", "hess", "eigvals")}  # restored if a refresh fails
         self.state["step"] += 1
         t = float(self.state["step"])
         mean, hess, avg_grad = self._flat(), self.state["hess"], self.state["avg_grad"]
@@ -403,22 +403,26 @@ class FactorIVON(torch.optim.Optimizer):
                 V[M + j].copy_(a)
             total = torch.add(self.state["hess"], self.param_groups[0]["weight_decay"], out=spare[1])
             total.clamp_min_(0).sqrt_()
-            try:  # the basis is rotated in place only after the eigenproblem is solved
+            old_basis = self.state["basis"].clone()  # the basis is rotated in place: kept until P is factorised
+            try:
                 if not bool(torch.isfinite(V).all()):
                     raise FloatingPointError("a draw's precision times its noise overflowed")
                 basis, eigvals, sums = sketch_update_stacked(  # rotated in place, as torch optimizers update state
                     self.state["basis"], self.state["eigvals"], V, self.param_groups[0]["beta2"] ** self.update_every,
                     out=self.state["basis"], cap_weights=total)
+                # each eigenvalue capped at (sum_d |q_d| sqrt(h_d + delta))^2, the most q^T H q any positive
+                # semi-definite H with diagonal h + delta allows (Cauchy-Schwarz, |H_de| <= sqrt(H_dd H_ee))
+                self.state["basis"], self.state["eigvals"] = basis, torch.minimum(eigvals, sums.square())
+                self._woodbury()  # P factorised now, so that a failure is refused before the mean moves
             except (FloatingPointError, torch.linalg.LinAlgError) as err:
-                self.state.update(before)
+                self.state.update(before, basis=old_basis)
+                self._factors = None
                 self._reset_samples()
                 raise ValueError(f"{NAME}: the update of the curvature's low-rank part is not finite ({err}): the "
                                  "run has diverged (try a lower lr, a larger hess_init or beta2 closer to 1); the "
                                  "step's draws are dropped and the state is unchanged.") from None
-            # each eigenvalue capped at (sum_d |q_d| sqrt(h_d + delta))^2, the most q^T H q any positive semi-definite
-            # H with diagonal h + delta allows (Cauchy-Schwarz, |H_de| <= sqrt(H_dd H_ee))
-            self.state["basis"], self.state["eigvals"] = basis, torch.minimum(eigvals, sums.square())
-        if not self.rank or self._pairs:
+            del old_basis
+        if not self.rank:
             self._factors = None
         self._load(self._new_mean(mean, t))
 
