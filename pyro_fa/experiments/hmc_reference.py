@@ -477,8 +477,8 @@ def _settings(args) -> Settings:
 
 
 def _check_device(text: str) -> str:
-    """``--device`` as torch's canonical name (``"cuda"`` -> ``"cuda:0"``... kept as given when it has no index),
-    refused with the reason when torch cannot run there."""
+    """``--device`` as torch names it (``str(torch.device(text))``), refused with the reason when torch cannot run
+    there."""
     try:
         device = torch.device(text)
     except (RuntimeError, TypeError) as err:

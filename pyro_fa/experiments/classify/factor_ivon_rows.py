@@ -79,9 +79,9 @@ def factor_ivon_probs(
 
     Every (rate, initial Hessian) of ``lr_grid`` x ``hess_init_grid`` is trained (seed ``seed``); the one whose
     model average of ``num_samples`` draws has the least NLL on ``val_xy`` is kept (the first grid point when
-    the grid has one point or ``val_xy`` is None). A grid point whose training meets a non-finite gradient (FactorIVON
-    refuses it) has diverged: it scores an infinite validation NLL and is never chosen. With ``members > 1``, ``members - 1`` more networks are trained
-    at that setting from the seeds ``seed + 1000 m``.
+    the grid has one point or ``val_xy`` is None). A grid point whose training meets a non-finite gradient
+    (FactorIVON refuses it) has diverged: it scores an infinite validation NLL and is never chosen. With
+    ``members > 1``, ``members - 1`` more networks are trained at that setting from the seeds ``seed + 1000 m``.
 
     Parameters
     ----------
