@@ -35,6 +35,42 @@ def _flatten(params: List[Tensor], loaded: Optional[Tensor]) -> Tensor:
     return _join([p.detach().flatten() for p in params])
 
 
+
+def _refresh(opt: "FactorIVON", mean: Tensor, t: float, before: dict) -> None:
+    """FactorIVON's refresh of the low-rank part from the step's pairs, and P refactorised; where that fails (an
+    eigenproblem that does not converge, draws that overflowed), the state ``before`` the step is restored and the
+    step refused (``ValueError``)."""
+    opt._factors = None  # refactorised below: its buffers are free until then
+    spare = [kept_buffer(opt._factor_buffers, name, mean) for name in ("root", "inv_root")]
+    baseline = _baseline(opt._previous_momentum, t, opt.param_groups[0]["beta1"], opt.debias, spare[0])
+    M = len(opt._pairs)
+    V = opt.state["hess"].new_empty(2 * M, opt.dim)  # [g_1 - b, ..., g_M - b, a_1, ..., a_M]
+    for j, (grad, a) in enumerate(opt._pairs):
+        torch.sub(grad, baseline, out=V[j])
+        V[M + j].copy_(a)
+    total = torch.add(opt.state["hess"], opt.param_groups[0]["weight_decay"], out=spare[1])
+    total.clamp_min_(0).sqrt_()
+    old_basis = opt.state["basis"].clone()  # the basis is rotated in place: kept until P is factorised
+    try:
+        if not bool(torch.isfinite(V).all()):
+            raise FloatingPointError("a draw's precision times its noise overflowed")
+        basis, eigvals, sums = sketch_update_stacked(  # rotated in place, as torch optimizers update state
+            opt.state["basis"], opt.state["eigvals"], V, opt.param_groups[0]["beta2"] ** opt.update_every,
+            out=opt.state["basis"], cap_weights=total)
+        # each eigenvalue capped at (sum_d |q_d| sqrt(h_d + delta))^2, the most q^T H q any positive
+        # semi-definite H with diagonal h + delta allows (Cauchy-Schwarz, |H_de| <= sqrt(H_dd H_ee))
+        opt.state["basis"], opt.state["eigvals"] = basis, torch.minimum(eigvals, sums.square())
+        opt._woodbury()  # P factorised now, so that a failure is refused before the mean moves
+    except (FloatingPointError, torch.linalg.LinAlgError) as err:
+        opt.state.update(before, basis=old_basis)
+        opt._factors = None
+        opt._reset_samples()
+        raise ValueError(f"{NAME}: the update of the curvature's low-rank part is not finite ({err}): the "
+                         "run has diverged (try a lower lr, a larger hess_init or beta2 closer to 1); the "
+                         "step's draws are dropped and the state is unchanged.") from None
+    del old_basis
+
+
 def _baseline(previous: Optional[Tensor], t: float, beta1: float, debias: bool, out: Tensor) -> Tensor:
     r"""The previous step's debiased momentum (zero at the first step): subtracted from the gradients before they
     enter the low-rank part. It does not depend on this step's draws, so :math:`\mathbb E[(g - b)a^\top] =
@@ -393,35 +429,7 @@ class FactorIVON(torch.optim.Optimizer):
             new_hess.append(new.add_(torch.sub(h, f).square_().mul_(0.5 * (1 - b2) ** 2).div_(torch.add(h, wd))))
         self.state["momentum"], self.state["hess"] = _join(momentum), _join(new_hess)
         if self.rank and self._pairs:  # every update_every steps: the low-rank part, and P refactorised
-            self._factors = None  # refactorised below: its buffers are free until then
-            spare = [kept_buffer(self._factor_buffers, name, mean) for name in ("root", "inv_root")]
-            baseline = _baseline(self._previous_momentum, t, self.param_groups[0]["beta1"], self.debias, spare[0])
-            M = len(self._pairs)
-            V = self.state["hess"].new_empty(2 * M, self.dim)  # [g_1 - b, ..., g_M - b, a_1, ..., a_M]
-            for j, (grad, a) in enumerate(self._pairs):
-                torch.sub(grad, baseline, out=V[j])
-                V[M + j].copy_(a)
-            total = torch.add(self.state["hess"], self.param_groups[0]["weight_decay"], out=spare[1])
-            total.clamp_min_(0).sqrt_()
-            old_basis = self.state["basis"].clone()  # the basis is rotated in place: kept until P is factorised
-            try:
-                if not bool(torch.isfinite(V).all()):
-                    raise FloatingPointError("a draw's precision times its noise overflowed")
-                basis, eigvals, sums = sketch_update_stacked(  # rotated in place, as torch optimizers update state
-                    self.state["basis"], self.state["eigvals"], V, self.param_groups[0]["beta2"] ** self.update_every,
-                    out=self.state["basis"], cap_weights=total)
-                # each eigenvalue capped at (sum_d |q_d| sqrt(h_d + delta))^2, the most q^T H q any positive
-                # semi-definite H with diagonal h + delta allows (Cauchy-Schwarz, |H_de| <= sqrt(H_dd H_ee))
-                self.state["basis"], self.state["eigvals"] = basis, torch.minimum(eigvals, sums.square())
-                self._woodbury()  # P factorised now, so that a failure is refused before the mean moves
-            except (FloatingPointError, torch.linalg.LinAlgError) as err:
-                self.state.update(before, basis=old_basis)
-                self._factors = None
-                self._reset_samples()
-                raise ValueError(f"{NAME}: the update of the curvature's low-rank part is not finite ({err}): the "
-                                 "run has diverged (try a lower lr, a larger hess_init or beta2 closer to 1); the "
-                                 "step's draws are dropped and the state is unchanged.") from None
-            del old_basis
+            _refresh(self, mean, t, before)
         if not self.rank:
             self._factors = None
         self._load(self._new_mean(mean, t))
