@@ -228,10 +228,11 @@ def test_device_is_checked_and_keyed_only_when_set(tmp_path, toy_tasks):
     stamps = sorted(u.stat().st_mtime_ns for u in (out / "units").glob("toy-split0__chain*.pt"))
     assert cli.main(argv + ["--device", "cpu"]) == 0  # reused, not run again
     assert sorted(u.stat().st_mtime_ns for u in (out / "units").glob("toy-split0__chain*.pt")) == stamps
-    with pytest.raises(SystemExit, match=r"--device must name a torch device .* got 'gpu0'"):
+    with pytest.raises(SystemExit, match=r"pyro-fa hmc-reference: --device must be a torch device, .* got 'gpu0'"):
         cli.main(argv + ["--device", "gpu0"])
     if not torch.cuda.is_available():
-        with pytest.raises(SystemExit, match=r"--device cuda: torch sees no CUDA device here"):
+        with pytest.raises(SystemExit, match=r"pyro-fa hmc-reference: --device 'cuda' needs CUDA, which this torch "
+                                             r"does not see"):
             cli.main(argv + ["--device", "cuda"])
     assert "device" not in ref._settings_key(ref.Settings())
     assert ref._settings_key(ref.Settings(device="cuda:0"))["device"] == "cuda:0"

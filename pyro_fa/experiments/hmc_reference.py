@@ -52,7 +52,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
-from pyro_fa.experiments._io import OutputFolder, atomic_write_json, nonnegative_int, positive_int, unit_path
+from pyro_fa.experiments._io import (OutputFolder, atomic_write_json, check_device, nonnegative_int, positive_int,
+                                     unit_path)
 from pyro_fa.infer.hmc import MASS_MATRICES, RHAT_LIMIT
 
 HELP = ("Full-batch HMC reference predictives (UCI 1x50 regression, digits and MNIST-1D MLPs) with R-hat and chain "
@@ -472,27 +473,8 @@ def _settings(args) -> Settings:
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
     if getattr(args, "device", None) is not None:
-        s.device = _check_device(args.device)
+        s.device = str(check_device(args.device, "pyro-fa hmc-reference"))
     return s
-
-
-def _check_device(text: str) -> str:
-    """``--device`` as torch names it (``str(torch.device(text))``), refused with the reason when torch cannot run
-    there."""
-    try:
-        device = torch.device(text)
-    except (RuntimeError, TypeError) as err:
-        raise SystemExit(f"pyro-fa hmc-reference: --device must name a torch device (cpu, cuda, cuda:1, ...), got "
-                         f"{text!r} ({err}).") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit(f"pyro-fa hmc-reference: --device {text}: torch sees no CUDA device here.")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise SystemExit(f"pyro-fa hmc-reference: --device {text}: torch sees {torch.cuda.device_count()} CUDA "
-                             f"device(s).")
-    elif device.type != "cpu":
-        raise SystemExit(f"pyro-fa hmc-reference: --device must be cpu or a CUDA device, got {text!r}.")
-    return str(device)
 
 
 def _save_pt(path: Path, obj) -> None:
