@@ -50,25 +50,23 @@ def _refresh(opt: "FactorIVON", mean: Tensor, t: float, before: dict) -> None:
         V[M + j].copy_(a)
     total = torch.add(opt.state["hess"], opt.param_groups[0]["weight_decay"], out=spare[1])
     total.clamp_min_(0).sqrt_()
-    old_basis = opt.state["basis"].clone()  # the basis is rotated in place: kept until P is factorised
     try:
         if not bool(torch.isfinite(V).all()):
             raise FloatingPointError("a draw's precision times its noise overflowed")
-        basis, eigvals, sums = sketch_update_stacked(  # rotated in place, as torch optimizers update state
+        basis, eigvals, sums = sketch_update_stacked(  # into a new tensor: the old basis stays until P is factorised
             opt.state["basis"], opt.state["eigvals"], V, opt.param_groups[0]["beta2"] ** opt.update_every,
-            out=opt.state["basis"], cap_weights=total)
+            cap_weights=total)
         # each eigenvalue capped at (sum_d |q_d| sqrt(h_d + delta))^2, the most q^T H q any positive
         # semi-definite H with diagonal h + delta allows (Cauchy-Schwarz, |H_de| <= sqrt(H_dd H_ee))
         opt.state["basis"], opt.state["eigvals"] = basis, torch.minimum(eigvals, sums.square())
         opt._woodbury()  # P factorised now, so that a failure is refused before the mean moves
     except (FloatingPointError, torch.linalg.LinAlgError) as err:
-        opt.state.update(before, basis=old_basis)
+        opt.state.update(before)
         opt._factors = None
         opt._reset_samples()
         raise ValueError(f"{NAME}: the update of the curvature's low-rank part is not finite ({err}): the "
                          "run has diverged (try a lower lr, a larger hess_init or beta2 closer to 1); the "
                          "step's draws are dropped and the state is unchanged.") from None
-    del old_basis
 
 
 def _baseline(previous: Optional[Tensor], t: float, beta1: float, debias: bool, out: Tensor) -> Tensor:
@@ -181,10 +179,11 @@ class FactorIVON(torch.optim.Optimizer):
     Notes
     -----
     Memory: IVON's :math:`3D` (mean, momentum, :math:`h`) plus :math:`DK` for :math:`Q^\top` (stored (K, D), rows
-    contiguous, rotated in place), :math:`DK + 4D` for the factorisation of :math:`P` and :math:`3D` for the draw's
-    vectors, kept between steps (a new tensor of megabytes costs about as much in page faults as the arithmetic on
-    it), and :math:`2MD` for the step's curvature vectors. Time per step beyond IVON's: three passes over :math:`U`
-    per draw and two for the step (:math:`O(DK)`), and every ``update_every`` steps :math:`O(DK^2)` for the
+    contiguous; a refresh rotates it into a new tensor and drops the old one once :math:`P` is factorised, so that a
+    refresh that fails leaves the state as it was), :math:`DK + 4D` for the factorisation of :math:`P` and
+    :math:`3D` for the draw's vectors, kept between steps (a new tensor of megabytes costs about as much in page
+    faults as the arithmetic on it), and :math:`2MD` for the step's curvature vectors. Time per step beyond
+    IVON's: three passes over :math:`U` per draw and two for the step (:math:`O(DK)`), and every ``update_every`` steps :math:`O(DK^2)` for the
     sketch's rotation and the :math:`K\times K` Gram matrix, both by chunks of columns that stay in cache.
 
     References
@@ -413,7 +412,7 @@ class FactorIVON(torch.optim.Optimizer):
         return loss
 
     def _update(self) -> None:
-        before = {k: self.state[k] for k in ("step", "momentum", "hess", "eigvals")}  # restored if a refresh fails
+        before = {k: self.state[k] for k in ("step", "momentum", "hess", "basis", "eigvals")}  # kept if a refresh fails
         self.state["step"] += 1
         t = float(self.state["step"])
         mean, hess, avg_grad = self._flat(), self.state["hess"], self.state["avg_grad"]
