@@ -183,8 +183,9 @@ class FactorIVON(torch.optim.Optimizer):
     refresh that fails leaves the state as it was), :math:`DK + 4D` for the factorisation of :math:`P` and
     :math:`3D` for the draw's vectors, kept between steps (a new tensor of megabytes costs about as much in page
     faults as the arithmetic on it), and :math:`2MD` for the step's curvature vectors. Time per step beyond
-    IVON's: three passes over :math:`U` per draw and two for the step (:math:`O(DK)`), and every ``update_every`` steps :math:`O(DK^2)` for the
-    sketch's rotation and the :math:`K\times K` Gram matrix, both by chunks of columns that stay in cache.
+    IVON's: three passes over :math:`U` per draw and two for the step (:math:`O(DK)`), and every ``update_every``
+    steps :math:`O(DK^2)` for the sketch's rotation and the :math:`K\times K` Gram matrix, both by chunks of
+    columns that stay in cache.
 
     References
     ----------
