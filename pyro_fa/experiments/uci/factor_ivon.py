@@ -2,14 +2,15 @@ r"""FactorIVON's column of the ``pyro-fa uci`` benchmark: the 1×50 network trai
 :class:`pyro_fa.optim.FactorIVON`'s update (IVON with a low-rank-plus-diagonal precision, rank ``Budget.rank``),
 every fit of a phase as one replica of :class:`pyro_fa.optim.BatchedFactorIVON`: the whole grid on every tuning
 split trains as one batch, then every split's final fit as another (:func:`pyro_fa.nn.batched.sample_rows`'
-minibatches, drawn with replacement; a replica whose gradients or state turn non-finite is frozen and scores
-−∞ from then on, the others unaffected).
+minibatches, drawn with replacement; a replica whose gradients or state turn non-finite, or whose minibatch loss
+passes :data:`EXPLODED_LOSS`, is frozen and scores −∞ from then on, the others unaffected; a final fit that
+diverges raises FloatingPointError, as the other columns' do).
 
 Each fit: the ReLU network with one hidden layer of 50 units (``n_hidden``), a Gaussian likelihood whose noise
 scale is learned as in the other methods (a point estimate, here by Adam at :data:`NOISE_LR` on the same
 minibatch losses, from 1 in standardised units), FactorIVON with ``ess`` = the number of training points N, weight
 decay (the prior precision per point) ``precision / N``, one draw per step, the low-rank part refreshed every
-:data:`UPDATE_EVERY` steps, IVON's rate following the budget's half cosine over ``Budget.steps``; full batch up to
+:data:`UPDATE_EVERY` steps, ``diag_floor`` :data:`DIAG_FLOOR`, IVON's rate following the budget's half cosine over ``Budget.steps``; full batch up to
 ``Budget.batch_limit`` points, batches of ``Budget.batch_size`` above. The search is the other methods': every
 prior precision of ``Budget.precisions`` (as the other methods search theirs) x rate x initial Hessian
 (:data:`IVON_LRS` x :data:`IVON_HESS_INITS`) on every tuning split, the validation log-likelihood
@@ -32,7 +33,7 @@ from pyro_fa.experiments.uci.protocol import Budget, SplitData, _choose, final_d
 from pyro_fa.nn.batched import BatchedMLP, sample_rows, take_rows
 from pyro_fa.optim import BatchedFactorIVON
 
-__all__ = ["IVON_LRS", "IVON_HESS_INITS", "QUICK_GRID", "run_factor_ivon"]
+__all__ = ["DIAG_FLOOR", "EXPLODED_LOSS", "IVON_LRS", "IVON_HESS_INITS", "QUICK_GRID", "run_factor_ivon"]
 
 #: the rates and initial Hessians searched, with every prior precision of ``Budget.precisions`` (the weight decay
 #: ``precision / N``, as the other methods search their prior): IVON's classification grid of ``pyro-fa classify``
@@ -45,6 +46,17 @@ QUICK_GRID = ((0.4, 10.0),)
 #: the prior precisions searched instead of ``Budget.precisions`` (None: the budget's)
 PRECISIONS = None
 UPDATE_EVERY = 10
+#: FactorIVON's ``diag_floor`` here: 1, the precision's diagonal part kept at IVON's whole ``h + weight_decay`` and
+#: the low-rank part added on top, so that no step is longer than IVON's would be. At the optimizer's default 0.25 the
+#: step off the low-rank directions may be up to 4 x IVON's; with the learned noise scale falling (the likelihood's
+#: curvature rising as its inverse square) while ``h`` stays near ``hess_init`` at beta2 0.99999, Naval's final fits
+#: at the chosen setting diverged on 10 of 20 splits (0.5: 8 of 20; IVON, rank 0: 2 of 20; 1: none;
+#: benchmarks/results/factor_ivon_benchmarks.md, "Naval")
+DIAG_FLOOR = 1.0
+#: a replica whose mean minibatch negative log-likelihood per point (standardised units) passes this has diverged
+#: (its predictions some 140 noise scales off): frozen as a non-finite one is. Finite blow-ups (weights of 1e8,
+#: predictions of 1e24) were otherwise trained on and scored
+EXPLODED_LOSS = 1e4
 #: IVON's Hessian decay in ``pyro-fa classify`` (ivon-opt's default)
 BETA2 = 0.99999
 #: the weight decay of a setting without a prior precision (IVON's recipe in ``pyro-fa classify``)
@@ -89,7 +101,7 @@ def _fit(data: SplitData, spec: BatchedMLP, settings: List[dict], split_of: List
     opt = BatchedFactorIVON(_inits(spec, split_of, seed, data.x), lr=[c["lr"] for c in settings], ess=float(n),
                             hess_init=[c["hess_init"] for c in settings], beta2=BETA2,
                             weight_decay=[_weight_decay(c, n) for c in settings], rank=budget.rank,
-                            update_every=UPDATE_EVERY)
+                            update_every=UPDATE_EVERY, diag_floor=DIAG_FLOOR)
     base = opt.lr.clone()
     log_scale = data.x.new_zeros(R, requires_grad=True)
     noise_opt = torch.optim.Adam([log_scale], lr=NOISE_LR)
@@ -104,8 +116,9 @@ def _fit(data: SplitData, spec: BatchedMLP, settings: List[dict], split_of: List
         noise_opt.param_groups[0]["lr"] = NOISE_LR * frac
         xb, yb = take_rows(data.x, data.y, sample_rows(R, n, batch, gen, data.x.device))
         theta = opt.draw(generator=gen).requires_grad_()
-        loss = _gaussian_nll(spec(theta, xb), yb, log_scale).sum()  # replica r's gradient is its own loss's
-        grad, log_scale.grad = torch.autograd.grad(loss, [theta, log_scale])
+        loss = _gaussian_nll(spec(theta, xb), yb, log_scale)
+        grad, log_scale.grad = torch.autograd.grad(loss.sum(), [theta, log_scale])  # replica r's: its own loss's
+        opt.diverged |= ~(loss.detach() <= EXPLODED_LOSS)  # non-finite too; frozen by the step below
         opt.step(grad)
         kept = log_scale.detach().clone()
         noise_opt.step()
@@ -147,6 +160,10 @@ def run_factor_ivon(method, splits, budget: Budget, seed: int, progress: Optiona
     start = time.perf_counter()
     opt, log_scale, _ = _fit(final, spec, [choice] * R, list(range(R)), choice["steps"], budget, seed,
                              progress=progress)
+    if bool(opt.diverged.any()):  # a frozen replica's weights are its last finite ones, not a fit to score
+        splits_hit = opt.diverged.nonzero().flatten().tolist()
+        raise FloatingPointError(f"pyro-fa uci: FactorIVON's final fit diverged on split(s) {splits_hit} at the "
+                                 f"chosen setting {choice}.")
     test_gen = torch.Generator(device=final.x.device).manual_seed(seed + 2)
     means = spec(opt.sample(budget.test_samples, generator=test_gen), final.x_eval)
     noise_var = torch.exp(2 * log_scale)
