@@ -2,6 +2,7 @@
 that diverges scores -inf without changing the others; the column learns yacht."""
 import math
 
+import pytest
 import torch
 
 from pyro_fa.datasets import load_uci
@@ -68,3 +69,30 @@ def test_the_batched_column_has_its_own_unit_key():
     assert key["revision"] == results.UNIT_REVISIONS["factor-ivon-1x50"]
     assert "revision" not in results._unit_key(run_key, "yacht", "vifa-gaussian-1x50", ["vifa-gaussian-1x50"])
     assert results._unit_path("out", key) != results._unit_path("out", {k: v for k, v in key.items() if k != "revision"})
+
+
+def test_a_finite_blow_up_is_frozen_as_a_non_finite_one(monkeypatch):
+    """A replica whose weights explode without overflowing (rate 20) is frozen once its minibatch loss passes
+    EXPLODED_LOSS, its weights still moderate; without the rule it trains on to far larger weights or overflows."""
+    data, spec = _replicas(), BatchedMLP(2, (8,))
+    budget = Budget(steps=40, checkpoints=4, rank=2, eval_samples=4)
+    settings = [{"lr": 0.4, "hess_init": 0.5}, {"lr": 20.0, "hess_init": 0.1}, {"lr": 0.4, "hess_init": 2.0}]
+    opt, _, curve = fi._fit(data, spec, settings, [0, 1, 2], budget.steps, budget, seed=0, evaluate=True)
+    assert opt.diverged.tolist() == [False, True, False]
+    assert bool(torch.isfinite(opt.loc).all()) and float(opt.loc[1].abs().max()) < 1e3
+    assert all(bool(torch.isneginf(ll[1])) and bool(torch.isfinite(ll[[0, 2]]).all()) for _, ll in curve)
+    assert opt.diag_floor == fi.DIAG_FLOOR == 1.0
+    monkeypatch.setattr(fi, "EXPLODED_LOSS", math.inf)
+    free, _, _ = fi._fit(data, spec, settings, [0, 1, 2], budget.steps, budget, seed=0, evaluate=True)
+    assert not bool(torch.isfinite(free.loc[1]).all() and free.loc[1].abs().max() < 1e3)
+    assert torch.equal(free.loc[[0, 2]], opt.loc[[0, 2]])
+
+
+def test_a_final_fit_that_diverges_raises_instead_of_being_scored(monkeypatch):
+    """The final fits' frozen weights are not a fit: the column raises FloatingPointError naming the splits, as
+    the other columns do for non-finite predictions."""
+    splits = [load_uci("yacht", s, dtype=torch.float32) for s in range(2)]
+    budget = Budget(steps=30, lrs=(1e-2,), precisions=(1.0,), tune_splits=1, checkpoints=3, test_samples=5, rank=2)
+    monkeypatch.setattr(fi, "QUICK_GRID", ((50.0, 0.1),))
+    with pytest.raises(FloatingPointError, match=r"diverged on split\(s\) \[0, 1\]"):
+        fi.run_factor_ivon(METHODS["factor-ivon-1x50"], splits, budget, seed=0)
