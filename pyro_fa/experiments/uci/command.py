@@ -23,8 +23,9 @@ with the same search budget:
   (online EM, online SGA, classic SWAG; rank 10); MultiSWAG mixes 5 SWAG-EM
   posteriors trained from different initialisations;
 * ``factor-ivon``: the 1×50 network trained by :class:`~pyro_fa.optim.FactorIVON`'s update (rank 10), a phase's
-  fits (grid x tuning splits, then the final splits) as one :class:`~pyro_fa.optim.BatchedFactorIVON` batch, the noise scale learned by Adam, IVON's grid of ``pyro-fa classify`` (rate x initial Hessian)
-  searched as the others' (:mod:`pyro_fa.experiments.uci.factor_ivon`);
+  fits (grid x tuning splits, then the final splits) as one :class:`~pyro_fa.optim.BatchedFactorIVON` batch, the
+  noise scale learned by Adam, prior precision x rate x initial Hessian searched as the others' search theirs,
+  ``diag_floor`` 1 (:mod:`pyro_fa.experiments.uci.factor_ivon`);
 * ``mcdropout``: MC dropout as Gal & Ghahramani (2016) ran it on UCI (dropout on the input and hidden layer,
   rate x model precision searched, weight decay from the prior length-scale; all fits of a stage as one batch;
   :mod:`pyro_fa.experiments.uci.mc_dropout`).
