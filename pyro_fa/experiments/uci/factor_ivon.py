@@ -15,9 +15,10 @@ over ``Budget.steps``; full batch up to ``Budget.batch_limit`` points, batches o
 The search is the other methods': every prior precision of ``Budget.precisions`` (as the other methods search
 theirs) x rate x initial Hessian (:data:`IVON_LRS` x :data:`IVON_HESS_INITS`) on every tuning split, the
 validation log-likelihood (``Budget.eval_samples`` draws) every ``steps / checkpoints`` steps (stopping early as
-the other methods' search does), the (setting, step count) of best mean; then every split is trained on its whole training part and tested
-once (``Budget.test_samples`` draws). A budget of one Adam rate (``--quick``) tries :data:`QUICK_GRID` only, at
-each of its prior precisions. :data:`PRECISIONS` replaces the budget's prior precisions when set.
+the other methods' search does), the (setting, step count) of best mean; then every split is trained on its
+whole training part and tested once (``Budget.test_samples`` draws). A budget of one Adam rate (``--quick``)
+tries :data:`QUICK_GRID` only, at each of its prior precisions. :data:`PRECISIONS` replaces the budget's prior
+precisions when set.
 """
 from __future__ import annotations
 
