@@ -6,8 +6,10 @@ steps, then ``--steps`` timed ones, interleaved (IVON, FactorIVON, IVON, ...) so
 hits both; the median and the mean (which counts the refresh steps at their rate) are reported, and also the median of
 the optimizer's own part (the step minus forward and
 backward). FactorIVON runs at each ``--update-every`` T (the low-rank part and the factorisation refreshed every T
-steps; the timed median then mixes T - 1 cheap steps and one refresh, as training does). Memory: the bytes of every tensor the optimizer holds between steps (its state and, for IVON, the
-tensors it keeps in its param groups), and the peak of the transient tensors of one step is not counted.
+steps; the timed median then mixes T - 1 cheap steps and one refresh, as training does). Memory: the bytes of
+every tensor the optimizer holds between steps (its state, FactorIVON's factorisation buffers (U^T, psi, ...) and
+spare basis, and, for IVON, the tensors it keeps in its param groups); the peak of the transient tensors of one
+step is not counted.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_factor_ivon.py   # 784-1000-200-10 MLP, K = 10, batch 128, T = 1, 10, 50
     OMP_NUM_THREADS=1 python benchmarks/bench_factor_ivon.py --rank 20 --batch 512 --update-every 10
@@ -39,6 +41,8 @@ def _held_bytes(opt) -> int:
             total += t.numel() * t.element_size()
 
     for value in opt.state.values():
+        add(value)
+    for value in getattr(opt, "_factor_buffers", {}).values():  # FactorIVON's factorisation and its spare basis
         add(value)
     for group in opt.param_groups:
         for key, value in group.items():

@@ -511,3 +511,32 @@ def test_a_refresh_that_fails_leaves_the_state_unchanged(monkeypatch):
         monkeypatch.undo()
         one_step()  # and training goes on
         assert opt.state["step"] == before["step"] + 1
+
+
+def test_the_refresh_writes_the_new_basis_into_the_previous_one_s_storage():
+    """The refresh rotates into a second (K, D) buffer and keeps the old basis until P is factorised, then hands the
+    old one over as the next refresh's buffer: two storages alternate, no new (K, D) tensor per refresh, and the
+    trajectory is the one of an optimizer whose every refresh writes a new tensor."""
+
+    def run(keep):
+        torch.manual_seed(0)
+        net = torch.nn.Linear(6, 1)
+        x, y = torch.randn(32, 6), torch.randn(32, 1)
+        opt = FactorIVON(net.parameters(), lr=0.1, ess=32, hess_init=0.5, rank=2, update_every=1)
+        pointers = []
+        for _ in range(6):
+            with opt.sampled_params(train=True):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            if not keep:
+                opt._factor_buffers.pop("basis", None)  # a fresh buffer at every refresh
+            pointers.append(opt.state["basis"].data_ptr())
+        return opt, pointers
+
+    kept, pointers = run(True)
+    fresh, _ = run(False)
+    assert len(set(pointers)) == 2 and pointers[0::2] == [pointers[0]] * 3 and pointers[1::2] == [pointers[1]] * 3
+    assert kept._factor_buffers["basis"].data_ptr() == pointers[-2]
+    for k in ("basis", "eigvals", "hess", "momentum"):
+        assert torch.equal(kept.state[k], fresh.state[k]), k
