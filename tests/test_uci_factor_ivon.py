@@ -81,7 +81,7 @@ def test_a_finite_blow_up_is_frozen_as_a_non_finite_one(monkeypatch):
     assert opt.diverged.tolist() == [False, True, False]
     assert bool(torch.isfinite(opt.loc).all()) and float(opt.loc[1].abs().max()) < 1e3
     assert all(bool(torch.isneginf(ll[1])) and bool(torch.isfinite(ll[[0, 2]]).all()) for _, ll in curve)
-    assert opt.diag_floor == fi.DIAG_FLOOR == 1.0
+    assert opt.diag_floor == fi.DIAG_FLOOR == 0.25
     monkeypatch.setattr(fi, "EXPLODED_LOSS", math.inf)
     free, _, _ = fi._fit(data, spec, settings, [0, 1, 2], budget.steps, budget, seed=0, evaluate=True)
     assert not bool(torch.isfinite(free.loc[1]).all() and free.loc[1].abs().max() < 1e3)
