@@ -165,9 +165,8 @@ class FactorIVON(torch.optim.Optimizer):
         :math:`\rho` (keyword only): the diagonal part :math:`\psi` never drops below this fraction of IVON's
         :math:`h + \delta`. It bounds by :math:`1/\rho` how far the Newton step off the low-rank directions may
         exceed IVON's while the low-rank part is still mostly noise; a lower value lets strongly correlated
-        posteriors be matched more closely, at the risk of an unstable start. 1 adds :math:`UU^\top` on top of
-        IVON's whole diagonal, so that no step is longer than IVON's: the safer choice where the curvature grows
-        while training (a regression whose noise scale is learned; ``pyro-fa uci``'s column, docs/optim.md).
+        posteriors be matched more closely, at the risk of an unstable start. At 1 the rows of :math:`U` are shrunk
+        to zero: IVON, with :math:`P` refreshed every ``update_every`` steps (docs/optim.md).
     sync : bool, default False
         (keyword only) ivon-opt's: average each step's statistics over torch.distributed's default group.
     process_group : torch.distributed.ProcessGroup, optional
