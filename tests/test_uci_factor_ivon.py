@@ -88,11 +88,35 @@ def test_a_finite_blow_up_is_frozen_as_a_non_finite_one(monkeypatch):
     assert torch.equal(free.loc[[0, 2]], opt.loc[[0, 2]])
 
 
-def test_a_final_fit_that_diverges_raises_instead_of_being_scored(monkeypatch):
-    """The final fits' frozen weights are not a fit: the column raises FloatingPointError naming the splits, as
-    the other columns do for non-finite predictions."""
+def test_a_final_fit_that_diverges_is_recorded_as_diverged_not_scored(monkeypatch):
+    """The final fits' frozen weights are not a fit: a split whose final fit diverged scores test LL -inf (RMSE inf,
+    calibration error NaN) and is listed under "diverged"; the report says so instead of a mean."""
+    from pyro_fa.experiments.uci.report import results_table
+
     splits = [load_uci("yacht", s, dtype=torch.float32) for s in range(2)]
     budget = Budget(steps=30, lrs=(1e-2,), precisions=(1.0,), tune_splits=1, checkpoints=3, test_samples=5, rank=2)
     monkeypatch.setattr(fi, "QUICK_GRID", ((50.0, 0.1),))
-    with pytest.raises(FloatingPointError, match=r"diverged on split\(s\) \[0, 1\]"):
-        fi.run_factor_ivon(METHODS["factor-ivon-1x50"], splits, budget, seed=0)
+    res = fi.run_factor_ivon(METHODS["factor-ivon-1x50"], splits, budget, seed=0)
+    assert res["diverged"] == [0, 1] and res["ll"] == [-math.inf] * 2 and res["rmse"] == [math.inf] * 2
+    assert all(math.isnan(v) for v in res["calibration_error"])
+    table = results_table({"yacht": {"factor-ivon-1x50": {**res, "seconds": 1.0}}}, {})
+    assert "diverged on 2 of 2 splits" in table
+
+
+def test_final_record_scores_the_splits_that_did_not_diverge_as_evaluate_does():
+    from pyro_fa.experiments.uci.protocol import evaluate, final_record
+
+    data = _replicas(R=3)
+    g = torch.Generator().manual_seed(1)
+    means = data.y_eval.unsqueeze(0) + 0.3 * torch.randn(7, 3, 10, generator=g, dtype=torch.float64)
+    noise_var = torch.full((3, 1), 0.2, dtype=torch.float64)
+    search = ({"lr": 0.1}, 0.0, [], 1)
+    rec = final_record(METHODS["factor-ivon-1x50"], means, noise_var, data, None, search, 5, 1.0,
+                       torch.ones(3, dtype=torch.float64), 1.0, 0, diverged=torch.tensor([False, True, False]))
+    alone = evaluate(means[:, [0, 2]], noise_var[[0, 2]], data.take(torch.tensor([0, 2])))
+    assert rec["diverged"] == [1] and rec["ll"][1] == -math.inf and rec["rmse"][1] == math.inf
+    for k in ("ll", "rmse", "calibration_error"):
+        assert [rec[k][0], rec[k][2]] == pytest.approx(alone[k].tolist(), rel=1e-12)
+    none = final_record(METHODS["factor-ivon-1x50"], means, noise_var, data, None, search, 5, 1.0,
+                        torch.ones(3, dtype=torch.float64), 1.0, 0, diverged=torch.zeros(3, dtype=torch.bool))
+    assert "diverged" not in none and none["ll"] == pytest.approx(evaluate(means, noise_var, data)["ll"].tolist())

@@ -297,16 +297,32 @@ def run_vi(method: Method, splits, budget: Budget, seed: int, progress=None, ref
 
 def final_record(method: Method, means: Tensor, noise_var: Tensor, final: SplitData, splits, search: tuple, dim: int,
                  precision: float, noise: Tensor, seconds: float, seed: int, references=None,
-                 fidelity: Optional[dict] = None) -> dict:
+                 fidelity: Optional[dict] = None, diverged: Optional[Tensor] = None) -> dict:
     """A method's record of one dataset from its final fits, every runner's return value.
 
     ``means`` (S, R, M) and ``noise_var`` ((R, 1) or (S, R, 1)) are the test predictives of the R splits run
     (standardised units), ``search`` the ``(choice, val_ll, table, tuning splits)`` of the search, ``noise`` (R,)
     the noise scales, ``precision`` the prior precision; with ``references`` (split -> HMC reference) each split
     that has one is scored against it into ``fidelity[method.name]``
-    (:func:`~pyro_fa.experiments.uci.fidelity.score_fit`). Raises FloatingPointError where a fit diverged.
+    (:func:`~pyro_fa.experiments.uci.fidelity.score_fit`). Raises FloatingPointError where a fit diverged, unless
+    ``diverged`` (R,) marks it: then that split scores LL -inf, RMSE inf and calibration error NaN, and the record
+    lists it under ``"diverged"`` (the other splits scored as usual; a runner that tells diverged fits apart).
     """
     choice, val_ll, table, n_tune = search
+    if diverged is not None and bool(diverged.any()):
+        if references:
+            raise FloatingPointError(f"pyro-fa uci: {method.name}'s final fit diverged on split(s) "
+                                     f"{diverged.nonzero().flatten().tolist()}; not scored against HMC references.")
+        kept = (~diverged).nonzero().flatten()
+        nv = noise_var[kept] if noise_var.dim() == 2 else noise_var[:, kept]
+        part = evaluate(means[:, kept], nv, final.take(kept)) if len(kept) else {}
+        fill = {"ll": -math.inf, "rmse": math.inf, "calibration_error": math.nan}
+        scores = {k: final.y_std.new_full(diverged.shape, v, dtype=torch.float64) for k, v in fill.items()}
+        for k, v in part.items():
+            scores[k][kept] = v.to(torch.float64)
+        return {"choice": choice, "val_ll": val_ll, "tune_splits": n_tune, "search": table, "dim": dim,
+                **{k: v.tolist() for k, v in scores.items()}, "noise_scale": (noise * final.y_std).tolist(),
+                "diverged": diverged.nonzero().flatten().tolist()}
     scores = evaluate(means, noise_var, final)
     if references:
         from pyro_fa.experiments.uci.fidelity import Fit, score_fit

@@ -90,11 +90,14 @@ def results_table(results: Dict[str, Dict[str, dict]], labels: Dict[str, str],
         for name, res in results.get(ds, {}).items():
             s = summarise(res)
             paper = PAPER.get(name, {}).get(ds)
+            lost = res.get("diverged", [])  # splits whose final fit diverged: no score for the method
             rows.append([
-                DATASET_LABELS[ds], labels.get(name, name), _fmt(*s["ll"]),
+                DATASET_LABELS[ds], labels.get(name, name),
+                f"diverged on {len(lost)} of {len(res['ll'])} splits" if lost else _fmt(*s["ll"]),
                 _w1_cell(fidelity.get(ds, {}).get(name, {})),
                 _fmt(*paper[1]) if paper else "", _fmt(*s["rmse"], digits=3 if s["rmse"][0] < 1 else 2),
-                _fmt(*paper[0]) if paper else "", f"{s['calibration_error'][0]:.3f}", len(res["ll"]),
+                _fmt(*paper[0]) if paper else "",
+                "—" if lost else f"{s['calibration_error'][0]:.3f}", len(res["ll"]),
                 f"{res['seconds'] / len(res['ll']):.1f}",
             ])
     return markdown_table(["dataset", "method", "test LL (ours)", "W1 to HMC (splits)", "test LL (paper)",
@@ -179,6 +182,8 @@ def figure(results: Dict[str, Dict[str, dict]], labels: Dict[str, str], metric: 
             if m not in results[ds]:
                 continue
             mean, se = mean_se(results[ds][m][metric])
+            if not math.isfinite(mean):  # a method whose final fit diverged on a split: no point to draw
+                continue
             ys.append(i)
             xs.append(mean)
             es.append(0 if not math.isfinite(se) else se)
