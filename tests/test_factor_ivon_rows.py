@@ -226,7 +226,7 @@ def test_uci_search_stops_early_as_the_other_methods_do(monkeypatch):
     splits = _yacht(1)
     spec = BatchedMLP(splits[0].x_train.shape[1], (8,))
     tune = tuning_data(splits, budget)
-    settings = [{"lr": 0.1, "hess_init": 0.5}, {"lr": 0.4, "hess_init": 0.5}]
+    settings = [{"precision": 1.0, "lr": 0.1, "hess_init": 0.5}, {"precision": 1.0, "lr": 0.4, "hess_init": 0.5}]
     ticks = []
     _, _, curve = fi._fit(tune.take(torch.tensor([0, 0])), spec, settings, [0, 0], 100, budget, 0, evaluate=True,
                           progress=ticks.append, patience=True, n_configs=2)
@@ -234,9 +234,8 @@ def test_uci_search_stops_early_as_the_other_methods_do(monkeypatch):
     ticks.clear()
     opt, _, curve = fi._fit(final_data(splits), spec, settings[:1], [0], 37, budget, 0, progress=ticks.append)
     assert curve == [] and sum(ticks) == 37 and opt.step_count == 37
-    # a setting without a prior precision: IVON's recipe
-    assert float(opt.weight_decay[0]) == pytest.approx(fi.WEIGHT_DECAY)
     n = final_data(splits).y.shape[-1]
+    assert float(opt.weight_decay[0]) == pytest.approx(1.0 / n)
     opt, _, _ = fi._fit(final_data(splits), spec, [{**settings[0], "precision": 10.0}], [0], 2, budget, 0)
     assert float(opt.weight_decay[0]) == pytest.approx(10.0 / n)  # the prior N(0, 1/10): ess * weight decay = 10
 

@@ -22,10 +22,11 @@ def _replicas(R=3, n=30, p=2, seed=0):
 def test_a_diverged_replica_scores_minus_inf_and_leaves_the_others_unchanged():
     data, spec = _replicas(), BatchedMLP(2, (8,))
     budget = Budget(steps=40, checkpoints=4, rank=2, eval_samples=4)
-    settings = [{"lr": 0.4, "hess_init": 0.5}, {"lr": 0.8, "hess_init": 0.1}, {"lr": 0.4, "hess_init": 2.0}]
+    settings = [{"precision": 3e-3, "lr": 0.4, "hess_init": 0.5}, {"precision": 3e-3, "lr": 0.8, "hess_init": 0.1},
+                {"precision": 3e-3, "lr": 0.4, "hess_init": 2.0}]
     runs = []
     for lr in (0.8, 1e30):  # replica 1 at a rate that overflows its weights
-        settings[1] = {"lr": lr, "hess_init": 0.1}
+        settings[1] = {"precision": 3e-3, "lr": lr, "hess_init": 0.1}
         opt, log_scale, curve = fi._fit(data, spec, settings, [0, 1, 2], budget.steps, budget, seed=0, evaluate=True)
         runs.append((opt, log_scale, torch.stack([ll for _, ll in curve])))
     (plain, scale, lls), (hit, hit_scale, hit_lls) = runs
@@ -76,7 +77,8 @@ def test_a_finite_blow_up_is_frozen_as_a_non_finite_one(monkeypatch):
     EXPLODED_LOSS, its weights still moderate; without the rule it trains on to far larger weights or overflows."""
     data, spec = _replicas(), BatchedMLP(2, (8,))
     budget = Budget(steps=40, checkpoints=4, rank=2, eval_samples=4)
-    settings = [{"lr": 0.4, "hess_init": 0.5}, {"lr": 20.0, "hess_init": 0.1}, {"lr": 0.4, "hess_init": 2.0}]
+    settings = [{"precision": 3e-3, "lr": 0.4, "hess_init": 0.5}, {"precision": 3e-3, "lr": 20.0, "hess_init": 0.1},
+                {"precision": 3e-3, "lr": 0.4, "hess_init": 2.0}]
     opt, _, curve = fi._fit(data, spec, settings, [0, 1, 2], budget.steps, budget, seed=0, evaluate=True)
     assert opt.diverged.tolist() == [False, True, False]
     assert bool(torch.isfinite(opt.loc).all()) and float(opt.loc[1].abs().max()) < 1e3

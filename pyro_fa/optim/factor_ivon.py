@@ -185,8 +185,9 @@ class FactorIVON(torch.optim.Optimizer):
     Notes
     -----
     Memory: IVON's :math:`3D` (mean, momentum, :math:`h`) plus :math:`DK` for :math:`Q^\top` (stored (K, D), rows
-    contiguous; a refresh rotates it into a new tensor and drops the old one once :math:`P` is factorised, so that a
-    refresh that fails leaves the state as it was), :math:`DK + 4D` for the factorisation of :math:`P` and
+    contiguous) and :math:`DK` for a second buffer a refresh rotates it into (the old basis is kept until :math:`P`
+    is factorised, so that a refresh that fails leaves the state as it was; the two then swap), :math:`DK + 4D` for
+    the factorisation of :math:`P` and
     :math:`3D` for the draw's vectors, kept between steps (a new tensor of megabytes costs about as much in page
     faults as the arithmetic on it), and :math:`2MD` for the step's curvature vectors. Time per step beyond
     IVON's: three passes over :math:`U` per draw and two for the step (:math:`O(DK)`), and every ``update_every``

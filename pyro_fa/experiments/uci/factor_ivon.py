@@ -60,20 +60,12 @@ DIAG_FLOOR = 0.25
 EXPLODED_LOSS = 1e4
 #: IVON's Hessian decay in ``pyro-fa classify`` (ivon-opt's default)
 BETA2 = 0.99999
-#: the weight decay of a setting without a prior precision (IVON's recipe in ``pyro-fa classify``)
-WEIGHT_DECAY = 1e-4
 NOISE_LR = 1e-2
 
 
 def _grid(budget: Budget) -> List[dict]:
     pairs = QUICK_GRID if len(budget.lrs) == 1 else [(r, h) for r in IVON_LRS for h in IVON_HESS_INITS]
     return [{"precision": a, "lr": r, "hess_init": h} for a in (PRECISIONS or budget.precisions) for r, h in pairs]
-
-
-def _weight_decay(setting: dict, n: int) -> float:
-    """IVON's weight decay for a setting: its prior precision per training point (``precision / n``), or
-    :data:`WEIGHT_DECAY` for a setting without one."""
-    return setting["precision"] / n if "precision" in setting else WEIGHT_DECAY
 
 
 def _gaussian_nll(pred: Tensor, y: Tensor, log_scale: Tensor) -> Tensor:
@@ -101,7 +93,7 @@ def _fit(data: SplitData, spec: BatchedMLP, settings: List[dict], split_of: List
     R, n = data.y.shape
     opt = BatchedFactorIVON(_inits(spec, split_of, seed, data.x), lr=[c["lr"] for c in settings], ess=float(n),
                             hess_init=[c["hess_init"] for c in settings], beta2=BETA2,
-                            weight_decay=[_weight_decay(c, n) for c in settings], rank=budget.rank,
+                            weight_decay=[c["precision"] / n for c in settings], rank=budget.rank,
                             update_every=UPDATE_EVERY, diag_floor=DIAG_FLOOR)
     base = opt.lr.clone()
     log_scale = data.x.new_zeros(R, requires_grad=True)
@@ -166,6 +158,5 @@ def run_factor_ivon(method, splits, budget: Budget, seed: int, progress: Optiona
     noise_var = torch.exp(2 * log_scale)
     seconds = (time.perf_counter() - start) / R
     return final_record(method, means, noise_var.unsqueeze(-1), final, splits, (choice, val_ll, table, n_tune),
-                        spec.dim, float(final.y.shape[-1]) * _weight_decay(choice, final.y.shape[-1]),
-                        noise_var.sqrt(), seconds, seed,
-                        references, fidelity, diverged=opt.diverged)
+                        spec.dim, choice["precision"], noise_var.sqrt(), seconds, seed, references, fidelity,
+                        diverged=opt.diverged)

@@ -309,28 +309,28 @@ def final_record(method: Method, means: Tensor, noise_var: Tensor, final: SplitD
     lists it under ``"diverged"`` (the other splits scored as usual; a runner that tells diverged fits apart).
     """
     choice, val_ll, table, n_tune = search
-    if diverged is not None and bool(diverged.any()):
+    lost = [] if diverged is None else diverged.nonzero().flatten().tolist()
+    if lost:
         if references:
-            raise FloatingPointError(f"pyro-fa uci: {method.name}'s final fit diverged on split(s) "
-                                     f"{diverged.nonzero().flatten().tolist()}; not scored against HMC references.")
+            raise FloatingPointError(f"pyro-fa uci: {method.name}'s final fit diverged on split(s) {lost}; not "
+                                     "scored against HMC references.")
         kept = (~diverged).nonzero().flatten()
-        nv = noise_var[kept] if noise_var.dim() == 2 else noise_var[:, kept]
-        part = evaluate(means[:, kept], nv, final.take(kept)) if len(kept) else {}
+        part = evaluate(means[:, kept], noise_var[kept] if noise_var.dim() == 2 else noise_var[:, kept],
+                        final.take(kept)) if len(kept) else {}
         fill = {"ll": -math.inf, "rmse": math.inf, "calibration_error": math.nan}
         scores = {k: final.y_std.new_full(diverged.shape, v, dtype=torch.float64) for k, v in fill.items()}
         for k, v in part.items():
             scores[k][kept] = v.to(torch.float64)
-        return {"choice": choice, "val_ll": val_ll, "tune_splits": n_tune, "search": table, "dim": dim,
-                **{k: v.tolist() for k, v in scores.items()}, "noise_scale": (noise * final.y_std).tolist(),
-                "diverged": diverged.nonzero().flatten().tolist()}
-    scores = evaluate(means, noise_var, final)
+    else:
+        scores = evaluate(means, noise_var, final)
     if references:
         from pyro_fa.experiments.uci.fidelity import Fit, score_fit
 
         fit = Fit(means, noise_var, dim, precision, noise, seconds)
         fidelity[method.name] = score_fit(fit, final, splits, references, seed)
-    return {"choice": choice, "val_ll": val_ll, "tune_splits": n_tune, "search": table, "dim": dim,
-            **{k: v.tolist() for k, v in scores.items()}, "noise_scale": (noise * final.y_std).tolist()}
+    record = {"choice": choice, "val_ll": val_ll, "tune_splits": n_tune, "search": table, "dim": dim,
+              **{k: v.tolist() for k, v in scores.items()}, "noise_scale": (noise * final.y_std).tolist()}
+    return {**record, "diverged": lost} if lost else record
 
 
 def _spec(method: Method, splits) -> BatchedMLP:
