@@ -189,6 +189,32 @@ def test_the_precision_has_ivons_diagonal_and_a_low_rank_part():
     torch.testing.assert_close(q.mean, _flat(net))
 
 
+def test_the_fisher_fed_low_rank_part_is_the_top_of_the_dense_moving_average():
+    """curvature='fisher': the refresh folds B (g_j - b)(g_j - b)^T into the sketch, b the previous step's
+    debiased momentum, against a dense eigendecomposition (the cap not binding: h + delta large)."""
+    net = _mlp()
+    X, y = _data()
+    B, beta1, beta2, r = 40, 0.8, 0.9, 3
+    opt = FactorIVON(net.parameters(), lr=1e-3, ess=40.0, hess_init=1e4, beta1=beta1, beta2=beta2, rank=r,
+                     curvature="fisher", batch_size=B)
+    _draw_and_step(opt, net, X, y)
+    Q, lam, b = opt.state["basis"].clone(), opt.state["eigvals"].clone(), opt.state["momentum"] / (1 - beta1)
+    S = beta2 * Q.T @ torch.diag(lam) @ Q
+    for _ in range(2):
+        with opt.sampled_params(train=True):
+            opt.zero_grad()
+            nn.functional.mse_loss(net(X), y).backward()
+            g = torch.cat([p.grad.flatten() for p in net.parameters()])
+        S = S + (1 - beta2) / 2 * B * torch.outer(g - b, g - b)
+    opt.step()
+    ev, vec = torch.linalg.eigh(S)
+    torch.testing.assert_close(opt.state["eigvals"], ev.flip(0)[:r], rtol=1e-10, atol=1e-12)
+    top = vec[:, -r:] @ torch.diag(ev[-r:]) @ vec[:, -r:].T
+    Q2 = opt.state["basis"]
+    torch.testing.assert_close(Q2.T @ torch.diag(opt.state["eigvals"]) @ Q2, top, rtol=0, atol=1e-10)
+    assert (opt.state["eigvals"] >= 0).all()  # positive semi-definite, unlike Stein's estimate
+
+
 @pytest.mark.slow
 def test_the_draws_have_the_posteriors_covariance_within_five_standard_errors():
     net = nn.Linear(3, 1).double()
@@ -349,6 +375,13 @@ def test_nan_gradients_are_refused_and_the_state_is_unchanged():
     (dict(mc_samples=0), ValueError, r"FactorIVON: mc_samples must be an integer >= 1, got 0."),
     (dict(rank=-1), ValueError, r"FactorIVON: rank must be an integer >= 0, got -1."),
     (dict(rank=1.5), ValueError, r"FactorIVON: rank must be an integer >= 0, got 1.5."),
+    (dict(curvature="fisher"), ValueError, r"FactorIVON: curvature='fisher' needs batch_size, the number of "
+                                           r"examples each gradient averages over \(its estimate is scaled by it\), "
+                                           r"got None."),
+    (dict(curvature="fisher", batch_size=0), ValueError, r"FactorIVON: batch_size must be an integer >= 1, got 0."),
+    (dict(batch_size=8), ValueError, r"FactorIVON: batch_size is used by curvature='fisher' only, got batch_size=8 "
+                                     r"with curvature='stein'."),
+    (dict(curvature="GGN"), ValueError, r"FactorIVON: curvature must be one of \('stein', 'fisher'\), got 'GGN'."),
     (dict(rank=37), ValueError, r"FactorIVON: rank \+ 2 \* \(draws per step\) must be at most the number of weights "
                                 r"38, got rank=37 with 1 draw\(s\). Lower rank or mc_samples."),
 ])

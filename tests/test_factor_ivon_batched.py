@@ -65,11 +65,14 @@ def _runs(rank, steps=12, draws=1, **kw):
     return batched, single, params, history
 
 
-@pytest.mark.parametrize("rank,draws,wd", [(0, 1, 1e-2), (2, 1, 1e-2), (3, 1, 1e-2), (2, 2, 1e-2),
-                                           (0, 1, [1e-3, 1e-2, 0.1]), (3, 1, [1e-3, 1e-2, 0.1])])
-def test_each_replica_is_factor_ivons_run(rank, draws, wd):
-    """Also with a weight decay (prior precision) of its own per replica."""
+@pytest.mark.parametrize("rank,draws,wd,fisher", [(0, 1, 1e-2, False), (2, 1, 1e-2, False), (3, 1, 1e-2, False),
+                                                  (2, 2, 1e-2, False), (0, 1, [1e-3, 1e-2, 0.1], False),
+                                                  (3, 1, [1e-3, 1e-2, 0.1], False), (2, 2, 1e-2, True)])
+def test_each_replica_is_factor_ivons_run(rank, draws, wd, fisher):
+    """Also with a weight decay (prior precision) of its own per replica, and with the Fisher-fed low-rank part."""
     kw = dict(beta1=0.8, beta2=0.99, weight_decay=wd, clip_radius=2.0, update_every=2)
+    if fisher:
+        kw.update(curvature="fisher", batch_size=20)
     batched, single, params, history = _runs(rank, draws=draws, **kw)
     for ours, theirs in history:
         torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)  # the draws, step by step
@@ -152,6 +155,8 @@ def test_float32_keeps_float32_and_follows_the_float64_run():
     (dict(rank=-1), r"BatchedFactorIVON: rank must be an integer >= 0"),
     (dict(update_every=0), r"BatchedFactorIVON: update_every must be an integer >= 1"),
     (dict(rank=9, loc=torch.zeros(3, 10, dtype=torch.float64)), r"rank \+ 2 \* \(draws per step\) must be at most"),
+    (dict(curvature="fisher"), r"BatchedFactorIVON: curvature='fisher' needs batch_size, the number of examples"),
+    (dict(curvature="ggn"), r"BatchedFactorIVON: curvature must be one of \('stein', 'fisher'\), got 'ggn'"),
 ])
 def test_bad_arguments_are_refused(kwargs, match):
     args = {**dict(loc=torch.zeros(3, 10, dtype=torch.float64), lr=0.1, ess=10.0, rank=2), **kwargs}

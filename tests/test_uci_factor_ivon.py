@@ -105,6 +105,35 @@ def test_a_final_fit_that_diverges_is_recorded_as_diverged_not_scored(monkeypatc
     assert "diverged on 2 of 2 splits" in table
 
 
+def test_a_diverged_final_fit_is_trained_again_at_half_the_rate_the_others_kept(monkeypatch):
+    """Split 0's final fit marked diverged once: trained again alone, from its start, at half the chosen rate; split
+    1's scores are those of the run without the divergence; the record lists the lowered rate."""
+    from pyro_fa.experiments.uci.report import results_table
+
+    splits = [load_uci("yacht", s, dtype=torch.float32) for s in range(2)]
+    budget = Budget(steps=30, lrs=(1e-2,), precisions=(1.0,), tune_splits=1, checkpoints=3, test_samples=5, rank=2)
+    monkeypatch.setattr(fi, "QUICK_GRID", ((0.4, 10.0),))
+    plain = fi.run_factor_ivon(METHODS["factor-ivon-1x50"], splits, budget, seed=0)
+    fit, calls = fi._fit, []
+
+    def first_final_diverges(data, spec, settings, split_of, steps, budget, seed, evaluate=False, **kw):
+        opt, scale, curve = fit(data, spec, settings, split_of, steps, budget, seed, evaluate=evaluate, **kw)
+        if not evaluate:
+            calls.append(([c["lr"] for c in settings], list(split_of)))
+            if len(calls) == 1:
+                opt.diverged[0] = True
+        return opt, scale, curve
+
+    monkeypatch.setattr(fi, "_fit", first_final_diverges)
+    res = fi.run_factor_ivon(METHODS["factor-ivon-1x50"], splits, budget, seed=0)
+    assert calls == [([0.4, 0.4], [0, 1]), ([0.2], [0])]
+    assert "diverged" not in res and res["lowered_lr"] == {0: 0.2}
+    assert res["ll"][1] == plain["ll"][1] and res["rmse"][1] == plain["rmse"][1]
+    assert math.isfinite(res["ll"][0]) and res["ll"][0] != plain["ll"][0]
+    table = results_table({"yacht": {"factor-ivon-1x50": {**res, "seconds": 1.0}}}, {})
+    assert "(rate lowered on 1 of 2 splits)" in table
+
+
 def test_final_record_scores_the_splits_that_did_not_diverge_as_evaluate_does():
     from pyro_fa.experiments.uci.protocol import evaluate, final_record
 

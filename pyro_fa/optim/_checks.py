@@ -7,7 +7,10 @@ from typing import Dict, List
 
 import torch
 
-__all__ = ["check_hyperparameters", "check_params", "check_shared"]
+__all__ = ["check_curvature", "check_hyperparameters", "check_params", "check_shared"]
+
+#: the curvature estimates the low-rank part can be fed
+CURVATURES = ("stein", "fisher")
 
 NAME = "FactorIVON"
 
@@ -40,6 +43,22 @@ def check_count(name: str, value, minimum: int, name_of: str = NAME) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name_of}: {name} must be an integer >= {minimum}, got {value!r}.")
     return int(value)
+
+
+def check_curvature(curvature, batch_size, name_of: str = NAME):
+    """``(curvature, batch_size)`` checked: one of :data:`CURVATURES`; ``batch_size`` a positive integer with
+    ``"fisher"`` (its estimate is scaled by it), None with ``"stein"``."""
+    if curvature not in CURVATURES:
+        raise ValueError(f"{name_of}: curvature must be one of {CURVATURES!r}, got {curvature!r}.")
+    if curvature == "stein":
+        if batch_size is not None:
+            raise ValueError(f"{name_of}: batch_size is used by curvature='fisher' only, got batch_size="
+                             f"{batch_size!r} with curvature='stein'.")
+        return curvature, None
+    if batch_size is None:
+        raise ValueError(f"{name_of}: curvature='fisher' needs batch_size, the number of examples each gradient "
+                         "averages over (its estimate is scaled by it), got None.")
+    return curvature, check_count("batch_size", batch_size, 1, name_of)
 
 
 def check_params(params: List[torch.Tensor]):

@@ -80,6 +80,7 @@ def _describe(opt) -> dict:
         "param groups": [{k: v for k, v in g.items() if k not in _NOT_DESCRIBED} for g in opt.param_groups],
         "rank": opt.rank, "update_every": opt.update_every, "mc_samples": opt.mc_samples,
         "diag_floor": opt.diag_floor, "debias": opt.debias, "rescale_lr": opt.rescale_lr,
+        "curvature": opt.curvature, "batch_size": opt.batch_size,
     }
 
 

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from pyro_fa.distributions import LowRankPrecisionNormal
 from pyro_fa.optim._batched_lowrank import BatchedWoodbury, factorise_batched, sketch_update_batched
-from pyro_fa.optim._checks import check_count, check_hyperparameters
+from pyro_fa.optim._checks import check_count, check_curvature, check_hyperparameters
 
 __all__ = ["BatchedFactorIVON"]
 
@@ -72,8 +72,8 @@ class BatchedFactorIVON:
         The prior precision per training point, per replica (``ess * weight_decay`` is replica r's prior precision).
     beta1, beta2, clip_radius, debias, rescale_lr
         FactorIVON's, shared (defaults 0.9, 0.99999, inf, True, True).
-    rank, update_every, diag_floor
-        FactorIVON's (keyword only; defaults 10, 1, 0.25).
+    rank, update_every, diag_floor, curvature, batch_size
+        FactorIVON's (keyword only; defaults 10, 1, 0.25, ``"stein"``, None), shared.
 
     Attributes
     ----------
@@ -111,13 +111,15 @@ class BatchedFactorIVON:
 
     def __init__(self, loc: Tensor, lr, ess, hess_init=1.0, beta1: float = 0.9, beta2: float = 0.99999,
                  weight_decay=1e-4, clip_radius: float = float("inf"), debias: bool = True,
-                 rescale_lr: bool = True, *, rank: int = 10, update_every: int = 1, diag_floor: float = 0.25):
+                 rescale_lr: bool = True, *, rank: int = 10, update_every: int = 1, diag_floor: float = 0.25,
+                 curvature: str = "stein", batch_size: Optional[int] = None):
         if not isinstance(loc, Tensor) or loc.dim() != 2 or not loc.dtype.is_floating_point or loc.shape[0] < 1:
             got = tuple(loc.shape) if isinstance(loc, Tensor) else type(loc).__name__
             raise ValueError(f"{NAME}: loc must be a floating-point Tensor of shape (R, D), R >= 1, got {got!r}.")
         check_hyperparameters(dict(beta1=beta1, beta2=beta2, clip_radius=clip_radius, diag_floor=diag_floor), NAME)
         self.rank = check_count("rank", rank, 0, NAME)
         self.update_every = check_count("update_every", update_every, 1, NAME)
+        self.curvature, self.batch_size = check_curvature(curvature, batch_size, NAME)
         R, D = loc.shape
         if self.rank + 2 > D and self.rank:
             raise ValueError(f"{NAME}: rank + 2 * (draws per step) must be at most the number of weights {D}, got "
@@ -264,7 +266,9 @@ class BatchedFactorIVON:
                 baseline = previous / (1.0 - math.pow(b1, t - 1.0)) if self.debias else previous
             else:
                 baseline = torch.zeros_like(previous)
-            V = torch.cat([grads - baseline, torch.stack([a for _, a in self._draws])], 0).transpose(0, 1)
+            centred = grads - baseline
+            second = torch.stack([a for _, a in self._draws]) if self.batch_size is None else centred * self.batch_size
+            V = torch.cat([centred, second], 0).transpose(0, 1)  # pairs (g - b, Pz) (Stein's) or (g - b, B(g - b))
             total = torch.add(self.hess, wd).clamp_min_(0).sqrt_()
             basis, eigvals, sums, ok = sketch_update_batched(self.basis, self.eigvals, V.contiguous(),
                                                              b2 ** self.update_every, total)

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from pyro_fa.distributions import LowRankPrecisionNormal
-from pyro_fa.optim._checks import (NAME, check_count, check_dimension, check_hyperparameters, check_params,
-                                   check_shared)
+from pyro_fa.optim._checks import (NAME, check_count, check_curvature, check_dimension, check_hyperparameters,
+                                   check_params, check_shared)
 from pyro_fa.optim._distributed import NO_AVERAGE, StepAverage, refused_together, sync_group
 from pyro_fa.optim._lowrank import Woodbury, factorise, kept_buffer, sketch_update_stacked, welford_mean
 
@@ -47,7 +47,10 @@ def _refresh(opt: "FactorIVON", mean: Tensor, t: float, before: dict) -> None:
     V = opt.state["hess"].new_empty(2 * M, opt.dim)  # [g_1 - b, ..., g_M - b, a_1, ..., a_M]
     for j, (grad, a) in enumerate(opt._pairs):
         torch.sub(grad, baseline, out=V[j])
-        V[M + j].copy_(a)
+        if opt.batch_size is None:  # Stein's sym((g - b) a^T)
+            V[M + j].copy_(a)
+        else:  # the Fisher estimate B (g - b)(g - b)^T
+            torch.mul(V[j], opt.batch_size, out=V[M + j])
     total = torch.add(opt.state["hess"], opt.param_groups[0]["weight_decay"], out=spare[1])
     total.clamp_min_(0).sqrt_()
     # the new basis goes into a second (K, D) buffer, the old one kept until P is factorised; then the old one is
@@ -102,7 +105,8 @@ class FactorIVON(torch.optim.Optimizer):
     rows shrunk (:math:`c_d \le 1`) where they would claim more than :math:`1 - \rho` of :math:`h_d + \delta`
     (:math:`\rho` = ``diag_floor``), so that :math:`\psi \ge \rho(h + \delta)`. The diagonal of :math:`P` is
     therefore always IVON's, :math:`\lambda(h + \delta)`: no curvature is counted twice, and :math:`UU^\top` adds
-    the correlations. With ``rank=0`` the updates, the draws and the random numbers are IVON's.
+    the correlations. With ``rank=0`` the updates, the draws and the random numbers are IVON's. With
+    ``curvature="fisher"`` the low-rank part tracks a Fisher estimate instead (below), :math:`h` still IVON's.
 
     Each step, after :math:`M` draws :math:`\theta_j = m + z_j`, :math:`z_j \sim N(0, P^{-1})` and their
     minibatch gradients :math:`g_j` (inside :meth:`sampled_params`), with :math:`a_j = Pz_j`:
@@ -127,7 +131,11 @@ class FactorIVON(torch.optim.Optimizer):
     :math:`g_j - b` for :math:`g_j`, :math:`b` the previous step's debiased momentum: a control variate
     (:math:`\mathbb E[b\,a_j^\top] = 0`) that removes the gradient at the mean, whose product with :math:`a_j` is
     noise only. (The diagonal :math:`h` keeps IVON's estimate: its noise per coordinate is about :math:`D` times
-    smaller than the rank-two estimate's along its own direction.) The draws use the Woodbury square root,
+    smaller than the rank-two estimate's along its own direction.) With ``curvature="fisher"``, :math:`\hat H_b =
+    \tfrac BM\sum_j (g_j - b)(g_j - b)^\top`, :math:`B` = ``batch_size``: a minibatch gradient's covariance
+    times :math:`B` estimates the per-example gradients' (the Fisher, a Gauss-Newton matrix for softmax
+    cross-entropy and Gaussian likelihoods), as SLANG's per-example gradients do (Mishkin et al. 2018); always
+    positive semi-definite, where Stein's estimate is indefinite and noisier. The draws use the Woodbury square root,
     :math:`z = \lambda^{-1/2}\Psi^{-1/2}(I + AA^\top)^{-1/2}\varepsilon`, :math:`A = \Psi^{-1/2}U`, and the step
     the Woodbury solve; nothing :math:`D\times D` is formed.
 
@@ -167,6 +175,12 @@ class FactorIVON(torch.optim.Optimizer):
         exceed IVON's while the low-rank part is still mostly noise; a lower value lets strongly correlated
         posteriors be matched more closely, at the risk of an unstable start. At 1 the rows of :math:`U` are shrunk
         to zero: IVON, with :math:`P` refreshed every ``update_every`` steps (docs/optim.md).
+    curvature : {"stein", "fisher"}, default "stein"
+        (keyword only) What the low-rank part tracks: Stein's Hessian estimate, or the Fisher estimate above
+        (which removed the low-rank part's breakdown at :math:`\beta_2` = 0.9995 on MNIST-1D; docs/optim.md).
+    batch_size : int, optional
+        (keyword only) :math:`B`, the examples each gradient averages over (with a process group, the whole
+        minibatch's over the ranks); required with ``"fisher"`` only.
     sync : bool, default False
         (keyword only) ivon-opt's: average each step's statistics over torch.distributed's default group.
     process_group : torch.distributed.ProcessGroup, optional
@@ -226,8 +240,8 @@ class FactorIVON(torch.optim.Optimizer):
     def __init__(self, params, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
                  beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1,
                  clip_radius: float = float("inf"), debias: bool = True, rescale_lr: bool = True, *,
-                 rank: int = 10, diag_floor: float = 0.25, update_every: int = 1, sync: bool = False,
-                 process_group=None):
+                 rank: int = 10, diag_floor: float = 0.25, update_every: int = 1, curvature: str = "stein",
+                 batch_size: Optional[int] = None, sync: bool = False, process_group=None):
         over = sync_group(sync, process_group)  # checked locally; None: no averaging
         with refused_together(over):  # with a group, a refusal on one rank stops every rank
             check_hyperparameters(dict(lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2,
@@ -235,6 +249,7 @@ class FactorIVON(torch.optim.Optimizer):
             self.mc_samples = check_count("mc_samples", mc_samples, 1)
             self.rank = check_count("rank", rank, 0)
             self.update_every = check_count("update_every", update_every, 1)
+            self.curvature, self.batch_size = check_curvature(curvature, batch_size)
             defaults = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, hess_init=hess_init, ess=ess,
                             clip_radius=clip_radius)
             super().__init__(params, defaults)

@@ -91,9 +91,11 @@ def results_table(results: Dict[str, Dict[str, dict]], labels: Dict[str, str],
             s = summarise(res)
             paper = PAPER.get(name, {}).get(ds)
             lost = res.get("diverged", [])  # splits whose final fit diverged: no score for the method
+            lowered = res.get("lowered_lr", {})  # splits whose final fit was run again at a lower rate
+            ll = f"diverged on {len(lost)} of {len(res['ll'])} splits" if lost else _fmt(*s["ll"])
             rows.append([
                 DATASET_LABELS[ds], labels.get(name, name),
-                f"diverged on {len(lost)} of {len(res['ll'])} splits" if lost else _fmt(*s["ll"]),
+                ll + (f" (rate lowered on {len(lowered)} of {len(res['ll'])} splits)" if lowered else ""),
                 _w1_cell(fidelity.get(ds, {}).get(name, {})),
                 _fmt(*paper[1]) if paper else "", _fmt(*s["rmse"], digits=3 if s["rmse"][0] < 1 else 2),
                 _fmt(*paper[0]) if paper else "",
