@@ -65,12 +65,14 @@ def _runs(rank, steps=12, draws=1, **kw):
     return batched, single, params, history
 
 
-@pytest.mark.parametrize("rank,draws,wd,fisher", [(0, 1, 1e-2, False), (2, 1, 1e-2, False), (3, 1, 1e-2, False),
-                                                  (2, 2, 1e-2, False), (0, 1, [1e-3, 1e-2, 0.1], False),
-                                                  (3, 1, [1e-3, 1e-2, 0.1], False), (2, 2, 1e-2, True)])
-def test_each_replica_is_factor_ivons_run(rank, draws, wd, fisher):
-    """Also with a weight decay (prior precision) of its own per replica, and with the Fisher-fed low-rank part."""
-    kw = dict(beta1=0.8, beta2=0.99, weight_decay=wd, clip_radius=2.0, update_every=2)
+@pytest.mark.parametrize("rank,draws,wd,fisher,b2", [
+    (0, 1, 1e-2, False, 0.99), (2, 1, 1e-2, False, 0.99), (3, 1, 1e-2, False, 0.99), (2, 2, 1e-2, False, 0.99),
+    (0, 1, [1e-3, 1e-2, 0.1], False, 0.99), (3, 1, [1e-3, 1e-2, 0.1], False, 0.99), (2, 2, 1e-2, True, 0.99),
+    (0, 1, 1e-2, False, [0.99, 0.9, 0.999]), (3, 1, 1e-2, False, [0.99, 0.9, 0.999])])
+def test_each_replica_is_factor_ivons_run(rank, draws, wd, fisher, b2):
+    """Also with a weight decay (prior precision) and a Hessian decay of its own per replica, and with the
+    Fisher-fed low-rank part."""
+    kw = dict(beta1=0.8, beta2=b2, weight_decay=wd, clip_radius=2.0, update_every=2)
     if fisher:
         kw.update(curvature="fisher", batch_size=20)
     batched, single, params, history = _runs(rank, draws=draws, **kw)
@@ -152,6 +154,7 @@ def test_float32_keeps_float32_and_follows_the_float64_run():
     (dict(lr=[0.1, -1.0, 0.2]), r"BatchedFactorIVON: lr must be a finite number >= 0, got -1.0"),
     (dict(hess_init=0.0), r"BatchedFactorIVON: hess_init must be a positive finite number"),
     (dict(beta2=1.5), r"BatchedFactorIVON: beta2 must be a number in \[0, 1\]"),
+    (dict(beta2=[0.9, 0.99]), r"BatchedFactorIVON: beta2 must be a number or 3 numbers \(one per replica\)"),
     (dict(rank=-1), r"BatchedFactorIVON: rank must be an integer >= 0"),
     (dict(update_every=0), r"BatchedFactorIVON: update_every must be an integer >= 1"),
     (dict(rank=9, loc=torch.zeros(3, 10, dtype=torch.float64)), r"rank \+ 2 \* \(draws per step\) must be at most"),

@@ -196,10 +196,11 @@ def test_uci_choice_ignores_the_test_parts(monkeypatch):
     method = UCI_METHODS["factor-ivon-1x50"]
     a = fi.run_factor_ivon(method, splits, budget, 0)
     b = fi.run_factor_ivon(method, other, budget, 0)
-    assert len(a["search"]) == len(budget.precisions) * 2 * 3  # prior precisions x 2 settings x 3 checkpoints
+    # prior precisions x 2 settings x the decays x 3 checkpoints
+    assert len(a["search"]) == len(budget.precisions) * 2 * len(fi.BETA2S) * 3
     assert a["choice"] == b["choice"] and a["val_ll"] == b["val_ll"] and a["search"] == b["search"]
     assert a["choice"]["lr"] in (0.1, 0.4) and a["choice"]["steps"] in (20, 40, 60)
-    assert a["choice"]["precision"] in budget.precisions
+    assert a["choice"]["precision"] in budget.precisions and a["choice"]["beta2"] in fi.BETA2S
     assert a["val_ll"] == max(row["val_ll"] for row in a["search"])
     assert a["noise_scale"] == b["noise_scale"] and a["ll"] != b["ll"]
     assert len(a["ll"]) == 2 and all(math.isfinite(v) for v in a["ll"] + a["rmse"])
@@ -226,7 +227,7 @@ def test_uci_search_stops_early_as_the_other_methods_do(monkeypatch):
     splits = _yacht(1)
     spec = BatchedMLP(splits[0].x_train.shape[1], (8,))
     tune = tuning_data(splits, budget)
-    settings = [{"precision": 1.0, "lr": 0.1, "hess_init": 0.5}, {"precision": 1.0, "lr": 0.4, "hess_init": 0.5}]
+    settings = [{"precision": 1.0, "lr": r, "hess_init": 0.5, "beta2": 0.99999} for r in (0.1, 0.4)]
     ticks = []
     _, _, curve = fi._fit(tune.take(torch.tensor([0, 0])), spec, settings, [0, 0], 100, budget, 0, evaluate=True,
                           progress=ticks.append, patience=True, n_configs=2)

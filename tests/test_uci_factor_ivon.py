@@ -19,14 +19,18 @@ def _replicas(R=3, n=30, p=2, seed=0):
     return SplitData(x, y, xe, torch.sin(xe.sum(-1)), torch.ones(R, dtype=torch.float64))
 
 
+def _setting(lr, hess_init, precision=3e-3, beta2=0.99999):
+    """A setting of the column's grid."""
+    return {"precision": precision, "lr": lr, "hess_init": hess_init, "beta2": beta2}
+
+
 def test_a_diverged_replica_scores_minus_inf_and_leaves_the_others_unchanged():
     data, spec = _replicas(), BatchedMLP(2, (8,))
     budget = Budget(steps=40, checkpoints=4, rank=2, eval_samples=4)
-    settings = [{"precision": 3e-3, "lr": 0.4, "hess_init": 0.5}, {"precision": 3e-3, "lr": 0.8, "hess_init": 0.1},
-                {"precision": 3e-3, "lr": 0.4, "hess_init": 2.0}]
+    settings = [_setting(0.4, 0.5), _setting(0.8, 0.1), _setting(0.4, 2.0)]
     runs = []
     for lr in (0.8, 1e30):  # replica 1 at a rate that overflows its weights
-        settings[1] = {"precision": 3e-3, "lr": lr, "hess_init": 0.1}
+        settings[1] = _setting(lr, 0.1)
         opt, log_scale, curve = fi._fit(data, spec, settings, [0, 1, 2], budget.steps, budget, seed=0, evaluate=True)
         runs.append((opt, log_scale, torch.stack([ll for _, ll in curve])))
     (plain, scale, lls), (hit, hit_scale, hit_lls) = runs
@@ -56,7 +60,7 @@ def test_the_column_learns_yacht():
     budget = Budget(steps=300, lrs=(1e-2,), tune_splits=1, checkpoints=3, test_samples=20, rank=4)
     res = fi.run_factor_ivon(METHODS["factor-ivon-1x50"], splits, budget, seed=0)
     assert max(res["rmse"]) < 5 and min(res["ll"]) > -3.2
-    assert res["choice"] in [{"precision": a, "lr": 0.4, "hess_init": 10.0, "steps": s}
+    assert res["choice"] in [{"precision": a, "lr": 0.4, "hess_init": 10.0, "beta2": fi.BETA2S[0], "steps": s}
                              for a in budget.precisions for s in (100, 200, 300)]
     assert len(res["search"]) == 3 * len(budget.precisions) and res["tune_splits"] == 1 and len(res["ll"]) == 2
 
@@ -77,8 +81,7 @@ def test_a_finite_blow_up_is_frozen_as_a_non_finite_one(monkeypatch):
     EXPLODED_LOSS, its weights still moderate; without the rule it trains on to far larger weights or overflows."""
     data, spec = _replicas(), BatchedMLP(2, (8,))
     budget = Budget(steps=40, checkpoints=4, rank=2, eval_samples=4)
-    settings = [{"precision": 3e-3, "lr": 0.4, "hess_init": 0.5}, {"precision": 3e-3, "lr": 20.0, "hess_init": 0.1},
-                {"precision": 3e-3, "lr": 0.4, "hess_init": 2.0}]
+    settings = [_setting(0.4, 0.5), _setting(20.0, 0.1), _setting(0.4, 2.0)]
     opt, _, curve = fi._fit(data, spec, settings, [0, 1, 2], budget.steps, budget, seed=0, evaluate=True)
     assert opt.diverged.tolist() == [False, True, False]
     assert bool(torch.isfinite(opt.loc).all()) and float(opt.loc[1].abs().max()) < 1e3

@@ -47,7 +47,8 @@ def sketch_update_batched(basis: Tensor, eigvals: Tensor, V: Tensor, beta: float
     eigvals : Tensor of shape (R, r)
     V : Tensor of shape (R, 2M, D)
         :math:`[g_1, ..., g_M, a_1, ..., a_M]` per replica (overwritten).
-    beta : float
+    beta : float or Tensor of shape (R,)
+        The decay, one per replica or shared.
     cap_weights : Tensor of shape (R, D)
 
     Returns
@@ -60,6 +61,7 @@ def sketch_update_batched(basis: Tensor, eigvals: Tensor, V: Tensor, beta: float
     r = basis.shape[-2]
     M = V.shape[-2] // 2
     wide = torch.float64
+    beta = torch.as_tensor(beta, dtype=wide, device=basis.device).reshape(-1, 1)  # (R, 1) or (1, 1)
     scale = V.abs().amax((-2, -1)).to(wide).clamp_min(torch.finfo(wide).tiny)  # (R,)
     norms = V.norm(dim=-1)
     coef = V @ basis.mT  # (R, 2M, r)
@@ -78,7 +80,7 @@ def sketch_update_batched(basis: Tensor, eigvals: Tensor, V: Tensor, beta: float
     G, A = C[..., :M], C[..., M:]
     core = torch.zeros(*C.shape[:-2], r + 2 * M, r + 2 * M, dtype=wide, device=basis.device)
     core[..., :r, :r] = torch.diag_embed(beta * eigvals.to(wide))
-    cross = (G @ A.mT) * ((1.0 - beta) / M)
+    cross = (G @ A.mT) * ((1.0 - beta) / M).unsqueeze(-1)
     core += 0.5 * (cross + cross.mT)
     finite = torch.isfinite(core).all(-1).all(-1)
     core = torch.where(finite[:, None, None], core, 0.0)

@@ -49,7 +49,8 @@ class BatchedFactorIVON:
     :math:`q_r(\theta) = N(m_r, P_r^{-1})`, :math:`P_r = \lambda_r(\mathrm{diag}(\psi_r) + U_rU_r^\top)`, by
     FactorIVON's update (its docstring has the formulas), with its own ``lr``, ``hess_init``, ``ess`` and
     ``weight_decay`` (so that the points of a grid, prior precisions among them, on splits of different sizes, train
-    together) and the shared ``rank``, ``update_every``, ``beta1``, ``beta2``, ``clip_radius`` and ``diag_floor``.
+    together) and Hessian decay ``beta2``, and the shared ``rank``, ``update_every``, ``beta1``, ``clip_radius`` and
+    ``diag_floor``.
     Every step is, replica by replica, FactorIVON's step on one param group: the same diagonal update, the same
     low-rank refresh and the same Woodbury draws and solve, equal to it to rounding (the :math:`K\times K` and
     :math:`D\times K` algebra is batched over the replica dimension, :mod:`pyro_fa.optim._batched_lowrank`).
@@ -70,8 +71,10 @@ class BatchedFactorIVON:
     hess_init : float or sequence of R floats or Tensor of shape (R,), default 1.0
     weight_decay : float or sequence of R floats or Tensor of shape (R,), default 1e-4
         The prior precision per training point, per replica (``ess * weight_decay`` is replica r's prior precision).
-    beta1, beta2, clip_radius, debias, rescale_lr
-        FactorIVON's, shared (defaults 0.9, 0.99999, inf, True, True).
+    beta2 : float or sequence of R floats or Tensor of shape (R,), default 0.99999
+        The Hessian decay, per replica (held in ``loc``'s dtype).
+    beta1, clip_radius, debias, rescale_lr
+        FactorIVON's, shared (defaults 0.9, inf, True, True).
     rank, update_every, diag_floor, curvature, batch_size
         FactorIVON's (keyword only; defaults 10, 1, 0.25, ``"stein"``, None), shared.
 
@@ -109,14 +112,14 @@ class BatchedFactorIVON:
     (torch.Size([4, 41]), torch.Size([5, 4, 41]))
     """
 
-    def __init__(self, loc: Tensor, lr, ess, hess_init=1.0, beta1: float = 0.9, beta2: float = 0.99999,
+    def __init__(self, loc: Tensor, lr, ess, hess_init=1.0, beta1: float = 0.9, beta2=0.99999,
                  weight_decay=1e-4, clip_radius: float = float("inf"), debias: bool = True,
                  rescale_lr: bool = True, *, rank: int = 10, update_every: int = 1, diag_floor: float = 0.25,
                  curvature: str = "stein", batch_size: Optional[int] = None):
         if not isinstance(loc, Tensor) or loc.dim() != 2 or not loc.dtype.is_floating_point or loc.shape[0] < 1:
             got = tuple(loc.shape) if isinstance(loc, Tensor) else type(loc).__name__
             raise ValueError(f"{NAME}: loc must be a floating-point Tensor of shape (R, D), R >= 1, got {got!r}.")
-        check_hyperparameters(dict(beta1=beta1, beta2=beta2, clip_radius=clip_radius, diag_floor=diag_floor), NAME)
+        check_hyperparameters(dict(beta1=beta1, clip_radius=clip_radius, diag_floor=diag_floor), NAME)
         self.rank = check_count("rank", rank, 0, NAME)
         self.update_every = check_count("update_every", update_every, 1, NAME)
         self.curvature, self.batch_size = check_curvature(curvature, batch_size, NAME)
@@ -128,7 +131,8 @@ class BatchedFactorIVON:
         self.ess = _per_replica("ess", ess, R, loc)
         self.hess_init = _per_replica("hess_init", hess_init, R, loc)
         self.weight_decay = _per_replica("weight_decay", weight_decay, R, loc)
-        self.beta1, self.beta2 = float(beta1), float(beta2)
+        self.beta2 = _per_replica("beta2", beta2, R, loc)
+        self.beta1 = float(beta1)
         self.clip_radius, self.diag_floor = float(clip_radius), float(diag_floor)
         self.debias, self.rescale_lr = bool(debias), bool(rescale_lr)
         self.loc = loc.detach().clone()
@@ -248,7 +252,7 @@ class BatchedFactorIVON:
         M = grads.shape[0]
         self.step_count += 1
         t = float(self.step_count)
-        b1, b2, wd = self.beta1, self.beta2, self._wd
+        b1, b2, wd = self.beta1, self.beta2.unsqueeze(-1), self._wd
         noise = torch.stack([z for z, _ in self._draws])
         avg_grad, avg_nxg = grads[0], None
         for j in range(M):  # ivon-opt's running means, as FactorIVON keeps them
@@ -271,7 +275,7 @@ class BatchedFactorIVON:
             V = torch.cat([centred, second], 0).transpose(0, 1)  # pairs (g - b, Pz) (Stein's) or (g - b, B(g - b))
             total = torch.add(self.hess, wd).clamp_min_(0).sqrt_()
             basis, eigvals, sums, ok = sketch_update_batched(self.basis, self.eigvals, V.contiguous(),
-                                                             b2 ** self.update_every, total)
+                                                             self.beta2 ** self.update_every, total)
             self.basis, self.eigvals = basis, torch.minimum(eigvals, sums.square())
             self._factors = None
         state = (self.momentum, self.hess, self.basis, self.eigvals)
