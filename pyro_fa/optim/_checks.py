@@ -9,8 +9,8 @@ import torch
 
 __all__ = ["check_curvature", "check_hyperparameters", "check_params", "check_shared"]
 
-#: the curvature estimates the low-rank part can be fed
-CURVATURES = ("stein", "fisher")
+#: the curvature estimates the low-rank part can be fed -> whether it needs ``batch_size``
+CURVATURES = {"stein": False, "fisher": True}
 
 NAME = "FactorIVON"
 
@@ -46,17 +46,17 @@ def check_count(name: str, value, minimum: int, name_of: str = NAME) -> int:
 
 
 def check_curvature(curvature, batch_size, name_of: str = NAME):
-    """``(curvature, batch_size)`` checked: one of :data:`CURVATURES`; ``batch_size`` a positive integer with
-    ``"fisher"`` (its estimate is scaled by it), None with ``"stein"``."""
+    """``(curvature, batch_size)`` checked: a key of :data:`CURVATURES`; ``batch_size`` a positive integer where
+    the estimate needs it (``"fisher"`` is scaled by it), else None."""
     if curvature not in CURVATURES:
-        raise ValueError(f"{name_of}: curvature must be one of {CURVATURES!r}, got {curvature!r}.")
-    if curvature == "stein":
+        raise ValueError(f"{name_of}: curvature must be one of {tuple(CURVATURES)!r}, got {curvature!r}.")
+    if not CURVATURES[curvature]:
         if batch_size is not None:
             raise ValueError(f"{name_of}: batch_size is used by curvature='fisher' only, got batch_size="
-                             f"{batch_size!r} with curvature='stein'.")
+                             f"{batch_size!r} with curvature={curvature!r}.")
         return curvature, None
     if batch_size is None:
-        raise ValueError(f"{name_of}: curvature='fisher' needs batch_size, the number of examples each gradient "
+        raise ValueError(f"{name_of}: curvature={curvature!r} needs batch_size, the number of examples each gradient "
                          "averages over (its estimate is scaled by it), got None.")
     return curvature, check_count("batch_size", batch_size, 1, name_of)
 

@@ -77,6 +77,28 @@ def _refresh(opt: "FactorIVON", mean: Tensor, t: float, before: dict) -> None:
                          "step's draws are dropped and the state is unchanged.") from None
 
 
+def _new_mean(opt: "FactorIVON", mean: Tensor, t: float) -> Tensor:
+    """FactorIVON's new mean: the (Woodbury, or at rank 0 ivon-opt's diagonal) Newton step from ``mean``."""
+    hess, momentum = opt.state["hess"], opt.state["momentum"]
+    parts = []
+    if opt.rank:  # the natural-gradient direction couples the groups: one Woodbury solve
+        g0 = opt.param_groups[0]
+        rhs = _join([momentum[s] / (1.0 - math.pow(g["beta1"], t) if opt.debias else 1.0)
+                     for g, s in opt._groups()]).add_(mean, alpha=g0["weight_decay"])
+        direction = opt._woodbury().solve(rhs, True, kept_buffer(opt._scratch_buffers, "noise", hess))
+    for g, s in opt._groups():  # the step below is a new tensor of ours: updated in place, same arithmetic
+        lr = g["lr"] * (g["hess_init"] + g["weight_decay"]) if opt.rescale_lr else g["lr"]
+        if opt.rank:
+            step = direction[s]
+        else:  # ivon-opt's expression, (momentum / debias + wd mean) / (h + wd)
+            debias = 1.0 - math.pow(g["beta1"], t) if opt.debias else 1.0
+            wd = g["weight_decay"]
+            step = torch.div(momentum[s], debias).add_(torch.mul(mean[s], wd)).div_(torch.add(hess[s], wd))
+        step = step.clamp_(min=-g["clip_radius"], max=g["clip_radius"]).mul_(lr)
+        parts.append(torch.sub(mean[s], step))
+    return _join(parts)
+
+
 def _baseline(previous: Optional[Tensor], t: float, beta1: float, debias: bool, out: Tensor) -> Tensor:
     r"""The previous step's debiased momentum (zero at the first step): subtracted from the gradients before they
     enter the low-rank part. It does not depend on this step's draws, so :math:`\mathbb E[(g - b)a^\top] =
@@ -454,27 +476,7 @@ class FactorIVON(torch.optim.Optimizer):
             _refresh(self, mean, t, before)
         if not self.rank:
             self._factors = None
-        self._load(self._new_mean(mean, t))
-
-    def _new_mean(self, mean: Tensor, t: float) -> Tensor:
-        hess, momentum = self.state["hess"], self.state["momentum"]
-        parts = []
-        if self.rank:  # the natural-gradient direction couples the groups: one Woodbury solve
-            g0 = self.param_groups[0]
-            rhs = _join([momentum[s] / (1.0 - math.pow(g["beta1"], t) if self.debias else 1.0)
-                         for g, s in self._groups()]).add_(mean, alpha=g0["weight_decay"])
-            direction = self._woodbury().solve(rhs, True, kept_buffer(self._scratch_buffers, "noise", hess))
-        for g, s in self._groups():  # the step below is a new tensor of ours: updated in place, same arithmetic
-            lr = g["lr"] * (g["hess_init"] + g["weight_decay"]) if self.rescale_lr else g["lr"]
-            if self.rank:
-                step = direction[s]
-            else:  # ivon-opt's expression, (momentum / debias + wd mean) / (h + wd)
-                debias = 1.0 - math.pow(g["beta1"], t) if self.debias else 1.0
-                wd = g["weight_decay"]
-                step = torch.div(momentum[s], debias).add_(torch.mul(mean[s], wd)).div_(torch.add(hess[s], wd))
-            step = step.clamp_(min=-g["clip_radius"], max=g["clip_radius"]).mul_(lr)
-            parts.append(torch.sub(mean[s], step))
-        return _join(parts)
+        self._load(_new_mean(self, mean, t))
 
     def state_dict(self):
         """As :meth:`torch.optim.Optimizer.state_dict`, with a copy of the basis :math:`Q^\\top` (it is rotated in
