@@ -15,12 +15,11 @@ decay (the prior precision per point) ``precision / N``, one draw per step, the 
 over ``Budget.steps``; full batch up to ``Budget.batch_limit`` points, batches of ``Budget.batch_size`` above.
 The search is the other methods': every prior precision of ``Budget.precisions`` (as the other methods search
 theirs) x rate x initial Hessian x Hessian decay (:data:`IVON_LRS` x :data:`IVON_HESS_INITS` x :data:`BETA2S`)
-on every tuning split, the
-validation log-likelihood (``Budget.eval_samples`` draws) every ``steps / checkpoints`` steps (stopping early as
-the other methods' search does), the (setting, step count) of best mean; then every split is trained on its
-whole training part and tested once (``Budget.test_samples`` draws). A budget of one Adam rate (``--quick``)
-tries :data:`QUICK_GRID` only, at each of its prior precisions and the first decay. :data:`PRECISIONS` replaces the budget's prior
-precisions when set.
+on every tuning split, the validation log-likelihood (``Budget.eval_samples`` draws) every ``steps / checkpoints``
+steps (stopping early as the other methods' search does), the (setting, step count) of best mean; then every split
+is trained on its whole training part and tested once (``Budget.test_samples`` draws). A budget of one Adam rate
+(``--quick``) tries :data:`QUICK_GRID` only, at each of its prior precisions and the first decay.
+:data:`PRECISIONS` replaces the budget's prior precisions when set.
 """
 from __future__ import annotations
 
@@ -34,9 +33,10 @@ from torch import Tensor
 from pyro_fa.experiments.uci.protocol import Budget, SplitData, _choose, final_data, final_record, heldout_ll, \
     tuning_data
 from pyro_fa.nn.batched import BatchedMLP, sample_rows, take_rows
-from pyro_fa.optim import BatchedFactorIVON
+from pyro_fa.optim import CURVATURES, BatchedFactorIVON
 
-__all__ = ["BACKOFF", "BETA2S", "DIAG_FLOOR", "EXPLODED_LOSS", "IVON_LRS", "IVON_HESS_INITS", "QUICK_GRID", "run_factor_ivon"]
+__all__ = ["BACKOFF", "BETA2S", "DIAG_FLOOR", "EXPLODED_LOSS", "IVON_LRS", "IVON_HESS_INITS", "QUICK_GRID",
+           "run_factor_ivon"]
 
 #: the rates and initial Hessians searched, with every prior precision of ``Budget.precisions`` (the weight decay
 #: ``precision / N``, as the other methods search their prior): IVON's classification grid of ``pyro-fa classify``
@@ -67,9 +67,9 @@ EXPLODED_LOSS = 1e4
 #: the training loss alone, as a user would lower the rate); the record lists each such split's rate under
 #: ``"lowered_lr"``. Naval's final fits at the chosen rate 0.1 diverged on 9 of 20 splits (none on the tuning split)
 BACKOFF = 3
-#: the Hessian decays searched, with the rest of the grid: ivon-opt's default, and a decay whose average spans the last
-#: ~2 000 of the budget's 10 000 steps (at 0.99999 the curvature h is still ~90 % ``hess_init`` after a whole run);
-#: a budget of one Adam rate (``--quick``) tries the first only
+#: the Hessian decays searched, with the rest of the grid: ivon-opt's default, and a decay whose average spans the
+#: last ~2 000 of the budget's 10 000 steps (at 0.99999 the curvature h is still ~90 % ``hess_init`` after a whole
+#: run, the posterior's width then the grid's choice); a budget of one Adam rate (``--quick``) tries the first only
 BETA2S = (0.99999, 0.9995)
 NOISE_LR = 1e-2
 
@@ -109,7 +109,7 @@ def _fit(data: SplitData, spec: BatchedMLP, settings: List[dict], split_of: List
                             hess_init=[c["hess_init"] for c in settings], beta2=[c["beta2"] for c in settings],
                             weight_decay=[c["precision"] / n for c in settings], rank=budget.rank,
                             update_every=UPDATE_EVERY, diag_floor=DIAG_FLOOR, curvature=CURVATURE,
-                            batch_size=batch if CURVATURE == "fisher" else None)
+                            batch_size=batch if CURVATURES[CURVATURE] else None)
     base = opt.lr.clone()
     log_scale = data.x.new_zeros(R, requires_grad=True)
     noise_opt = torch.optim.Adam([log_scale], lr=NOISE_LR)
