@@ -154,3 +154,28 @@ def test_final_record_scores_the_splits_that_did_not_diverge_as_evaluate_does():
     none = final_record(METHODS["factor-ivon-1x50"], means, noise_var, data, None, search, 5, 1.0,
                         torch.ones(3, dtype=torch.float64), 1.0, 0, diverged=torch.zeros(3, dtype=torch.bool))
     assert "diverged" not in none and none["ll"] == pytest.approx(evaluate(means, noise_var, data)["ll"].tolist())
+
+
+def test_the_ivon_column_is_the_factor_ivon_column_at_rank_0(monkeypatch):
+    """ivon-1x50: every fit's optimizer at rank 0 (IVON's update), the record the FactorIVON column's with the
+    budget's rank 0; the command runs it by its own runner."""
+    import dataclasses
+
+    from pyro_fa.experiments.uci.command import RUNNERS
+
+    splits = [load_uci("yacht", s, dtype=torch.float32) for s in range(2)]
+    budget = Budget(steps=30, lrs=(1e-2,), precisions=(1.0,), tune_splits=1, checkpoints=3, test_samples=5, rank=2)
+    ranks, cls = [], fi.BatchedFactorIVON
+
+    def spy(*args, **kwargs):
+        ranks.append(kwargs["rank"])
+        return cls(*args, **kwargs)
+
+    monkeypatch.setattr(fi, "BatchedFactorIVON", spy)
+    ours = fi.run_ivon(METHODS["ivon-1x50"], splits, budget, seed=0)
+    assert ranks == [0, 0]  # the search and the final fits
+    want = fi.run_factor_ivon(METHODS["ivon-1x50"], splits, dataclasses.replace(budget, rank=0), seed=0)
+    assert ours == want
+    other = fi.run_factor_ivon(METHODS["factor-ivon-1x50"], splits, budget, seed=0)
+    assert ours["ll"] != other["ll"] and ranks[-1] == 2
+    assert RUNNERS[METHODS["ivon-1x50"].family] is fi.run_ivon

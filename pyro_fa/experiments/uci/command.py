@@ -83,7 +83,7 @@ from pyro_fa.experiments.uci.protocol import (DEFAULT_METHODS, METHODS, QUICK_ME
 from pyro_fa.experiments.uci.fidelity import (HMC_NAME, fidelity_tables, find_references, reference_key,
                                                score_reference)
 from pyro_fa.experiments.uci.swag_family import run_swag
-from pyro_fa.experiments.uci.factor_ivon import run_factor_ivon
+from pyro_fa.experiments.uci.factor_ivon import run_factor_ivon, run_ivon
 from pyro_fa.experiments.uci.mc_dropout import run_mc_dropout
 from pyro_fa.experiments.uci.results import _legacy_path, _run_key, _same_run, _unit_key, _unit_path, _units, read_unit
 
@@ -96,7 +96,7 @@ __all__ = ["Budget", "DEFAULT_METHODS", "METHODS", "Method", "QUICK_METHODS", "S
            "report", "run", "run_swag", "run_unit", "run_vi", "train", "tuning_data"]
 
 #: the methods not trained by :func:`run_vi` (BatchedVI): ``Method.family`` -> the unit's runner
-RUNNERS = {"factor-ivon": run_factor_ivon, "mcdropout": run_mc_dropout}
+RUNNERS = {"factor-ivon": run_factor_ivon, "ivon": run_ivon, "mcdropout": run_mc_dropout}
 
 # ----------------------------------------------------------------------------- command line
 

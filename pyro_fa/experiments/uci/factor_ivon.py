@@ -23,6 +23,7 @@ is trained on its whole training part and tested once (``Budget.test_samples`` d
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Callable, List, Optional, Tuple
@@ -36,7 +37,7 @@ from pyro_fa.nn.batched import BatchedMLP, sample_rows, take_rows
 from pyro_fa.optim import CURVATURES, BatchedFactorIVON
 
 __all__ = ["BACKOFF", "BETA2S", "DIAG_FLOOR", "EXPLODED_LOSS", "IVON_LRS", "IVON_HESS_INITS", "QUICK_GRID",
-           "run_factor_ivon"]
+           "run_factor_ivon", "run_ivon"]
 
 #: the rates and initial Hessians searched, with every prior precision of ``Budget.precisions`` (the weight decay
 #: ``precision / N``, as the other methods search their prior): IVON's classification grid of ``pyro-fa classify``
@@ -187,3 +188,12 @@ def run_factor_ivon(method, splits, budget: Budget, seed: int, progress: Optiona
                           spec.dim, choice["precision"], noise_var.sqrt(), seconds, seed, references, fidelity,
                           diverged=diverged)
     return {**record, "lowered_lr": lowered} if lowered else record
+
+
+def run_ivon(method, splits, budget: Budget, seed: int, progress: Optional[Callable] = None, references=None,
+             fidelity: Optional[dict] = None) -> dict:
+    """The IVON column (``ivon-1x50``): :func:`run_factor_ivon` with the optimizer at rank 0, IVON's update (equal,
+    replica by replica, to ivon-opt's IVON: ``tests/test_factor_ivon_batched.py``, ``tests/test_factor_ivon.py``),
+    everything else the FactorIVON column's: its grid with the decay searched, search, backoff and seeds. The peer
+    the low-rank part has to beat."""
+    return run_factor_ivon(method, splits, dataclasses.replace(budget, rank=0), seed, progress, references, fidelity)

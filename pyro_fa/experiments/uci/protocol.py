@@ -48,6 +48,7 @@ def _methods() -> Dict[str, Method]:
         out[name] = Method(name, f"{label} 1×50", 1, "delta", "gaussian", swag)
     # trained by its own runner (pyro_fa.experiments.uci.factor_ivon), not by BatchedVI
     out["factor-ivon-1x50"] = Method("factor-ivon-1x50", "FactorIVON (ours) 1×50", 1, "factor-ivon")
+    out["ivon-1x50"] = Method("ivon-1x50", "IVON 1×50 (FactorIVON's column at rank 0)", 1, "ivon")
     # trained by its own runner (pyro_fa.experiments.uci.mc_dropout): Gal & Ghahramani (2016)'s UCI protocol
     out["mcdropout-1x50"] = Method("mcdropout-1x50", "MC dropout 1×50", 1, "mcdropout")
     return out
