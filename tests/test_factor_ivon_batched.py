@@ -195,3 +195,34 @@ def test_the_doctests():
 
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_kept_replicas_go_on_as_they_would_have_in_the_whole_batch():
+    """keep([2, 0]) between steps (mid-way between refreshes, P lagging h): replicas 2 and 0 then follow the run
+    of all three, given the same standard normals."""
+    x, y = _data()
+    loc = SPEC.init(3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    full, part = (BatchedFactorIVON(loc, lr=LRS, ess=ESS, hess_init=HESS, beta2=[0.99, 0.9, 0.999], rank=2,
+                                    update_every=3) for _ in range(2))
+    for t in range(10):
+        if t == 4:
+            part.keep([2, 0])
+        eps = torch.stack([_eps(t, r) for r in range(3)])
+        for opt, rows in ((full, [0, 1, 2]), (part, [0, 1, 2] if t < 4 else [2, 0])):
+            theta = opt.draw(eps[rows]).requires_grad_()
+            opt.step(torch.autograd.grad(_loss(theta, x, y), theta)[0])
+    for name in ("loc", "hess", "momentum", "basis", "eigvals", "beta2", "lr"):
+        torch.testing.assert_close(getattr(part, name), getattr(full, name)[[2, 0]], rtol=1e-12, atol=1e-12)
+    assert part.replicas == 2 and part.sample(4).shape == (4, 2, SPEC.dim)
+
+
+def test_keep_refuses_bad_input():
+    opt = BatchedFactorIVON(torch.zeros(3, 10, dtype=torch.float64), lr=0.1, ess=10.0, rank=2)
+    for bad in ([], [0, 0], [3], [0.5], torch.tensor([True, False, True]), [[0, 1]]):
+        with pytest.raises(ValueError, match=r"BatchedFactorIVON: index must hold distinct replica numbers in "
+                                             r"\[0, 3\), at least one"):
+            opt.keep(bad)
+    opt.draw()
+    with pytest.raises(RuntimeError, match=r"BatchedFactorIVON: keep\(\) is called between steps"):
+        opt.keep([0])
+    assert opt.replicas == 3

@@ -179,3 +179,29 @@ def test_the_ivon_column_is_the_factor_ivon_column_at_rank_0(monkeypatch):
     other = fi.run_factor_ivon(METHODS["factor-ivon-1x50"], splits, budget, seed=0)
     assert ours["ll"] != other["ll"] and ranks[-1] == 2
     assert RUNNERS[METHODS["ivon-1x50"].family] is fi.run_ivon
+
+
+def test_halving_keeps_the_better_half_of_the_settings_still_training():
+    """_halve: 4 settings x 2 splits, setting 1 already dropped; by their best mean so far settings 3 > 0 > 2:
+    3 and 0 go on (ceil(3 / 2) = 2), at their positions in the batch of the replicas still trained."""
+    inf = math.inf
+    curve = [(1, torch.tensor([0.0, 0.0, 5.0, 5.0, -1.0, -1.0, 1.0, 1.0])),
+             (2, torch.tensor([0.5, 0.5, -inf, -inf, -3.0, -3.0, 2.0, 2.0]))]
+    alive = torch.tensor([0, 1, 4, 5, 6, 7])  # setting 1 (replicas 2, 3) stopped before
+    assert fi._halve(curve, alive, 4).tolist() == [0, 1, 4, 5]
+
+
+def test_the_search_halves_its_settings_and_scores_the_dropped_ones_minus_inf():
+    data, spec = _replicas(R=8), BatchedMLP(2, (8,))
+    budget = Budget(steps=40, checkpoints=8, rank=2, eval_samples=4)
+    settings = [_setting(lr, 0.5) for lr in (0.05, 0.1, 0.2, 0.4) for _ in range(2)]  # 4 settings x 2 splits
+    opt, log_scale, curve = fi._fit(data, spec, settings, [0, 1] * 4, budget.steps, budget, seed=0, evaluate=True,
+                                    n_configs=4, halving=True)
+    # cuts at the checkpoints at steps 5 (1/8), 10 (1/4), 20 (1/2): 4 -> 2 -> 1 -> 1 settings
+    alive = [torch.isfinite(ll).reshape(4, 2).all(1).sum().item() for _, ll in curve]
+    assert alive == [4, 2, 1, 1, 1, 1, 1, 1]
+    assert opt.replicas == 2 and log_scale.shape == (2,) and opt.loc.shape == (2, spec.dim)
+    winner = torch.isfinite(curve[-1][1]).reshape(4, 2).all(1).nonzero().item()
+    best = torch.stack([ll for _, ll in curve[:2]]).reshape(2, 4, 2).mean(-1).amax(0)
+    assert winner in best.topk(2).indices.tolist()  # among the better half at the first cut
+    assert torch.allclose(opt.lr / opt.lr.max(), torch.ones(2)) and float(opt.diverged.sum()) == 0

@@ -175,6 +175,24 @@ class BatchedFactorIVON:
         return eps / (self.ess.unsqueeze(-1) * (self.hess + self._wd)).sqrt(), None
 
     @torch.no_grad()
+    def keep(self, index) -> None:
+        """Keep only the replicas ``index`` (distinct replica numbers, in their new order), as if the run had held
+        them alone: every per-replica state and setting and the cached factorisation sliced. Between steps only
+        (a grid search drops its worst points this way)."""
+        if self._draws:
+            raise RuntimeError(f"{NAME}: keep() is called between steps; draw() was called since the last step().")
+        index = torch.as_tensor(index, device=self.loc.device)
+        if index.dtype.is_floating_point or index.dtype == torch.bool or index.dim() != 1 or not len(index) \
+                or not bool(((index >= 0) & (index < self.replicas)).all()) or len(set(index.tolist())) != len(index):
+            raise ValueError(f"{NAME}: index must hold distinct replica numbers in [0, {self.replicas}), at least one, "
+                             f"got {index.tolist()!r}.")
+        for name in ("loc", "lr", "ess", "hess_init", "weight_decay", "beta2", "momentum", "hess", "basis", "eigvals",
+                     "diverged"):
+            setattr(self, name, getattr(self, name)[index])
+        if self._factors is not None:  # P as last factorised (between refreshes it lags h): sliced, not refactorised
+            self._factors = BatchedWoodbury(*(field[index] for field in self._factors))
+
+    @torch.no_grad()
     def get_posterior(self, replica: int) -> LowRankPrecisionNormal:
         r"""Replica ``replica``'s :math:`N(m_r, P_r^{-1})`, as :meth:`FactorIVON.get_posterior
         <pyro_fa.optim.FactorIVON.get_posterior>` (a snapshot)."""

@@ -36,8 +36,8 @@ from pyro_fa.experiments.uci.protocol import Budget, SplitData, _choose, final_d
 from pyro_fa.nn.batched import BatchedMLP, sample_rows, take_rows
 from pyro_fa.optim import CURVATURES, BatchedFactorIVON
 
-__all__ = ["BACKOFF", "BETA2S", "DIAG_FLOOR", "EXPLODED_LOSS", "IVON_LRS", "IVON_HESS_INITS", "QUICK_GRID",
-           "run_factor_ivon", "run_ivon"]
+__all__ = ["BACKOFF", "BETA2S", "DIAG_FLOOR", "EXPLODED_LOSS", "HALVE_AT", "HALVING", "IVON_LRS", "IVON_HESS_INITS",
+           "QUICK_GRID", "run_factor_ivon", "run_ivon"]
 
 #: the rates and initial Hessians searched, with every prior precision of ``Budget.precisions`` (the weight decay
 #: ``precision / N``, as the other methods search their prior): IVON's classification grid of ``pyro-fa classify``
@@ -60,6 +60,11 @@ DIAG_FLOOR = 0.25
 #: what FactorIVON's low-rank part tracks here (its ``curvature``: "stein" or "fisher", the latter with the
 #: minibatch size as ``batch_size``)
 CURVATURE = "stein"
+#: successive halving in the search (Jamieson & Talwalkar 2016; Li et al. 2018): at these fractions of the steps the
+#: worse half of the settings still training stop
+HALVE_AT = (1 / 8, 1 / 4, 1 / 2)
+#: whether the search halves (:data:`HALVE_AT`)
+HALVING = True
 #: a replica whose mean minibatch negative log-likelihood per point (standardised units) passes this has diverged
 #: (its predictions some 140 noise scales off): frozen as a non-finite one is. Finite blow-ups (weights of 1e8,
 #: predictions of 1e24) were otherwise trained on and scored
@@ -96,14 +101,18 @@ def _inits(spec: BatchedMLP, split_of: List[int], seed: int, like: Tensor) -> Te
 
 
 def _fit(data: SplitData, spec: BatchedMLP, settings: List[dict], split_of: List[int], steps: int, budget: Budget,
-         seed: int, evaluate: bool = False, progress=None, patience: bool = False, n_configs: int = 1
-         ) -> Tuple[BatchedFactorIVON, Tensor, list]:
+         seed: int, evaluate: bool = False, progress=None, patience: bool = False, n_configs: int = 1,
+         halving: bool = False) -> Tuple[BatchedFactorIVON, Tensor, list]:
     """Train one replica per setting on its split's data (``data`` holds R replicas) for ``steps`` steps:
     ``(optimizer, log noise scales (R,), [(step, held-out LL per replica (R,))] at the checkpoints)``; a diverged
     replica scores -inf from its divergence on. With ``evaluate`` and ``patience``, the early stop of the other
     methods' search (:func:`pyro_fa.experiments.uci.protocol.train`'s ``patience``): training stops once the best
     mean held-out log-likelihood of any of the ``n_configs`` settings (consecutive blocks of replicas) was reached
-    in the first third of the steps run, at least a quarter of ``steps`` having run."""
+    in the first third of the steps run, at least a quarter of ``steps`` having run. With ``evaluate`` and
+    ``halving``, successive halving: at the first checkpoints past each fraction :data:`HALVE_AT` of ``steps``, the
+    settings still training whose best mean held-out log-likelihood so far is in the lower half stop (their
+    replicas dropped from the batch, their later checkpoints -inf); the returned optimizer and noise scales are
+    then the survivors' only."""
     R, n = data.y.shape
     batch = n if n <= budget.batch_limit else budget.batch_size
     opt = BatchedFactorIVON(_inits(spec, split_of, seed, data.x), lr=[c["lr"] for c in settings], ess=float(n),
@@ -118,6 +127,9 @@ def _fit(data: SplitData, spec: BatchedMLP, settings: List[dict], split_of: List
     eval_gen = torch.Generator(device=data.x.device).manual_seed(seed + 1)
     every = max(1, budget.steps // budget.checkpoints) if evaluate else None
     curve, best = [], {"step": 0, "score": -math.inf}
+    alive = torch.arange(R, device=data.x.device)  # the replicas still trained (numbers in the whole batch)
+    halve_at = [f * steps for f in HALVE_AT] if halving and evaluate else []
+    total = R
     for step in range(1, steps + 1):
         frac = 0.5 * (1.0 + math.cos(math.pi * (step - 1) / budget.steps))  # the budget's half cosine
         opt.lr = base * frac
@@ -135,7 +147,8 @@ def _fit(data: SplitData, spec: BatchedMLP, settings: List[dict], split_of: List
         if every and step % every == 0:
             means = spec(opt.sample(budget.eval_samples, generator=eval_gen), data.x_eval)
             ll = heldout_ll(means, torch.exp(2 * log_scale.detach()).unsqueeze(-1), data)
-            curve.append((step, torch.where(torch.isfinite(ll) & ~opt.diverged, ll, -math.inf)))
+            ll = torch.where(torch.isfinite(ll) & ~opt.diverged, ll, -math.inf)
+            curve.append((step, ll.new_full((total,), -math.inf).index_copy_(0, alive, ll)))
             score = float(curve[-1][1].double().reshape(n_configs, -1).mean(1).max())
             if score > best["score"]:
                 best["score"], best["step"] = score, step
@@ -143,9 +156,38 @@ def _fit(data: SplitData, spec: BatchedMLP, settings: List[dict], split_of: List
                 if progress is not None:
                     progress(steps - step + 1)
                 break
+            if halve_at and step >= halve_at[0]:
+                while halve_at and step >= halve_at[0]:
+                    halve_at.pop(0)
+                rows = _halve(curve, alive, n_configs)
+                alive, data, base = alive[rows], data.take(rows), base[rows]
+                opt.keep(rows)
+                log_scale, noise_opt = _keep_noise(log_scale, noise_opt, rows)
+                R = len(rows)
         if progress is not None:
             progress(1)
     return opt, log_scale.detach(), curve
+
+
+def _halve(curve: list, alive: Tensor, n_configs: int) -> Tensor:
+    """Successive halving's cut: positions (in the batch of ``alive`` replicas) of the settings to go on with, the
+    better half (rounded up) of those still training by their best mean held-out log-likelihood so far."""
+    lls = torch.stack([ll for _, ll in curve]).double()  # (checkpoints, all replicas)
+    best = lls.reshape(len(curve), n_configs, -1).mean(-1).amax(0)  # per setting
+    per = lls.shape[1] // n_configs
+    training = sorted(set((alive // per).tolist()))
+    kept = set(sorted(training, key=lambda c: -float(best[c]))[:math.ceil(len(training) / 2)])
+    return torch.tensor([i for i, r in enumerate(alive.tolist()) if r // per in kept], device=alive.device)
+
+
+def _keep_noise(log_scale: Tensor, noise_opt: torch.optim.Adam, rows: Tensor):
+    """The noise scales of the replicas ``rows`` and an Adam over them that goes on as the whole one would."""
+    kept = log_scale.detach()[rows].clone().requires_grad_()
+    new = torch.optim.Adam([kept], lr=noise_opt.param_groups[0]["lr"])
+    state = noise_opt.state[log_scale]
+    if state:
+        new.state[kept] = {k: (v if v.dim() == 0 else v[rows].clone()) for k, v in state.items()}
+    return kept, new
 
 
 def run_factor_ivon(method, splits, budget: Budget, seed: int, progress: Optional[Callable] = None, references=None,
@@ -160,7 +202,7 @@ def run_factor_ivon(method, splits, budget: Budget, seed: int, progress: Optiona
     split_of = [r for _ in configs for r in range(n_tune)]  # replica c * n_tune + r: setting c on split r
     _, _, curve = _fit(tune.take(torch.tensor(split_of)), spec, [c for c in configs for _ in range(n_tune)], split_of,
                        budget.steps, budget, seed, evaluate=True, progress=progress, patience=True,
-                       n_configs=len(configs))
+                       n_configs=len(configs), halving=HALVING)
     curves = [(step, ll.double().cpu()) for step, ll in curve]
     choice, val_ll, table = _choose(curves, configs, n_tune)
     final = final_data(splits)
