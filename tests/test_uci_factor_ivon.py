@@ -191,10 +191,11 @@ def test_halving_keeps_the_better_half_of_the_settings_still_training():
     assert fi._halve(curve, alive, 4).tolist() == [0, 1, 4, 5]
 
 
-def test_the_search_halves_its_settings_and_scores_the_dropped_ones_minus_inf():
+def test_the_search_halves_its_settings_and_scores_the_dropped_ones_minus_inf(monkeypatch):
     data, spec = _replicas(R=8), BatchedMLP(2, (8,))
     budget = Budget(steps=40, checkpoints=8, rank=2, eval_samples=4)
     settings = [_setting(lr, 0.5) for lr in (0.05, 0.1, 0.2, 0.4) for _ in range(2)]  # 4 settings x 2 splits
+    monkeypatch.setattr(fi, "HALVE_AT", (1 / 8, 1 / 4, 1 / 2))
     opt, log_scale, curve = fi._fit(data, spec, settings, [0, 1] * 4, budget.steps, budget, seed=0, evaluate=True,
                                     n_configs=4, halving=True)
     # cuts at the checkpoints at steps 5 (1/8), 10 (1/4), 20 (1/2): 4 -> 2 -> 1 -> 1 settings

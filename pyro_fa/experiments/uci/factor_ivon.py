@@ -16,7 +16,8 @@ over ``Budget.steps``; full batch up to ``Budget.batch_limit`` points, batches o
 The search is the other methods': every prior precision of ``Budget.precisions`` (as the other methods search
 theirs) x rate x initial Hessian x Hessian decay (:data:`IVON_LRS` x :data:`IVON_HESS_INITS` x :data:`BETA2S`)
 on every tuning split, the validation log-likelihood (``Budget.eval_samples`` draws) every ``steps / checkpoints``
-steps (stopping early as the other methods' search does), the (setting, step count) of best mean; then every split
+steps (stopping early as the other methods' search does, and halving the settings still training at
+:data:`HALVE_AT` of the steps), the (setting, step count) of best mean; then every split
 is trained on its whole training part and tested once (``Budget.test_samples`` draws). A budget of one Adam rate
 (``--quick``) tries :data:`QUICK_GRID` only, at each of its prior precisions and the first decay.
 :data:`PRECISIONS` replaces the budget's prior precisions when set.
@@ -61,8 +62,10 @@ DIAG_FLOOR = 0.25
 #: minibatch size as ``batch_size``)
 CURVATURE = "stein"
 #: successive halving in the search (Jamieson & Talwalkar 2016; Li et al. 2018): at these fractions of the steps the
-#: worse half of the settings still training stop
-HALVE_AT = (1 / 8, 1 / 4, 1 / 2)
+#: worse half of the settings still training stop. Cutting from 1/8 on lost the search ~0.09 nats of validation
+#: log-likelihood on Concrete and 0.02 on Wine (settings at beta2 0.9995 start slower and were dropped); from 1/4,
+#: 0.06 on Concrete and none on Kin8nm (benchmarks/results/factor_ivon_benchmarks.md)
+HALVE_AT = (1 / 4, 1 / 2)
 #: whether the search halves (:data:`HALVE_AT`)
 HALVING = True
 #: a replica whose mean minibatch negative log-likelihood per point (standardised units) passes this has diverged

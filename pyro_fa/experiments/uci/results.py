@@ -32,7 +32,7 @@ UNIT_PROTOCOL = 1
 #: how the SWAG family's scales are chosen (:func:`pyro_fa.predictive.select_scale`'s default rule): part of its key
 SWAG_SCALE_SELECTION = "gated (paired), the mean a candidate; MultiSWAG on its own mixtures"
 #: unit -> how its fits are run, part of its key where it changed since units were keyed (older files not reused)
-_FACTOR_IVON_REVISION = ("batched; the search stops early and halves its settings at 1/8, 1/4, 1/2 of the steps; prior "
+_FACTOR_IVON_REVISION = ("batched; the search stops early and halves its settings at 1/4 and 1/2 of the steps; prior "
                          "precision searched, grid 0.1-0.4 x 1-100 x Hessian decay 0.99999, 0.9995; finite blow-ups "
                          "frozen, diverged final fits run again at half the rate (3 times at most), then recorded")
 UNIT_REVISIONS = {"factor-ivon-1x50": _FACTOR_IVON_REVISION, "ivon-1x50": _FACTOR_IVON_REVISION}
