@@ -64,7 +64,8 @@ CURVATURE = "stein"
 #: successive halving in the search (Jamieson & Talwalkar 2016; Li et al. 2018): at these fractions of the steps the
 #: worse half of the settings still training stop. Cutting from 1/8 on lost the search ~0.09 nats of validation
 #: log-likelihood on Concrete and 0.02 on Wine (settings at beta2 0.9995 start slower and were dropped); from 1/4,
-#: 0.06 on Concrete and none on Kin8nm (benchmarks/results/factor_ivon_benchmarks.md)
+#: 0.065 on Concrete, 0.03 on Boston and about nothing elsewhere, at about half the full search's CPU
+#: (benchmarks/results/factor_ivon_benchmarks.md)
 HALVE_AT = (1 / 4, 1 / 2)
 #: whether the search halves (:data:`HALVE_AT`)
 HALVING = True
