@@ -24,8 +24,10 @@ with the same search budget:
   posteriors trained from different initialisations;
 * ``factor-ivon``: the 1×50 network trained by :class:`~pyro_fa.optim.FactorIVON`'s update (rank 10), a phase's
   fits (grid x tuning splits, then the final splits) as one :class:`~pyro_fa.optim.BatchedFactorIVON` batch, the
-  noise scale learned by Adam, prior precision x rate x initial Hessian searched as the others' search theirs
+  noise scale learned by Adam, prior precision x rate x initial Hessian x Hessian decay searched as the others'
+  search theirs (halving the settings at 1/4 and 1/2 of the steps), a diverged final fit run again at half the rate
   (:mod:`pyro_fa.experiments.uci.factor_ivon`);
+* ``ivon``: the same column with the optimizer at rank 0, IVON's update (the peer for the low-rank part);
 * ``mcdropout``: MC dropout as Gal & Ghahramani (2016) ran it on UCI (dropout on the input and hidden layer,
   rate x model precision searched, weight decay from the prior length-scale; all fits of a stage as one batch;
   :mod:`pyro_fa.experiments.uci.mc_dropout`).

@@ -35,7 +35,7 @@ from torch import Tensor
 from pyro_fa.experiments.uci.protocol import Budget, SplitData, _choose, final_data, final_record, heldout_ll, \
     tuning_data
 from pyro_fa.nn.batched import BatchedMLP, sample_rows, take_rows
-from pyro_fa.optim import CURVATURES, BatchedFactorIVON
+from pyro_fa.optim import BatchedFactorIVON
 
 __all__ = ["BACKOFF", "BETA2S", "DIAG_FLOOR", "EXPLODED_LOSS", "HALVE_AT", "HALVING", "IVON_LRS", "IVON_HESS_INITS",
            "QUICK_GRID", "run_factor_ivon", "run_ivon"]
@@ -58,9 +58,6 @@ UPDATE_EVERY = 10
 #: low-rank directions, up to 1 / diag_floor x IVON's, cross the stability edge first
 #: (benchmarks/results/factor_ivon_benchmarks.md, "Naval")
 DIAG_FLOOR = 0.25
-#: what FactorIVON's low-rank part tracks here (its ``curvature``: "stein" or "fisher", the latter with the
-#: minibatch size as ``batch_size``)
-CURVATURE = "stein"
 #: successive halving in the search (Jamieson & Talwalkar 2016; Li et al. 2018): at these fractions of the steps the
 #: worse half of the settings still training stop. Cutting from 1/8 on lost the search ~0.09 nats of validation
 #: log-likelihood on Concrete and 0.02 on Wine (settings at beta2 0.9995 start slower and were dropped); from 1/4,
@@ -122,8 +119,7 @@ def _fit(data: SplitData, spec: BatchedMLP, settings: List[dict], split_of: List
     opt = BatchedFactorIVON(_inits(spec, split_of, seed, data.x), lr=[c["lr"] for c in settings], ess=float(n),
                             hess_init=[c["hess_init"] for c in settings], beta2=[c["beta2"] for c in settings],
                             weight_decay=[c["precision"] / n for c in settings], rank=budget.rank,
-                            update_every=UPDATE_EVERY, diag_floor=DIAG_FLOOR, curvature=CURVATURE,
-                            batch_size=batch if CURVATURES[CURVATURE] else None)
+                            update_every=UPDATE_EVERY, diag_floor=DIAG_FLOOR)
     base = opt.lr.clone()
     log_scale = data.x.new_zeros(R, requires_grad=True)
     noise_opt = torch.optim.Adam([log_scale], lr=NOISE_LR)
