@@ -58,7 +58,8 @@ UPDATE_EVERY = 10
 #: low-rank directions, up to 1 / diag_floor x IVON's, cross the stability edge first
 #: (benchmarks/results/factor_ivon_benchmarks.md, "Naval")
 DIAG_FLOOR = 0.25
-#: successive halving in the search (Jamieson & Talwalkar 2016; Li et al. 2018): at these fractions of the steps the
+#: successive halving in the search (Jamieson & Talwalkar, "Non-stochastic best arm identification and
+#: hyperparameter optimization", 2016; Li et al., "Hyperband", 2018): at these fractions of the steps the
 #: worse half of the settings still training stop. Cutting from 1/8 on lost the search ~0.09 nats of validation
 #: log-likelihood on Concrete and 0.02 on Wine (settings at beta2 0.9995 start slower and were dropped); from 1/4,
 #: 0.065 on Concrete, 0.03 on Boston and about nothing elsewhere, at about half the full search's CPU
