@@ -1,5 +1,6 @@
 """FactorIVON's column of ``pyro-fa uci``: every grid point and split one replica of BatchedFactorIVON; a replica
 that diverges scores -inf without changing the others; the column learns yacht."""
+import json
 import math
 
 import pytest
@@ -130,7 +131,8 @@ def test_a_diverged_final_fit_is_trained_again_at_half_the_rate_the_others_kept(
     monkeypatch.setattr(fi, "_fit", first_final_diverges)
     res = fi.run_factor_ivon(METHODS["factor-ivon-1x50"], splits, budget, seed=0)
     assert calls == [([0.4, 0.4], [0, 1]), ([0.2], [0])]
-    assert "diverged" not in res and res["lowered_lr"] == {0: 0.2}
+    assert "diverged" not in res and res["lowered_lr"] == {"0": 0.2}
+    assert json.loads(json.dumps(res["lowered_lr"])) == res["lowered_lr"]  # the record as its unit file holds it
     assert res["ll"][1] == plain["ll"][1] and res["rmse"][1] == plain["rmse"][1]
     assert math.isfinite(res["ll"][0]) and res["ll"][0] != plain["ll"][0]
     table = results_table({"yacht": {"factor-ivon-1x50": {**res, "seconds": 1.0}}}, {})

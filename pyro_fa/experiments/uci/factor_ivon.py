@@ -73,7 +73,8 @@ HALVING = True
 EXPLODED_LOSS = 1e4
 #: a final fit that diverges is trained again from its start at half the rate, at most this many times (a signal of
 #: the training loss alone, as a user would lower the rate); the record lists each such split's rate under
-#: ``"lowered_lr"``. Naval's final fits at the chosen rate 0.1 diverged on 9 of 20 splits (none on the tuning split)
+#: ``"lowered_lr"`` ({split number as a string: rate}, as JSON stores it). Naval's final fits at the chosen rate 0.1
+#: diverged on 9 of 20 splits (none on the tuning split)
 BACKOFF = 3
 #: the Hessian decays searched, with the rest of the grid: ivon-opt's default, and a decay whose average spans the
 #: last ~2 000 of the budget's 10 000 steps (at 0.99999 the curvature h is still ~90 % ``hess_init`` after a whole
@@ -224,7 +225,7 @@ def run_factor_ivon(method, splits, budget: Budget, seed: int, progress: Optiona
         log_scale[lost] = scale_again
         means[:, lost] = spec(again.sample(budget.test_samples, generator=test_gen), final.x_eval[lost])
         diverged[lost] = again.diverged
-        lowered.update({s: setting["lr"] for s in lost.tolist()})
+        lowered.update({str(s): setting["lr"] for s in lost.tolist()})  # str: the keys JSON keeps
     noise_var = torch.exp(2 * log_scale)
     seconds = (time.perf_counter() - start) / R
     record = final_record(method, means, noise_var.unsqueeze(-1), final, splits, (choice, val_ll, table, n_tune),
