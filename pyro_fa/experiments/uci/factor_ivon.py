@@ -159,8 +159,7 @@ def _fit(data: SplitData, spec: BatchedMLP, settings: List[dict], split_of: List
                     progress(steps - step + 1)
                 break
             if halve_at and step >= halve_at[0]:
-                while halve_at and step >= halve_at[0]:
-                    halve_at.pop(0)
+                halve_at = [at for at in halve_at if at > step]  # one cut per checkpoint, however many fractions passed
                 rows = _halve(curve, alive, n_configs)
                 alive, data, base = alive[rows], data.take(rows), base[rows]
                 opt.keep(rows)
